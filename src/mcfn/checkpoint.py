@@ -1,0 +1,63 @@
+"""Checkpoints: one file, written atomically, verified by a checksum before it is trusted.
+
+File layout: a header line ``mcfn-checkpoint v1 <sha256 of payload>\\n`` followed by the payload, a
+``torch.save`` of the state dict. It is written to a temporary file in the same directory, flushed to
+disk, then renamed over the old one: a crash at any moment leaves either the old or the new checkpoint,
+never a mix, and a truncated or altered file fails its checksum on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcfn.errors import UserError
+
+MAGIC = b"mcfn-checkpoint v1 "
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    payload = buf.getvalue()
+    header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read and verify a checkpoint; any problem is a UserError naming the file."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"no checkpoint at {path} to resume from") from None
+    except OSError as e:
+        raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    header, sep, payload = data.partition(b"\n")
+    if not header.startswith(MAGIC) or not sep:
+        raise UserError(f"checkpoint {path} is not an mcfn checkpoint (bad header)")
+    if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC) :]:
+        raise UserError(f"checkpoint {path} is corrupt (checksum mismatch: truncated or altered)")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise UserError(f"checkpoint {path} cannot be loaded: {e}") from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise UserError(f"checkpoint {path} lacks model or step")
+    return state

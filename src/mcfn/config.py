@@ -1,0 +1,214 @@
+"""Run configuration: frozen dataclasses, filled from a TOML profile and then from CLI overrides.
+
+A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``). Unknown sections
+or keys, values of the wrong type and out-of-range values are rejected with a one-line
+:class:`~mcfn.errors.UserError` that names the key (``train.steps``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mcfn.errors import UserError
+
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+DEFAULT_PROFILE = "cpu-tiny"
+
+
+def _require(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise UserError(f"invalid value for {key}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 2
+    n_embd: int = 128
+    softcap: float = 15.0
+    rope_base: float = 10000.0
+    # Set from the trained tokenizer at run time (padded to a multiple of 64), never from a profile.
+    vocab_size: int = field(default=0, metadata={"derived": True})
+
+    def __post_init__(self) -> None:
+        _require(self.n_layer >= 1, "model.n_layer", "must be >= 1")
+        _require(self.n_head >= 1, "model.n_head", "must be >= 1")
+        _require(self.n_embd % self.n_head == 0, "model.n_embd", "must be a multiple of model.n_head")
+        _require((self.n_embd // self.n_head) % 2 == 0, "model.n_embd", "head width must be even (rotary)")
+        _require(self.softcap > 0, "model.softcap", "must be > 0")
+        _require(self.rope_base > 1, "model.rope_base", "must be > 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text:DIR | jsonl:PATH | parquet:PATH | a path (kind guessed)
+    seq_len: int = 1024  # T: tokens per training sample
+    vocab_size: int = 4096  # BPE vocabulary requested from the tokenizer trainer
+    min_doc_chars: int = 512  # shorter documents are skipped
+    val_fraction: float = 0.05  # share of documents (by path hash) held out for validation
+    tokenizer_train_chars: int = 20_000_000  # characters of the training split the BPE is trained on
+    cache_dir: str = ""  # tokenizer and token caches; empty means $MCFN_CACHE or ~/.cache/mcfn
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source.strip()), "data.source", "must not be empty")
+        _require(self.seq_len >= 8, "data.seq_len", "must be >= 8")
+        _require(257 <= self.vocab_size <= 65536, "data.vocab_size", "must be in [257, 65536]")
+        _require(self.min_doc_chars >= 0, "data.min_doc_chars", "must be >= 0")
+        _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+        _require(self.tokenizer_train_chars > 0, "data.tokenizer_train_chars", "must be > 0")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    matrix_lr: float = 0.02  # Muon, for the 2-D block matrices
+    embedding_lr: float = 0.3  # AdamW, token embedding
+    unembedding_lr: float = 0.008  # AdamW, output head
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.8
+    adam_beta2: float = 0.95
+    warmup_frac: float = 0.0  # share of steps with a linear warmup
+    warmdown_frac: float = 0.3  # share of steps at the end with a linear decay
+    final_lr_frac: float = 0.05  # learning-rate multiplier reached at the last step
+    grad_clip: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        for name in ("matrix_lr", "embedding_lr", "unembedding_lr"):
+            _require(getattr(self, name) > 0, f"optim.{name}", "must be > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        _require(0 <= self.adam_beta1 < 1, "optim.adam_beta1", "must be in [0, 1)")
+        _require(0 <= self.adam_beta2 < 1, "optim.adam_beta2", "must be in [0, 1)")
+        _require(0 <= self.warmup_frac <= 1, "optim.warmup_frac", "must be in [0, 1]")
+        _require(0 <= self.warmdown_frac <= 1, "optim.warmdown_frac", "must be in [0, 1]")
+        _require(
+            self.warmup_frac + self.warmdown_frac <= 1,
+            "optim.warmdown_frac",
+            "warmup_frac + warmdown_frac must be <= 1",
+        )
+        _require(0 <= self.final_lr_frac <= 1, "optim.final_lr_frac", "must be in [0, 1]")
+        _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 4  # B: samples per step
+    eval_every: int = 50  # validation bpb every this many steps (and at step 0 and the end)
+    eval_batches: int = 8  # validation batches of batch_size windows each
+    log_every: int = 1  # read the loss back and write metrics every this many steps
+    ckpt_every: int = 100  # checkpoint every this many steps (and at the end)
+    seed: int = 1337
+    compile: bool = False
+    compile_mode: str = "max-autotune"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    wandb: str = "offline"
+    wandb_project: str = "mcfn"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every", "ckpt_every"):
+            _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
+        _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")
+        _require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "train.device",
+            "must be auto, cpu, cuda or cuda:N",
+        )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Check a TOML value against a field's annotation; ints are accepted where floats are expected."""
+    expected = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and expected is not bool:
+        raise UserError(f"invalid value for {key}: expected {annotation}, got a boolean")
+    if not isinstance(value, expected):
+        raise UserError(f"invalid value for {key}: expected {annotation}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build_config(sections: dict[str, dict[str, Any]], source: str = "config") -> RunConfig:
+    """Build a RunConfig from nested ``{section: {key: value}}``, rejecting anything unknown."""
+    built: dict[str, Any] = {}
+    for section, values in sections.items():
+        if section not in _SECTION_TYPES:
+            raise UserError(f"unknown section [{section}] in {source} (known: {', '.join(_SECTION_TYPES)})")
+        if not isinstance(values, dict):
+            raise UserError(f"[{section}] in {source} must be a table")
+        cls = _SECTION_TYPES[section]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            full = f"{section}.{key}"
+            if key not in fields or fields[key].metadata.get("derived"):
+                raise UserError(f"unknown key {full} in {source}")
+            kwargs[key] = _coerce(full, value, fields[key].type)
+        built[section] = cls(**kwargs)
+    return RunConfig(**built)
+
+
+def profile_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix == ".toml":
+        return path
+    return PROFILES_DIR / f"{name}.toml"
+
+
+def load_profile(name: str) -> dict[str, dict[str, Any]]:
+    """Read a profile by name (``profiles/NAME.toml``) or by path to a ``.toml`` file."""
+    path = profile_path(name)
+    if not path.is_file():
+        known = sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+        raise UserError(f"no profile {name!r} (looked for {path}; known: {', '.join(known)})")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read profile {path}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` with a TOML value; a bare word that is not TOML is taken as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise UserError(f"override {text!r} must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def resolve(profile: str, overrides: list[tuple[str, str, Any]]) -> RunConfig:
+    """Profile values first, then overrides (in order); validated once, at the end."""
+    sections = load_profile(profile)
+    for section, key, value in overrides:
+        sections.setdefault(section, {})[key] = value
+    return build_config(sections, source=str(profile_path(profile)))

@@ -1,0 +1,1 @@
+"""Data: document sources, the BPE tokenizer, the pre-tokenized token cache and window sampling."""

@@ -1,0 +1,191 @@
+"""The pre-tokenized corpus: built once per (corpus, settings), cached on disk, memory-mapped after.
+
+Layout of a cache entry ``<cache>/<key>/``::
+
+    tokenizer.json            the trained BPE
+    train.bin, val.bin        every kept document as [BOS, tokens...], concatenated (uint16 or uint32)
+    train_docs.npy, val_docs.npy   document start offsets into the .bin file, plus the end (int64)
+    meta.json                 written last: an entry without it is incomplete and rebuilt
+
+The entry is built in a temporary directory and renamed into place, so a crash never leaves a
+half-written cache behind and concurrent builders cannot corrupt each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mcfn.config import DataConfig
+from mcfn.data.sources import Source, is_validation, iter_documents, open_source
+from mcfn.data.tokenizer import Tokenizer
+from mcfn.errors import UserError
+
+FORMAT_VERSION = 1
+ENCODE_CHUNK_DOCS = 256
+
+
+@dataclass(frozen=True)
+class Split:
+    tokens: np.ndarray  # [N] memory-mapped token ids
+    doc_offsets: np.ndarray  # [n_docs + 1] start of each document, then N
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_offsets) - 1
+
+
+@dataclass(frozen=True)
+class Corpus:
+    key: str
+    tokenizer: Tokenizer
+    train: Split
+    val: Split
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir or os.environ.get("MCFN_CACHE") or Path.home() / ".cache" / "mcfn").expanduser()
+
+
+def corpus_key(source: Source, cfg: DataConfig) -> str:
+    settings = {
+        "format": FORMAT_VERSION,
+        "corpus": source.fingerprint(),
+        "vocab_size": cfg.vocab_size,
+        "min_doc_chars": cfg.min_doc_chars,
+        "val_fraction": cfg.val_fraction,
+        "tokenizer_train_chars": cfg.tokenizer_train_chars,
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _log(msg: str) -> None:
+    print(f"[data] {msg}", file=sys.stderr, flush=True)
+
+
+def _kept_documents(source: Source, cfg: DataConfig) -> Iterator[tuple[bool, str]]:
+    """``(is_val, text)`` for every document long enough to keep."""
+    for doc_id, text in iter_documents(source):
+        if len(text) >= cfg.min_doc_chars:
+            yield is_validation(doc_id, cfg.val_fraction), text
+
+
+def _training_text(source: Source, cfg: DataConfig) -> Iterator[str]:
+    budget = cfg.tokenizer_train_chars
+    for is_val, text in _kept_documents(source, cfg):
+        if is_val:
+            continue
+        yield text[:budget]
+        budget -= len(text)
+        if budget <= 0:
+            return
+
+
+def _encode_splits(source: Source, cfg: DataConfig, tok: Tokenizer, out: Path) -> dict[str, int]:
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    files = {"train": (out / "train.bin").open("wb"), "val": (out / "val.bin").open("wb")}
+    offsets: dict[str, list[int]] = {"train": [0], "val": [0]}
+    chars = {"train": 0, "val": 0}
+
+    def flush(chunk: list[tuple[bool, str]]) -> None:
+        for (is_val, text), ids in zip(chunk, tok.encode_batch([t for _, t in chunk]), strict=True):
+            split = "val" if is_val else "train"
+            files[split].write(np.asarray([tok.bos_id, *ids], dtype=dtype).tobytes())
+            offsets[split].append(offsets[split][-1] + 1 + len(ids))
+            chars[split] += len(text)
+
+    chunk: list[tuple[bool, str]] = []
+    for item in _kept_documents(source, cfg):
+        chunk.append(item)
+        if len(chunk) == ENCODE_CHUNK_DOCS:
+            flush(chunk)
+            chunk = []
+    flush(chunk)
+    for split, f in files.items():
+        f.close()
+        np.save(out / f"{split}_docs.npy", np.asarray(offsets[split], dtype=np.int64))
+    return {
+        "dtype": np.dtype(dtype).name,
+        **{f"{s}_docs": len(offsets[s]) - 1 for s in offsets},
+        **{f"{s}_tokens": offsets[s][-1] for s in offsets},
+        **{f"{s}_chars": chars[s] for s in chars},
+    }
+
+
+def _count_documents(source: Source, cfg: DataConfig) -> tuple[int, int]:
+    n_train = n_val = 0
+    for is_val, _ in _kept_documents(source, cfg):
+        n_val += is_val
+        n_train += not is_val
+    return n_train, n_val
+
+
+def _build(source: Source, cfg: DataConfig, spec: str, final: Path) -> None:
+    n_train, n_val = _count_documents(source, cfg)
+    if n_train + n_val == 0:
+        raise UserError(
+            f"data source {spec!r}: no documents of at least {cfg.min_doc_chars} characters "
+            f"(data.min_doc_chars) in {len(source.files)} file(s)"
+        )
+    if n_train == 0 or n_val == 0:
+        raise UserError(
+            f"data source {spec!r}: {n_train} training and {n_val} validation documents; both "
+            f"splits need at least one (adjust data.val_fraction or add documents)"
+        )
+    t0 = time.perf_counter()
+    _log(f"preparing {spec}: {n_train} train / {n_val} val documents (one-time, cached in {final.parent})")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        tok = Tokenizer.train(_training_text(source, cfg), cfg.vocab_size)
+        tok.save(tmp / "tokenizer.json")
+        _log(f"trained BPE tokenizer: {tok.vocab_size} tokens in {time.perf_counter() - t0:.1f}s")
+        stats = _encode_splits(source, cfg, tok, tmp)
+        meta = {"format": FORMAT_VERSION, "source": spec, "vocab_size": tok.vocab_size, **stats}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same entry first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+        _log(
+            f"tokenized {stats['train_tokens']:,} train / {stats['val_tokens']:,} val tokens "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _load_split(entry: Path, name: str, dtype: str) -> Split:
+    offsets = np.load(entry / f"{name}_docs.npy")
+    tokens = np.memmap(entry / f"{name}.bin", dtype=dtype, mode="r", shape=(int(offsets[-1]),))
+    return Split(tokens=tokens, doc_offsets=offsets)
+
+
+def prepare_corpus(cfg: DataConfig) -> Corpus:
+    """Open the cached corpus for ``cfg``, building it first if needed."""
+    source = open_source(cfg.source)
+    key = corpus_key(source, cfg)
+    entry = cache_root(cfg) / key
+    if not (entry / "meta.json").is_file():
+        _build(source, cfg, cfg.source, entry)
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        return Corpus(
+            key=key,
+            tokenizer=Tokenizer.load(entry / "tokenizer.json"),
+            train=_load_split(entry, "train", meta["dtype"]),
+            val=_load_split(entry, "val", meta["dtype"]),
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"token cache {entry} is damaged ({e}); delete it to rebuild") from None

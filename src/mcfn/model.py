@@ -1,0 +1,160 @@
+"""The base model: a nanochat-style GPT that reads either token ids or entry embeddings.
+
+Pre-norm blocks with RMSNorm without weights, rotary attention with QK-norm through torch's fused
+scaled-dot-product attention, a ReLU² MLP, untied embedding and head, a logit soft-cap, no biases and
+zero-initialised output projections (each block starts as the identity).
+
+Every entry has a position and a span. A token at ``t`` has position ``t`` and span 1 and gets exactly the
+standard rotary embedding. A gist covering ``[s, s + K^k)`` sits at the centre of its span and its rotary
+phases are damped by the span: the average of ``exp(i·θ·p)`` over the ``span`` positions it covers, in the
+Gaussian approximation, is ``exp(i·θ·c) · exp(-θ²σ²/2)`` with ``σ² = (span² − 1)/12`` (the variance of a
+uniform pick among ``span`` consecutive positions), which is exactly 1 for a token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+
+from mcfn.config import ModelConfig
+from mcfn.typecheck import typechecked
+
+
+@typechecked
+def rms_norm(x: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+@typechecked
+def rotary_tables(
+    positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], head_dim: int, base: float
+) -> tuple[Float[Tensor, "#b 1 n half"], Float[Tensor, "#b 1 n half"]]:
+    """Damped rotary ``cos`` and ``sin`` per entry, shaped to broadcast over heads."""
+    half = head_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    angle = positions.float()[..., None] * inv_freq  # [b n half]
+    variance = (spans.float().square() - 1.0).clamp(min=0.0)[..., None] / 12.0
+    damping = torch.exp(-0.5 * inv_freq.square() * variance)
+    cos, sin = torch.cos(angle) * damping, torch.sin(angle) * damping
+    return cos[:, None], sin[:, None]
+
+
+@typechecked
+def apply_rotary(
+    x: Float[Tensor, "b h n e"], cos: Float[Tensor, "#b 1 n half"], sin: Float[Tensor, "#b 1 n half"]
+) -> Float[Tensor, "b h n e"]:
+    """Rotate the pairs ``(x[..., j], x[..., j + e/2])`` by the entry's phase (and scale by its damping)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.n_embd
+        self.n_head = cfg.n_head
+        self.c_q = nn.Linear(d, d, bias=False)
+        self.c_k = nn.Linear(d, d, bias=False)
+        self.c_v = nn.Linear(d, d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = (rearrange(lin(x), "b n (h e) -> b h n e", h=self.n_head) for lin in (self.c_q, self.c_k, self.c_v))
+        # QK-norm before the rotary, so a gist's span damping is not normalised away.
+        q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(rms_norm(x), cos, sin)
+        return x + self.mlp(rms_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set from the tokenizer")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = math.sqrt(3.0) * self.cfg.n_embd**-0.5  # uniform with std 1/sqrt(d)
+        nn.init.normal_(self.wte.weight, std=1.0)
+        nn.init.normal_(self.lm_head.weight, std=0.001)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                nn.init.uniform_(lin.weight, -bound, bound)
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+
+    @typechecked
+    def embed(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:
+        return self.wte(tokens)
+
+    @typechecked
+    def hidden(
+        self, emb: Float[Tensor, "b n d"], positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"]
+    ) -> Float[Tensor, "b n d"]:
+        """Final hidden states (normed) over entries at the given positions and spans."""
+        cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, self.cfg.rope_base)
+        x = rms_norm(emb)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return rms_norm(x)
+
+    @typechecked
+    def logits(self, h: Float[Tensor, "b n d"]) -> Float[Tensor, "b n v"]:
+        cap = self.cfg.softcap
+        return cap * torch.tanh(self.lm_head(h).float() / cap)
+
+    @typechecked
+    def token_hidden(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:
+        """Hidden states for plain token input: positions ``0..n-1``, span 1."""
+        positions = torch.arange(tokens.size(1), device=tokens.device, dtype=torch.float32)[None]
+        return self.hidden(self.embed(tokens), positions, torch.ones_like(positions))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """``[b, n]`` token ids → ``[b, n, vocab]`` logits (fp32, soft-capped)."""
+        return self.logits(self.token_hidden(tokens))
+
+    def forward_entries(self, emb: Tensor, positions: Tensor, spans: Tensor) -> Tensor:
+        """``[b, n, d]`` entry embeddings at ``[b, n]`` positions and spans → ``[b, n, vocab]`` logits."""
+        return self.logits(self.hidden(emb, positions, spans))
+
+    @typechecked
+    def nll(self, h: Float[Tensor, "b n d"], targets: Int[Tensor, "b n"]) -> Float[Tensor, "b n"]:
+        """Per-entry next-token NLL in nats; 0 where ``targets < 0`` (no target)."""
+        logits = self.logits(h)
+        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(min=0), reduction="none")
+        return torch.where(targets >= 0, nll.view_as(targets).float(), 0.0)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,56 @@
+"""The plain language-model step and bits-per-byte evaluation, as pure functions of model and batch.
+
+A step returns named tensors: the ``loss_*`` terms, which the caller sums and backpropagates, and metrics,
+which the shell reads only after the step. The same convention carries the MegaContext step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from mcfn.model import GPT
+from mcfn.typecheck import typechecked
+
+
+@typechecked
+def split_window(window: Int[Tensor, "b t1"]) -> tuple[Int[Tensor, "b t"], Int[Tensor, "b t"]]:
+    """A window of ``T + 1`` tokens → inputs ``[:T]`` and next-token targets ``[1:]``."""
+    return window[:, :-1], window[:, 1:]
+
+
+def plain_step(model: GPT, window: Tensor) -> dict[str, Tensor]:
+    """Next-token loss of the plain GPT over ``[B, T + 1]`` windows (mean over all ``B·T`` targets)."""
+    inputs, targets = split_window(window)
+    nll = model.nll(model.token_hidden(inputs), targets)
+    return {"loss_lm": nll.mean()}
+
+
+def total_loss(out: dict[str, Tensor]) -> Tensor:
+    return sum(v for k, v in out.items() if k.startswith("loss_"))
+
+
+@typechecked
+def nll_and_bytes(
+    model: GPT, window: Int[Tensor, "b t1"], token_bytes: Int[Tensor, " v"]
+) -> tuple[Float[Tensor, ""], Int[Tensor, ""]]:
+    """Summed NLL (nats) and summed bytes over targets that stand for bytes (special tokens excluded)."""
+    inputs, targets = split_window(window)
+    nll = model.nll(model.token_hidden(inputs), targets)
+    nbytes = token_bytes[targets]
+    return (nll * (nbytes > 0)).sum(), nbytes.sum()
+
+
+@torch.no_grad()
+def bits_per_byte(nll_bytes_fn, batches: list[Tensor], device: torch.device) -> float:
+    """Bits per byte over fixed validation batches: total nats / (ln 2 · total bytes)."""
+    total_nll = torch.zeros((), dtype=torch.float64, device=device)
+    total_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    for batch in batches:
+        nll, nbytes = nll_bytes_fn(batch.to(device, non_blocking=True))
+        total_nll += nll.double()
+        total_bytes += nbytes
+    return (total_nll / (math.log(2) * total_bytes.clamp(min=1))).item()

@@ -1,0 +1,34 @@
+"""One decorator for runtime shape and type checks that never fights torch.compile.
+
+Functions are annotated with jaxtyping shapes (``Float[Tensor, "b t d"]``). In eager code and tests the
+annotations are enforced by beartype through jaxtyping; while dynamo traces (``is_compiling()``), the
+wrapper calls the plain function, so checks cost nothing in compiled graphs and never break them.
+Set ``MCFN_TYPECHECK=0`` to switch the eager checks off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+F = TypeVar("F", bound=Callable)
+
+_ENABLED = os.environ.get("MCFN_TYPECHECK", "1") != "0"
+
+
+def typechecked(fn: F) -> F:
+    checked = jaxtyped(typechecker=beartype)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() or not _ENABLED:
+            return fn(*args, **kwargs)
+        return checked(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,89 @@
+"""Shared fixtures: a private token cache, small generated corpora of every kind, tiny configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+settings.register_profile("mcfn", deadline=None, max_examples=40, derandomize=True)
+settings.load_profile("mcfn")
+
+WORDS = (
+    "the cat sat on a mat while dogs ran past old trees near quiet rivers and green hills under "
+    "bright skies so every small bird sang songs of morning light to sleepy foxes"
+).split()
+
+
+def make_document(rng: random.Random, sentences: int) -> str:
+    out = []
+    for _ in range(sentences):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 12))]
+        out.append(" ".join(words).capitalize() + ".")
+    return " ".join(out)
+
+
+def make_documents(n: int, seed: int = 0, sentences: int = 40) -> list[str]:
+    rng = random.Random(seed)
+    return [make_document(rng, sentences) for _ in range(n)]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """Every test session builds its own token caches, as CI does on a fresh machine."""
+    os.environ["MCFN_CACHE"] = str(tmp_path_factory.mktemp("mcfn-cache"))
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("text-corpus")
+    for i, doc in enumerate(make_documents(40)):
+        sub = root / ("a" if i % 2 else "b")
+        sub.mkdir(exist_ok=True)
+        (sub / f"doc{i:02d}.txt").write_text(doc)
+    (root / "notes.bin").write_bytes(b"\x00\x01 not text")  # ignored: not a text suffix
+    return root
+
+
+@pytest.fixture(scope="session")
+def jsonl_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("jsonl-corpus") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(make_documents(30, 1))))
+    return path
+
+
+@pytest.fixture(scope="session")
+def parquet_dir(tmp_path_factory) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("parquet-corpus")
+    docs = make_documents(30, 2)
+    for shard in range(3):
+        pq.write_table(pa.table({"text": docs[shard::3]}), root / f"shard_{shard:05d}.parquet", row_group_size=4)
+    return root
+
+
+def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
+    """Config sections for a model and corpus small enough for a test to train in seconds."""
+    sections = {
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
+        "data": {"source": source, "seq_len": 32, "vocab_size": 320, "min_doc_chars": 100, "val_fraction": 0.2},
+        "optim": {},
+        "train": {
+            "steps": 20,
+            "batch_size": 4,
+            "eval_every": 10,
+            "eval_batches": 2,
+            "log_every": 1,
+            "ckpt_every": 10,
+            "wandb": "disabled",
+        },
+    }
+    for section, values in extra.items():
+        sections[section].update(values)
+    return sections

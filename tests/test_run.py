@@ -1,0 +1,179 @@
+"""The training shell end to end: outputs, learning, exact resume, and every bad input exiting with 2."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from conftest import tiny_sections
+
+from mcfn.tracking import read_metrics
+from train.run import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_profile(path: Path, sections: dict) -> Path:
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    tomllib.loads(path.read_text())
+    return path
+
+
+@pytest.fixture
+def profile(tmp_path, text_dir) -> Path:
+    return write_profile(tmp_path / "tiny.toml", tiny_sections(f"text:{text_dir}"))
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file()}
+
+
+def test_training_writes_metrics_summary_and_learns(tmp_path, profile):
+    out = tmp_path / "run"
+    assert main(["--profile", str(profile), "--out", str(out), "--steps", "30", "--no-mc"]) == 0
+    records = read_metrics(out)
+    train_records = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train_records] == list(range(30))
+    assert all({"train/loss", "time/step_ms", "train/tokens_per_s"} <= r.keys() for r in train_records)
+    evals = {r["step"]: r["val/bpb"] for r in records if "val/bpb" in r}
+    assert sorted(evals) == [0, 10, 20, 30]
+    assert evals[30] < evals[0] - 0.5, evals
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["final_val_bpb"] == evals[30] and summary["tokens_per_s"] > 0
+    assert (out / "checkpoint.pt").is_file() and (out / "config.json").is_file()
+
+
+def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path, text_dir):
+    # The schedule's horizon is train.steps; with no warmdown, the first half of a 24-step run and a
+    # 12-step run train identically, so the resumed run must reproduce the straight one bit for bit.
+    profile = write_profile(
+        tmp_path / "p.toml",
+        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"ckpt_every": 12, "eval_every": 12}),
+    )
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(["--profile", str(profile), "--out", str(straight), "--steps", "24"]) == 0
+    assert main(["--profile", str(profile), "--out", str(split), "--steps", "12"]) == 0
+    assert main(["--profile", str(profile), "--out", str(split), "--steps", "24", "--resume"]) == 0
+    a, b = read_metrics(straight), read_metrics(split)
+    assert [r["step"] for r in b] == [r["step"] for r in a]  # resumed records replace, never duplicate
+    assert [r.get("train/loss") for r in a] == [r.get("train/loss") for r in b]
+    assert a[-1]["val/bpb"] == b[-1]["val/bpb"]
+
+
+def test_wandb_offline_needs_no_account(tmp_path, profile, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    out = tmp_path / "run"
+    assert main(["--profile", str(profile), "--out", str(out), "--steps", "3", "--wandb", "offline"]) == 0
+    assert list((out / "wandb").glob("offline-run-*"))
+
+
+def _error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ")
+    return err[-1]
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path, text_dir, profile, capsys):
+    out = str(tmp_path / "run")
+    assert "does not exist" in _error(
+        ["--profile", str(profile), "--out", out, "--data", str(tmp_path / "nope")], capsys
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    assert "no documents" in _error(["--profile", str(profile), "--out", out, "--data", str(empty)], capsys)
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"not a parquet file")
+    assert "cannot read" in _error(["--profile", str(profile), "--out", out, "--data", str(garbage)], capsys)
+    assert "fewer than data.seq_len" in _error(
+        ["--profile", str(profile), "--out", out, "--set", "data.seq_len=100000"], capsys
+    )
+    assert "unknown key train.nope" in _error(
+        ["--profile", str(profile), "--out", out, "--set", "train.nope=1"], capsys
+    )
+    assert "no profile" in _error(["--profile", "missing-profile", "--out", out], capsys)
+    assert "no checkpoint" in _error(["--profile", str(profile), "--out", out, "--resume"], capsys)
+    assert not (tmp_path / "run").exists()  # nothing was written for any of these
+
+
+def test_bad_checkpoints_are_refused_without_touching_the_run(tmp_path, profile, capsys):
+    out = tmp_path / "run"
+    assert main(["--profile", str(profile), "--out", str(out), "--steps", "10"]) == 0
+    before = snapshot(out)
+    # Resuming with a different model is refused.
+    assert "model.n_embd" in _error(
+        ["--profile", str(profile), "--out", str(out), "--steps", "20", "--resume", "--set", "model.n_embd=64"], capsys
+    )
+    # A fresh run into a directory that holds one is refused.
+    assert "already holds a run" in _error(["--profile", str(profile), "--out", str(out)], capsys)
+    assert snapshot(out) == before
+    # A corrupt checkpoint is refused, and nothing else changes.
+    ckpt = out / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:-100])
+    before = snapshot(out)
+    assert "corrupt" in _error(["--profile", str(profile), "--out", str(out), "--steps", "20", "--resume"], capsys)
+    assert snapshot(out) == before
+
+
+def test_exit_code_and_message_from_a_real_process(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "train.run", "--set", "train.steps=-1", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: invalid value for train.steps: must be >= 1"
+
+
+def test_the_embedded_stdlib_default_trains(tmp_path):
+    profile = write_profile(
+        tmp_path / "p.toml",
+        tiny_sections(
+            "stdlib",
+            data={"vocab_size": 512, "tokenizer_train_chars": 2_000_000, "min_doc_chars": 512, "val_fraction": 0.05},
+        ),
+    )
+    out = tmp_path / "run"
+    assert main(["--profile", str(profile), "--out", str(out), "--steps", "20"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_bpb"] < summary["first_val_bpb"]
+
+
+def test_compiled_run_prints_no_graph_break(tmp_path, profile):
+    env = {**os.environ, "TORCH_LOGS": "graph_breaks,recompiles"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train.run",
+            "--profile",
+            str(profile),
+            "--out",
+            str(tmp_path / "run"),
+            "--compile",
+            "--steps",
+            "4",
+            "--set",
+            "train.compile_mode='default'",
+            "--set",
+            "train.eval_every=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "graph break" not in proc.stderr.lower() and "recompil" not in proc.stderr.lower(), proc.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["compiled"] is True

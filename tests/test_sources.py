@@ -1,0 +1,81 @@
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcfn.data.sources import is_validation, iter_documents, open_source
+from mcfn.errors import UserError
+
+
+def test_text_directory_in_sorted_order(text_dir):
+    source = open_source(f"text:{text_dir}")
+    assert source.kind == "text"
+    ids = [doc_id for doc_id, _ in iter_documents(source)]
+    assert ids == sorted(ids) and len(ids) == 40
+    assert all(i.endswith(".txt") for i in ids)  # notes.bin is skipped
+
+
+def test_kinds_are_guessed_from_bare_paths(text_dir, jsonl_file, parquet_dir):
+    assert open_source(str(text_dir)).kind == "text"
+    assert open_source(str(jsonl_file)).kind == "jsonl"
+    assert open_source(str(parquet_dir)).kind == "parquet"
+
+
+def test_jsonl_documents_carry_line_ids(jsonl_file):
+    docs = list(iter_documents(open_source(f"jsonl:{jsonl_file}")))
+    assert len(docs) == 30
+    assert docs[0][0] == "docs.jsonl:1" and docs[0][1] == json.loads(jsonl_file.read_text().splitlines()[0])["text"]
+
+
+def test_parquet_shards_stream_every_row(parquet_dir):
+    docs = list(iter_documents(open_source(f"parquet:{parquet_dir}")))
+    assert len(docs) == 30
+    assert docs[0][0] == "shard_00000.parquet:0" and docs[-1][0] == "shard_00002.parquet:9"
+
+
+def test_stdlib_is_the_embedded_default():
+    source = open_source("stdlib")
+    assert len(source.files) > 500
+    assert all(f.suffix == ".py" for f in source.files)
+    assert not any("site-packages" in f.parts for f in source.files)
+
+
+def test_bad_sources_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        open_source(f"text:{tmp_path / 'missing'}")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no .* files"):
+        open_source(f"text:{tmp_path / 'empty'}")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    with pytest.raises(UserError, match="bad.jsonl:2: not valid JSON"):
+        list(iter_documents(open_source(str(bad))))
+    notext = tmp_path / "notext.jsonl"
+    notext.write_text('{"body": "x"}\n')
+    with pytest.raises(UserError, match="string 'text' field"):
+        list(iter_documents(open_source(str(notext))))
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_bytes(b"this is not parquet")
+    with pytest.raises(UserError, match="cannot read"):
+        list(iter_documents(open_source(str(garbage))))
+
+
+def test_parquet_without_text_column(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "x.parquet")
+    with pytest.raises(UserError, match="no 'text' column"):
+        list(iter_documents(open_source(str(tmp_path / "x.parquet"))))
+
+
+@given(st.text(min_size=1, max_size=40), st.floats(0.01, 0.99))
+def test_property_split_depends_only_on_document_id(doc_id, fraction):
+    assert is_validation(doc_id, fraction) == is_validation(doc_id, fraction)
+    assert not is_validation(doc_id, 0.0) and is_validation(doc_id, 1.0)
+
+
+def test_split_fraction_is_roughly_honoured():
+    share = sum(is_validation(f"doc{i}", 0.1) for i in range(5000)) / 5000
+    assert 0.08 < share < 0.12

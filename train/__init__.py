@@ -1,0 +1,1 @@
+"""Entry points, run from the repository root as ``python -m train.<name>``."""

@@ -1,0 +1,69 @@
+"""Train a model: ``python -m train.run [--profile NAME] [--compile] [--steps N] [--out DIR] ...``.
+
+Profile values come first, then the flags below, then any ``--set section.key=value`` overrides.
+Bad input (profile, data, checkpoint) ends with a one-line ``error:`` message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from mcfn.config import DEFAULT_PROFILE, parse_override, resolve
+from mcfn.errors import UserError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.run", description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default=DEFAULT_PROFILE, help="profiles/NAME.toml or a path to a .toml file")
+    p.add_argument("--compile", action="store_true", help="compile the step with torch.compile (fullgraph)")
+    p.add_argument("--steps", type=int, help="training steps (train.steps)")
+    p.add_argument("--out", type=Path, help="run directory (default runs/<profile>-<time>)")
+    p.add_argument("--data", help="data source: stdlib | text:DIR | jsonl:PATH | parquet:PATH | PATH")
+    p.add_argument("--seed", type=int, help="random seed (train.seed)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="wandb mode (default offline)")
+    p.add_argument(
+        "--no-mc", action="store_true", help="plain GPT training (the only mode until MegaContext training lands)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any profile value, e.g. --set train.batch_size=8 (repeatable)",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        overrides = [parse_override(o) for o in args.overrides]
+        flags = {
+            ("train", "steps"): args.steps,
+            ("train", "seed"): args.seed,
+            ("data", "source"): args.data,
+            ("train", "wandb"): args.wandb,
+            ("train", "compile"): True if args.compile else None,
+        }
+        overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
+        cfg = resolve(args.profile, overrides)
+        if args.resume and args.out is None:
+            raise UserError("--resume needs --out DIR, the run to continue")
+        profile_name = Path(args.profile).stem
+        out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        from mcfn.trainer import train  # heavy imports after the arguments are known to be good
+
+        train(cfg, out, resume=args.resume)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
