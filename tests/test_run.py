@@ -94,7 +94,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, text_dir, profile, capsys):
     garbage.write_bytes(b"not a parquet file")
     assert "cannot read" in _error(["--profile", str(profile), "--out", out, "--data", str(garbage)], capsys)
     assert "fewer than data.seq_len" in _error(
-        ["--profile", str(profile), "--out", out, "--set", "data.seq_len=100000"], capsys
+        ["--profile", str(profile), "--out", out, "--no-mc", "--set", "data.seq_len=100000"], capsys
     )
     assert "unknown key train.nope" in _error(
         ["--profile", str(profile), "--out", out, "--set", "train.nope=1"], capsys

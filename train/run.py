@@ -25,9 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="random seed (train.seed)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="wandb mode (default offline)")
-    p.add_argument(
-        "--no-mc", action="store_true", help="plain GPT training (the only mode until MegaContext training lands)"
-    )
+    p.add_argument("--no-mc", action="store_true", help="train the plain GPT on the same data instead of MegaContext")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -49,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             ("data", "source"): args.data,
             ("train", "wandb"): args.wandb,
             ("train", "compile"): True if args.compile else None,
+            ("mc", "enabled"): False if args.no_mc else None,
         }
         overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
         cfg = resolve(args.profile, overrides)

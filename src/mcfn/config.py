@@ -1,6 +1,6 @@
 """Run configuration: frozen dataclasses, filled from a TOML profile and then from CLI overrides.
 
-A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``). Unknown sections
+A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[mc]``). Unknown sections
 or keys, values of the wrong type and out-of-range values are rejected with a one-line
 :class:`~mcfn.errors.UserError` that names the key (``train.steps``).
 """
@@ -96,6 +96,45 @@ class OptimConfig:
         _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
 
 
+def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> int:
+    """Entries in the coarsest working context that covers ``[0, T)`` with the last ``H`` tokens at LOD0.
+
+    Greedy from the top level: the largest aligned nodes that fit before the tail, then the next level
+    for what is left (``T - H`` is a multiple of ``K``, so LOD1 always finishes the job).
+    """
+    left, entries = seq_len - tail, tail
+    for level in range(lod_max, 0, -1):
+        entries += left // block**level
+        left %= block**level
+    return entries
+
+
+@dataclass(frozen=True)
+class MCConfig:
+    enabled: bool = True  # MegaContext training; --no-mc trains the plain GPT on the same data
+    block_size: int = 16  # K: children per gist
+    lod_max: int = 2  # highest level of detail in the tree
+    budget: int = 256  # W: working-context capacity in entries
+    tail: int = 64  # H: the last H tokens, LOD0 in every variant and scored in every variant
+    variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
+    gist_layers: int = 2
+    gist_width: int = 0  # GistNet's internal width; 0 means half the model width
+    gist_heads: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 2, "mc.block_size", "must be >= 2")
+        _require(self.lod_max >= 1, "mc.lod_max", "must be >= 1")
+        _require(
+            self.tail >= 1 and self.tail % self.block_size == 0,
+            "mc.tail",
+            "must be a positive multiple of mc.block_size",
+        )
+        _require(self.variants >= 1, "mc.variants", "must be >= 1")
+        _require(self.gist_layers >= 1, "mc.gist_layers", "must be >= 1")
+        _require(self.gist_width >= 0, "mc.gist_width", "must be >= 0")
+        _require(self.gist_heads >= 1, "mc.gist_heads", "must be >= 1")
+
+
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -133,12 +172,33 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mc: MCConfig = field(default_factory=MCConfig)
+
+    def __post_init__(self) -> None:
+        mc, seq_len = self.mc, self.data.seq_len
+        if not mc.enabled:
+            return
+        top = mc.block_size**mc.lod_max
+        _require(seq_len % top == 0, "data.seq_len", f"must be a multiple of mc.block_size**mc.lod_max = {top}")
+        _require(mc.tail <= mc.budget <= seq_len, "mc.budget", "must lie between mc.tail and data.seq_len")
+        need = coarsest_cover_size(seq_len, mc.block_size, mc.lod_max, mc.tail)
+        _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
+        width = self.mc.gist_width or self.model.n_embd // 2
+        _require(
+            width % mc.gist_heads == 0 and (width // mc.gist_heads) % 2 == 0,
+            "mc.gist_width",
+            "must split into mc.gist_heads heads of even width",
+        )
+
+    @property
+    def gist_width(self) -> int:
+        return self.mc.gist_width or self.model.n_embd // 2
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
 
-_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "mc": MCConfig}
 
 
 def _coerce(key: str, value: Any, annotation: str) -> Any:

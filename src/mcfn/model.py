@@ -54,43 +54,53 @@ def apply_rotary(
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        d = cfg.n_embd
-        self.n_head = cfg.n_head
-        self.c_q = nn.Linear(d, d, bias=False)
-        self.c_k = nn.Linear(d, d, bias=False)
-        self.c_v = nn.Linear(d, d, bias=False)
-        self.c_proj = nn.Linear(d, d, bias=False)
+class SelfAttention(nn.Module):
+    """Multi-head attention with QK-norm and (damped) rotary; causal for the GPT, bidirectional elsewhere."""
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def __init__(self, dim: int, n_head: int, causal: bool):
+        super().__init__()
+        self.n_head, self.causal = n_head, causal
+        self.c_q = nn.Linear(dim, dim, bias=False)
+        self.c_k = nn.Linear(dim, dim, bias=False)
+        self.c_v = nn.Linear(dim, dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
         q, k, v = (rearrange(lin(x), "b n (h e) -> b h n e", h=self.n_head) for lin in (self.c_q, self.c_k, self.c_v))
         # QK-norm before the rotary, so a gist's span damping is not normalised away.
         q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, dim: int):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.c_proj = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, dim: int, n_head: int, causal: bool = True):
         super().__init__()
-        self.attn = CausalSelfAttention(cfg)
-        self.mlp = MLP(cfg)
+        self.attn = SelfAttention(dim, n_head, causal)
+        self.mlp = MLP(dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(rms_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(rms_norm(x), cos, sin, mask)
         return x + self.mlp(rms_norm(x))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Uniform inputs with std 1/sqrt(dim); zero output projections, so the block starts as the identity."""
+        bound = math.sqrt(3.0) * self.attn.c_q.in_features**-0.5
+        for lin in (self.attn.c_q, self.attn.c_k, self.attn.c_v, self.mlp.c_fc):
+            nn.init.uniform_(lin.weight, -bound, bound)
+        nn.init.zeros_(self.attn.c_proj.weight)
+        nn.init.zeros_(self.mlp.c_proj.weight)
 
 
 class GPT(nn.Module):
@@ -100,20 +110,16 @@ class GPT(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set from the tokenizer")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        bound = math.sqrt(3.0) * self.cfg.n_embd**-0.5  # uniform with std 1/sqrt(d)
         nn.init.normal_(self.wte.weight, std=1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         for block in self.blocks:
-            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
-                nn.init.uniform_(lin.weight, -bound, bound)
-            nn.init.zeros_(block.attn.c_proj.weight)
-            nn.init.zeros_(block.mlp.c_proj.weight)
+            block.reset_parameters()
 
     @typechecked
     def embed(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:

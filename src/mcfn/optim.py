@@ -9,22 +9,31 @@ is a Python number baked into a graph.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mcfn.config import OptimConfig
-from mcfn.model import GPT
+
+EMBEDDINGS = ("wte.weight", "level_emb")  # looked up by index: AdamW at the embedding rate
+HEADS = ("lm_head.weight",)  # read out one vocabulary row per token: AdamW at the unembedding rate
 
 
-def build_optimizers(model: GPT, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
-    matrices = [p for name, p in model.named_parameters() if name.startswith("blocks.")]
-    assert all(p.ndim == 2 for p in matrices), "Muon takes 2-D matrices only"
+def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+    """Muon for every 2-D matrix inside the networks; AdamW for embeddings and the output head."""
+    embeddings, heads, matrices = [], [], []
+    for name, p in model.named_parameters():
+        if name.endswith(EMBEDDINGS):
+            embeddings.append(p)
+        elif name.endswith(HEADS):
+            heads.append(p)
+        elif p.ndim == 2:
+            matrices.append(p)
+        else:
+            raise ValueError(f"no optimizer rule for parameter {name} of shape {tuple(p.shape)}")
     lr = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     muon = torch.optim.Muon(matrices, lr=lr(cfg.matrix_lr), weight_decay=cfg.weight_decay)
-    fused = model.wte.weight.is_cuda
+    fused = heads[0].is_cuda
     adamw = torch.optim.AdamW(
-        [
-            {"params": [model.wte.weight], "lr": lr(cfg.embedding_lr)},
-            {"params": [model.lm_head.weight], "lr": lr(cfg.unembedding_lr)},
-        ],
+        [{"params": embeddings, "lr": lr(cfg.embedding_lr)}, {"params": heads, "lr": lr(cfg.unembedding_lr)}],
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
         fused=fused,

@@ -45,12 +45,15 @@ def nll_and_bytes(
 
 
 @torch.no_grad()
-def bits_per_byte(nll_bytes_fn, batches: list[Tensor], device: torch.device) -> float:
-    """Bits per byte over fixed validation batches: total nats / (ln 2 · total bytes)."""
-    total_nll = torch.zeros((), dtype=torch.float64, device=device)
-    total_bytes = torch.zeros((), dtype=torch.int64, device=device)
-    for batch in batches:
-        nll, nbytes = nll_bytes_fn(batch.to(device, non_blocking=True))
-        total_nll += nll.double()
-        total_bytes += nbytes
-    return (total_nll / (math.log(2) * total_bytes.clamp(min=1))).item()
+def bits_per_byte(sums_fn, batches: list[Tensor], device: torch.device) -> Tensor:
+    """Bits per byte over fixed validation batches: total nats / (ln 2 · total bytes).
+
+    ``sums_fn(i, batch)`` returns summed NLL (any shape, one bpb per element) and summed bytes for batch ``i``.
+    """
+    total_nll: Tensor | int = 0
+    total_bytes: Tensor | int = 0
+    for i, batch in enumerate(batches):
+        nll, nbytes = sums_fn(i, batch.to(device, non_blocking=True))
+        total_nll = total_nll + nll.double()
+        total_bytes = total_bytes + nbytes
+    return (total_nll / (math.log(2) * total_bytes.clamp(min=1))).cpu()

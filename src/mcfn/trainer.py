@@ -27,15 +27,15 @@ from mcfn.config import RunConfig
 from mcfn.data.corpus import prepare_corpus
 from mcfn.data.loader import Prefetcher, WindowSampler, validation_batches
 from mcfn.errors import UserError
-from mcfn.model import GPT
 from mcfn.optim import build_optimizers, lr_multiplier, set_lr_multiplier
-from mcfn.step import bits_per_byte, nll_and_bytes, plain_step, total_loss
+from mcfn.step import total_loss
+from mcfn.tasks import build_task
 from mcfn.tracking import METRICS_NAME, MetricsLog
 
 CHECKPOINT_FORMAT = 1
 SUMMARY_NAME = "summary.json"
 # Config sections that must match a checkpoint for --resume to continue the same run.
-RESUME_MUST_MATCH = ("model", "data")
+RESUME_MUST_MATCH = ("model", "data", "mc")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,10 +48,6 @@ def resolve_device(name: str) -> torch.device:
 
 def padded_vocab(n: int, multiple: int = 64) -> int:
     return -(-n // multiple) * multiple
-
-
-def compile_step(fn, mode: str):
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
 
 
 def _check_resumable(state: dict[str, Any], cfg: RunConfig, corpus_key: str, path: Path) -> None:
@@ -103,7 +99,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
     elif ckpt_path.exists() or (out_dir / METRICS_NAME).exists():
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")
 
-    model = GPT(cfg.model).to(device)
+    task = build_task(cfg, token_bytes, device)
+    model = task.model
     optimizers = build_optimizers(model, cfg.optim)
     start_step = 0
     if state is not None:
@@ -119,23 +116,20 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         out_dir, cfg.to_dict(), cfg.train.wandb, cfg.train.wandb_project, resume_step=start_step if resume else None
     )
 
-    step_fn = plain_step
-    eval_fn = partial(nll_and_bytes, token_bytes=token_bytes)
     if cfg.train.compile:
-        step_fn = compile_step(step_fn, cfg.train.compile_mode)
-        eval_fn = compile_step(eval_fn, cfg.train.compile_mode)
+        task.compile(cfg.train.compile_mode)
     autocast = (
         partial(torch.autocast, "cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext
     )
 
-    def evaluate() -> float:
+    def evaluate() -> dict[str, float]:
         model.eval()
         t0 = time.perf_counter()
         with autocast():
-            bpb = bits_per_byte(partial(eval_fn, model), val_batches, device)
+            result = task.evaluate(val_batches)
         model.train()
         timings.eval_s.append(time.perf_counter() - t0)
-        return bpb
+        return result
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -154,7 +148,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
 
     steps, tokens_per_step = cfg.train.steps, cfg.train.batch_size * cfg.data.seq_len
     print(
-        f"[run] {model.num_params():,} parameters, vocab {vocab}, T={cfg.data.seq_len}, "
+        f"[run] {task.mode} mode, {model.num_params():,} parameters, vocab {vocab}, T={cfg.data.seq_len}, "
         f"B={cfg.train.batch_size}, {steps} steps on {device}"
         f"{' (compiled, ' + cfg.train.compile_mode + ')' if cfg.train.compile else ''} -> {out_dir}",
         file=sys.stderr,
@@ -172,10 +166,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
             record: dict[str, Any] = {"step": step}
             last = step == steps
             if step % cfg.train.eval_every == 0 or last:
-                last_bpb = evaluate()
+                result = evaluate()
+                last_bpb = result["val/bpb"]
                 first_bpb = last_bpb if first_bpb is None else first_bpb
-                record["val/bpb"] = last_bpb
-                bar.write(f"step {step:5d} | val bpb {last_bpb:.4f}", file=sys.stderr)
+                record.update(result)
+                shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in result.items())
+                bar.write(f"step {step:5d} | {shown}", file=sys.stderr)
             if step > start_step and (step % cfg.train.ckpt_every == 0 or last):
                 checkpoint(step)
             if last:
@@ -187,7 +183,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
             t0 = time.perf_counter()
             window_batch = prefetch.next()
             with autocast():
-                out = step_fn(model, window_batch)
+                out = task.train_step(window_batch, step)
             loss = total_loss(out)
             loss.backward()
             grad_norm = (
@@ -236,7 +232,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
     summary = {
         "steps": steps,
         "resumed_from": start_step if resume else None,
-        "mode": "plain",
+        "mode": task.mode,
         "device": str(device),
         "compiled": cfg.train.compile,
         "params": model.num_params(),

@@ -1,0 +1,1 @@
+"""MegaContext: the summary tree, working-context variants, and the packed training step."""

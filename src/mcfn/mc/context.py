@@ -1,0 +1,66 @@
+"""Working contexts: the shown nodes of every variant gathered into one packed ``[B·V, W]`` container."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+from jaxtyping import Bool, Int
+from tensordict import TensorClass
+from torch import Tensor
+
+from mcfn.mc.layout import Layout
+from mcfn.mc.tree import Tree
+from mcfn.typecheck import typechecked
+
+
+class WorkingContext(TensorClass):
+    """All variants of a batch, ``batch_size [B·V, W]``, valid entries first in increasing start order.
+
+    Padding (``valid == False``) only follows the last valid entry (I3). Under causal attention a valid
+    entry never sees padding, so padding cannot change it; padding has no target and no loss.
+    """
+
+    emb: Tensor  # [R, W, D] node embeddings (zero for padding)
+    position: Tensor  # [R, W] float: centre of the span, start + (span - 1) / 2
+    start: Tensor  # [R, W] int64: first token covered
+    span: Tensor  # [R, W] int64: tokens covered, K**lod
+    lod: Tensor  # [R, W] int64
+    node: Tensor  # [R, W] int64: node id in the tree layout
+    target: Tensor  # [R, W] int64: the token right after the span (I5); -1 for padding
+    valid: Tensor  # [R, W] bool
+
+
+@typechecked
+def assemble(
+    tree: Tree,
+    shown: Bool[Tensor, "b v nodes"],
+    window: Int[Tensor, "b t1"],
+    layout: Layout,
+    node_table: dict[str, Tensor],
+) -> WorkingContext:
+    """Gather each variant's shown nodes, ordered by start, right-padded to ``W``."""
+    B, V, W = shown.size(0), shown.size(1), layout.W
+    start_of = node_table["start"]
+    # Shown spans are disjoint, so sorting by start orders them; hidden nodes sort after every shown one.
+    key = torch.where(shown, start_of, layout.T + 1)
+    node = torch.topk(key, W, dim=-1, largest=False, sorted=True).indices  # [B, V, W]
+    valid = torch.arange(W, device=shown.device) < shown.sum(-1, keepdim=True)
+    node = torch.where(valid, node, 0)
+    flat = rearrange(node, "b v w -> b (v w)")
+    emb = torch.gather(tree.emb, 1, repeat(flat, "b n -> b n d", d=tree.emb.size(-1)))
+    emb = emb * rearrange(valid, "b v w -> b (v w) 1")
+    start, span, lod = start_of[node], node_table["span"][node], node_table["lod"][node]
+    target = torch.gather(window, 1, rearrange(start + span, "b v w -> b (v w)"))
+    target = torch.where(valid, rearrange(target, "b (v w) -> b v w", v=V), -1)
+    packed = {
+        "emb": rearrange(emb, "b (v w) d -> (b v) w d", v=V),
+        "position": (start + (span - 1) / 2).float(),
+        "start": start,
+        "span": span,
+        "lod": lod,
+        "node": node,
+        "target": target,
+        "valid": valid,
+    }
+    packed = {k: v if k == "emb" else rearrange(v, "b v w -> (b v) w") for k, v in packed.items()}
+    return WorkingContext(**packed, batch_size=[B * V, W])

@@ -1,0 +1,96 @@
+"""Working-context variants: which tree nodes each of the ``V = 1 + N`` variants of a sample shows.
+
+* Variant 0 is the **recency baseline**: the last ``W`` tokens at LOD0 and nothing older.
+* Variants ``1..N`` are **compressed**: cuts through the tree that cover ``[0, T)`` in at most ``W``
+  entries with the tail at LOD0 (I2, I3, I4). Each starts from the coarsest such cut and spends the
+  spare budget on expansions, top level first: at each level above LOD1 it expands a random share of
+  what it could afford, among its shown nodes in a random order; at LOD1 it expands as many as still
+  fit. So variants of a sample use about the same budget and differ in *where* the detail goes (which
+  blocks are tokens, which are LOD1, which LOD2): their tail losses say where detail pays.
+
+The randomness comes in as :class:`VariantNoise`, drawn by the caller on the device with a seeded
+torch generator: :func:`sample_variants` is a pure function of it (I9), and it compiles to one graph
+with no host sync. A cut is a set of *expanded* nodes; a node is shown when its parent is expanded
+(top-level nodes: always) and it is not. Nodes that overlap the tail are always expanded.
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool
+from tensordict import TensorClass
+from torch import Tensor
+
+from mcfn.mc.layout import Layout
+from mcfn.typecheck import typechecked
+
+
+class VariantNoise(TensorClass):
+    """Uniform noise for the compressed variants of a batch (batch_size ``[B, N]``)."""
+
+    priority: Tensor  # [B, N, n_nodes]: expansion order among a level's shown nodes (higher first)
+    share: Tensor  # [B, N, L]: share of the affordable expansions taken at each level (LOD1 ignores it)
+
+
+def draw_variant_noise(layout: Layout, batch: int, generator: torch.Generator, device: torch.device) -> VariantNoise:
+    shape = (batch, layout.N)
+    return VariantNoise(
+        priority=torch.rand(*shape, layout.n_nodes, generator=generator, device=device),
+        share=torch.rand(*shape, layout.L, generator=generator, device=device),
+        batch_size=list(shape),
+    )
+
+
+def _level(x: Tensor, layout: Layout, k: int) -> Tensor:
+    """The slice of a ``[..., n_nodes]`` tensor that belongs to level ``k``."""
+    start = layout.level_offsets[k]
+    return x[..., start : start + layout.level_sizes[k]]
+
+
+def _expand_top(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:
+    """Per row, the ``count`` candidates with the highest priority."""
+    keyed = torch.where(candidates, priority, -1.0)
+    order = torch.argsort(keyed, dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.size(-1), device=order.device).expand_as(order)
+    )
+    return candidates & (ranks < count.unsqueeze(-1))
+
+
+@typechecked
+def compressed_cuts(noise: VariantNoise, layout: Layout) -> Bool[Tensor, "b n nodes"]:
+    """Shown-node masks of the ``N`` compressed variants."""
+    priority, share = noise.priority, noise.share
+    rows = priority.shape[:-1]
+    device = priority.device
+    slack = torch.full(rows, layout.W - layout.coarsest_cover, device=device, dtype=torch.int64)
+    cost = layout.K - 1  # entries an expansion adds
+    expanded: dict[int, Tensor] = {}
+    parent_expanded = torch.ones(*rows, layout.level_sizes[layout.L], dtype=torch.bool, device=device)
+    shown_levels: dict[int, Tensor] = {}
+    for k in range(layout.L, 0, -1):
+        eligible = torch.arange(layout.level_sizes[k], device=device) < layout.eligible_counts[k]
+        candidates = parent_expanded & eligible
+        affordable = torch.minimum(candidates.sum(-1), slack // cost)
+        take = affordable if k == 1 else (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
+        chosen = _expand_top(candidates, _level(priority, layout, k), take)
+        slack = slack - take * cost
+        expanded[k] = chosen | (parent_expanded & ~eligible)  # nodes overlapping the tail are always expanded
+        shown_levels[k] = parent_expanded & ~expanded[k]
+        parent_expanded = expanded[k].repeat_interleave(layout.K, dim=-1)
+    shown_levels[0] = parent_expanded
+    return torch.cat([shown_levels[k] for k in range(layout.L + 1)], dim=-1)
+
+
+@typechecked
+def recency_cut(layout: Layout, batch: int, device: torch.device) -> Bool[Tensor, "b 1 nodes"]:
+    node = torch.arange(layout.n_nodes, device=device)
+    shown = (node < layout.T) & (node >= layout.T - layout.W)
+    return shown.expand(batch, 1, layout.n_nodes)
+
+
+@typechecked
+def sample_variants(noise: VariantNoise, layout: Layout) -> Bool[Tensor, "b v nodes"]:
+    """Shown-node masks ``[B, V, n_nodes]``: the recency baseline, then the ``N`` compressed variants."""
+    batch = noise.batch_size[0]
+    return torch.cat([recency_cut(layout, batch, noise.priority.device), compressed_cuts(noise, layout)], dim=1)

@@ -1,0 +1,88 @@
+"""What the training loop trains: the plain GPT or MegaContext, behind one small interface.
+
+A task owns its model and its (optionally compiled) step and evaluation functions. ``train_step``
+returns named tensors (``loss_*`` terms and metrics); ``evaluate`` returns floats for the log.
+Anything random in a step is drawn from a generator seeded by ``(seed, step)``, so a step depends
+only on the run's seed and its index: resuming replays exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from mcfn.config import RunConfig
+from mcfn.data.loader import VAL_SEED
+from mcfn.mc.system import MegaContext, process_batch, tail_nll_and_bytes
+from mcfn.mc.variants import draw_variant_noise
+from mcfn.model import GPT
+from mcfn.step import bits_per_byte, nll_and_bytes, plain_step
+
+
+def compile_step(fn: Callable, mode: str) -> Callable:
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+class PlainTask:
+    """The plain GPT over all ``T`` tokens of each window (``--no-mc``)."""
+
+    mode = "plain"
+
+    def __init__(self, cfg: RunConfig, token_bytes: Tensor, device: torch.device):
+        self.model: nn.Module = GPT(cfg.model).to(device)
+        self.token_bytes, self.device = token_bytes, device
+        self._step: Callable = plain_step
+        self._eval: Callable = nll_and_bytes
+
+    def compile(self, mode: str) -> None:
+        self._step, self._eval = compile_step(self._step, mode), compile_step(self._eval, mode)
+
+    def train_step(self, window: Tensor, step: int) -> dict[str, Tensor]:
+        return self._step(self.model, window)
+
+    def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
+        bpb = bits_per_byte(lambda i, w: self._eval(self.model, w, self.token_bytes), batches, self.device)
+        return {"val/bpb": float(bpb)}
+
+
+class MCTask:
+    """MegaContext: variants of each window packed into one forward (DESIGN §4).
+
+    Validation reports bits per byte on the last ``H`` tokens of each window: ``val/bpb`` under the
+    compressed variants (the full history in at most ``W`` entries) and ``val/bpb_recency`` under the
+    recency baseline (the last ``W`` tokens only), with fixed variant noise per validation batch.
+    """
+
+    mode = "mc"
+
+    def __init__(self, cfg: RunConfig, token_bytes: Tensor, device: torch.device):
+        self.model = MegaContext(cfg).to(device)
+        self.layout = self.model.layout
+        self.token_bytes, self.device, self.seed = token_bytes, device, cfg.train.seed
+        self.generator = torch.Generator(device=device)
+        self._step: Callable = process_batch
+        self._eval: Callable = tail_nll_and_bytes
+
+    def compile(self, mode: str) -> None:
+        self._step, self._eval = compile_step(self._step, mode), compile_step(self._eval, mode)
+
+    def noise(self, batch: int, seed: int):
+        self.generator.manual_seed(seed)
+        return draw_variant_noise(self.layout, batch, self.generator, self.device)
+
+    def train_step(self, window: Tensor, step: int) -> dict[str, Tensor]:
+        noise = self.noise(window.size(0), self.seed * 1_000_003 + step)
+        return self._step(self.model, window, noise)
+
+    def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
+        def sums(i: int, window: Tensor) -> tuple[Tensor, Tensor]:
+            return self._eval(self.model, window, self.noise(window.size(0), VAL_SEED + i), self.token_bytes)
+
+        bpb = bits_per_byte(sums, batches, self.device)  # [V]
+        return {"val/bpb": float(bpb[1:].mean()), "val/bpb_recency": float(bpb[0])}
+
+
+def build_task(cfg: RunConfig, token_bytes: Tensor, device: torch.device) -> PlainTask | MCTask:
+    return (MCTask if cfg.mc.enabled else PlainTask)(cfg, token_bytes, device)

@@ -1,0 +1,246 @@
+"""MegaContext core: the DESIGN §3 invariants I1–I5 and I9 as properties, plus compile and training facts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from mcfn.config import OptimConfig, build_config, coarsest_cover_size
+from mcfn.mc.context import WorkingContext
+from mcfn.mc.layout import Layout
+from mcfn.mc.system import MegaContext, build_contexts, process_batch
+from mcfn.mc.tree import build_tree
+from mcfn.mc.variants import draw_variant_noise, sample_variants
+from mcfn.optim import build_optimizers
+from mcfn.step import total_loss
+
+VOCAB = 128
+
+
+def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0) -> MegaContext:
+    cfg = build_config(
+        {
+            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
+            "data": {"seq_len": T},
+            "mc": {
+                "block_size": K,
+                "lod_max": L,
+                "budget": W,
+                "tail": H,
+                "variants": N,
+                "gist_layers": 1,
+                "gist_width": 8,
+                "gist_heads": 2,
+            },
+        }
+    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+    torch.manual_seed(seed)
+    system = MegaContext(cfg)
+    with torch.no_grad():  # a GistNet that does more than average its children
+        torch.nn.init.normal_(system.gistnet.out_proj.weight, std=0.5)
+    return system
+
+
+@st.composite
+def layouts(draw) -> dict:
+    K = draw(st.integers(2, 4))
+    L = draw(st.integers(1, 3 if K == 2 else 2))
+    T = K**L * draw(st.integers(1, 3))
+    while T < 8:  # the smallest T a config accepts
+        T *= 2
+    H = K * draw(st.integers(1, T // K - 1))
+    W = draw(st.integers(max(H, coarsest_cover_size(T, K, L, H)), T))
+    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": draw(st.integers(1, 3))}
+
+
+cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
+
+
+def contexts(shape: dict, batch: int, seed: int) -> tuple[MegaContext, torch.Tensor, WorkingContext]:
+    system = make_system(**shape, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
+    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
+    with torch.no_grad():
+        return system, window, build_contexts(system, window, noise)
+
+
+def valid_rows(wc: WorkingContext):
+    for r in range(wc.batch_size[0]):
+        n = int(wc.valid[r].sum())
+        yield r, wc.start[r, :n].tolist(), wc.span[r, :n].tolist(), wc.lod[r, :n].tolist()
+
+
+@given(cases)
+def test_property_I1_alignment_each_gist_is_gistnet_of_exactly_its_aligned_children(case):
+    shape, batch, seed = case
+    system, window, wc = contexts(shape, batch, seed)
+    layout, K = system.layout, shape["K"]
+    with torch.no_grad():
+        tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
+        for k in range(1, layout.L + 1):
+            for j in range(layout.eligible_counts[k]):
+                lo = layout.level_offsets[k - 1] + j * K
+                expected = system.gistnet(tree.emb[:, lo : lo + K], level=k)
+                torch.testing.assert_close(tree.emb[:, layout.level_offsets[k] + j], expected, atol=1e-5, rtol=1e-5)
+    for r, starts, spans, lods in valid_rows(wc):
+        for s, sp, k in zip(starts, spans, lods, strict=True):
+            assert sp == K**k and s % K**k == 0
+        n = len(starts)
+        torch.testing.assert_close(wc.emb[r, :n], tree.emb[r // layout.V, wc.node[r, :n]])
+
+
+@given(cases)
+def test_property_I2_partition_compressed_variants_cover_everything_baseline_the_recent_W(case):
+    shape, batch, seed = case
+    _, _, wc = contexts(shape, batch, seed)
+    T, W, V = shape["T"], shape["W"], shape["N"] + 1
+    for r, starts, spans, lods in valid_rows(wc):
+        assert all(a + s == b for a, s, b in zip(starts[:-1], spans[:-1], starts[1:], strict=True)), (
+            "disjoint, increasing, no gaps"
+        )
+        if r % V == 0:
+            assert starts == list(range(T - W, T)) and set(lods) == {0}
+        else:
+            assert starts[0] == 0 and starts[-1] + spans[-1] == T
+
+
+@given(cases)
+def test_property_I3_capacity_padding_is_last_targetless_and_cannot_touch_valid_entries(case):
+    shape, batch, seed = case
+    system, _, wc = contexts(shape, batch, seed)
+    valid = wc.valid
+    assert valid.shape[1] == shape["W"]
+    assert (valid[:, :-1] >= valid[:, 1:]).all(), "padding only after the last valid entry"
+    assert (wc.target[~valid] == -1).all() and (wc.emb[~valid] == 0).all()
+    base = system.base
+    with torch.no_grad():
+        nll = base.nll(base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
+        noisy = torch.where(valid[..., None], wc.emb, torch.randn_like(wc.emb) * 10)
+        nll_noisy = base.nll(base.hidden(noisy, wc.position, wc.span.float()), wc.target)
+    torch.testing.assert_close(nll[valid], nll_noisy[valid])
+    assert (nll[~valid] == 0).all()
+
+
+@given(cases)
+def test_property_I4_tail_is_tokens_in_every_variant(case):
+    shape, batch, seed = case
+    _, _, wc = contexts(shape, batch, seed)
+    T, H = shape["T"], shape["H"]
+    for _, starts, spans, lods in valid_rows(wc):
+        tail = [s for s, k in zip(starts, lods, strict=True) if k == 0 and s >= T - H]
+        assert tail == list(range(T - H, T))
+        assert all(s + sp <= T - H for s, sp, k in zip(starts, spans, lods, strict=True) if k > 0)
+
+
+@given(cases)
+def test_property_I5_every_entry_predicts_the_token_after_its_span(case):
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    T = shape["T"]
+    window = torch.arange(T + 1).expand(batch, T + 1) % VOCAB  # token id = position (T < VOCAB)
+    noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    with torch.no_grad():
+        wc = build_contexts(system, window, noise)
+    v = wc.valid
+    assert torch.equal(wc.target[v], (wc.start + wc.span)[v])
+    assert not (wc.target[v] == wc.start[v]).any(), "never the entry's own (first) input token"
+
+
+@given(cases)
+def test_property_I9_same_seed_same_variants_and_losses(case):
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=torch.Generator().manual_seed(seed))
+
+    def run(noise_seed: int):
+        noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(noise_seed), torch.device("cpu"))
+        with torch.no_grad():
+            return sample_variants(noise, system.layout), process_batch(system, window, noise)
+
+    (shown_a, out_a), (shown_b, out_b) = run(seed), run(seed)
+    assert torch.equal(shown_a, shown_b)
+    assert all(torch.equal(out_a[k], out_b[k]) for k in out_a)
+
+
+def test_compressed_variants_differ_in_where_detail_goes():
+    layout = Layout(T=1024, K=16, L=2, W=256, H=64, N=2)
+    noise = draw_variant_noise(layout, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
+    shown = sample_variants(noise, layout)
+    lod_of = layout.node_table()["lod"]
+    for b in range(8):
+        assert not torch.equal(shown[b, 1], shown[b, 2])
+    gists_per_level = [int((shown[:, 1:] & (lod_of == k)).sum()) for k in (1, 2)]
+    assert all(n > 0 for n in gists_per_level), "mixes of LOD1 and LOD2"
+    counts = shown[:, 1:].sum(-1)
+    assert (counts <= layout.W).all() and counts.float().mean() > layout.W * 0.6
+
+
+def test_gistnet_learns_in_the_training_step():
+    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
+    optimizers = build_optimizers(system, OptimConfig())
+    in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in in_optimizer for p in system.gistnet.parameters())
+    before = {n: p.detach().clone() for n, p in system.gistnet.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    # Output projections start at zero, so the inner matrices get gradient from the second step on.
+    for _ in range(3):
+        window = torch.randint(0, VOCAB, (2, 33), generator=g)
+        noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
+        total_loss(process_batch(system, window, noise)).backward()
+        for opt in optimizers:
+            opt.step()
+        system.zero_grad(set_to_none=True)
+    changed = [n for n, p in system.gistnet.named_parameters() if not torch.equal(p, before[n])]
+    assert set(changed) == set(before), f"unchanged: {set(before) - set(changed)}"
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
+def _batches(system: MegaContext, n: int, batch: int = 2):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        window = torch.randint(0, VOCAB, (batch, system.layout.T + 1), generator=g)
+        yield window, draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
+
+
+def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
+    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(process_batch, backend=counter, fullgraph=True, dynamic=False)
+    for i, (window, noise) in enumerate(_batches(system, 24)):
+        total_loss(step(system, window, noise)).backward()
+        if i == 0:
+            torch.compiler.set_stance("fail_on_recompile")
+    assert counter.frame_count == 1
+
+
+def test_compiled_mc_step_equals_eager(fresh_dynamo):
+    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
+    step = torch.compile(process_batch, fullgraph=True, dynamic=False)
+    for window, noise in _batches(system, 3):
+        grads = []
+        outs = []
+        for fn in (step, process_batch):
+            system.zero_grad(set_to_none=True)
+            out = fn(system, window, noise)
+            total_loss(out).backward()
+            outs.append({k: v.detach() for k, v in out.items()})
+            grads.append([p.grad.clone() for p in system.parameters()])
+        for k in outs[0]:
+            torch.testing.assert_close(outs[0][k], outs[1][k], atol=1e-5, rtol=1e-4)
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
