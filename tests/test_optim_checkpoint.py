@@ -7,7 +7,7 @@ from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import ModelConfig, OptimConfig
 from mcfn.errors import UserError
 from mcfn.model import GPT
-from mcfn.optim import build_optimizers, lr_multiplier, set_lr_multiplier
+from mcfn.optim import Float32Muon, build_optimizers, lr_multiplier, set_lr_multiplier
 
 
 def test_every_parameter_is_in_exactly_one_optimizer():
@@ -77,3 +77,27 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
         save_checkpoint(path, {"model": {}, "step": 2})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left
+
+
+def test_float32_muon_follows_torch_muon_and_shares_its_state_format():
+    torch.manual_seed(0)
+    ours = torch.nn.Parameter(torch.randn(48, 24))
+    theirs = torch.nn.Parameter(ours.detach().clone())
+    start = ours.detach().clone()
+    opt_ours, opt_theirs = Float32Muon([ours], lr=0.02), torch.optim.Muon([theirs], lr=0.02)
+    for _ in range(3):
+        grad = torch.randn(48, 24)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    moved = (theirs - start).abs().max()
+    assert moved > 0.01
+    assert (ours - theirs).abs().max() < 0.05 * moved  # equal up to torch's bf16 rounding
+    state = opt_theirs.state_dict()
+    opt_ours.load_state_dict(state)  # checkpoints move freely between the two
+    assert opt_ours.state_dict()["state"][0].keys() == state["state"][0].keys()
+
+
+def test_cpu_training_gets_the_float32_muon():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
+    assert type(build_optimizers(model, OptimConfig())[0]) is Float32Muon

@@ -13,12 +13,55 @@ from torch import nn
 
 from mcfn.config import OptimConfig
 
+
+class Float32Muon(torch.optim.Muon):
+    """torch's Muon with its Newton–Schulz orthogonalisation in fp32 instead of bf16, for the CPU.
+
+    ``torch.optim.Muon`` casts every update to bf16 for the iteration. On a CPU without bf16 matrix
+    units that is emulated: on the cpu-tiny model its step took 857 ms, 2.3x the compiled forward and
+    backward. The same iteration in fp32 takes a few milliseconds. Everything else is torch's Muon:
+    param groups, hyperparameters, the ``momentum_buffer`` state and so the checkpoint format.
+    GPUs keep torch's own implementation.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (a, b, c), momentum = float(group["lr"]), group["ns_coefficients"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - momentum)
+                update = (p.grad.lerp(buf, momentum) if group["nesterov"] else buf).float()
+                tall = update.size(0) > update.size(1)
+                x = update.T if tall else update
+                x = x / x.norm().clamp(min=group["eps"])  # spectral norm at most 1
+                for _ in range(group["ns_steps"]):
+                    gram = x @ x.T
+                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+                x = x.T if tall else x
+                rows, cols = p.shape
+                if group["adjust_lr_fn"] == "match_rms_adamw":
+                    scale = 0.2 * max(rows, cols) ** 0.5
+                else:  # torch's default, "original"
+                    scale = max(1.0, rows / cols) ** 0.5
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(x.to(p.dtype), alpha=-lr * scale)
+        return loss
+
+
 EMBEDDINGS = ("wte.weight", "level_emb")  # looked up by index: AdamW at the embedding rate
 HEADS = ("lm_head.weight",)  # read out one vocabulary row per token: AdamW at the unembedding rate
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
-    """Muon for every 2-D matrix inside the networks; AdamW for embeddings and the output head."""
+    """Muon for every 2-D matrix inside the networks (fp32 orthogonalisation off CUDA); AdamW for embeddings
+    and the output head."""
     embeddings, heads, matrices = [], [], []
     for name, p in model.named_parameters():
         if name.endswith(EMBEDDINGS):
@@ -30,8 +73,9 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
         else:
             raise ValueError(f"no optimizer rule for parameter {name} of shape {tuple(p.shape)}")
     lr = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    muon = torch.optim.Muon(matrices, lr=lr(cfg.matrix_lr), weight_decay=cfg.weight_decay)
     fused = heads[0].is_cuda
+    muon_cls = torch.optim.Muon if fused else Float32Muon
+    muon = muon_cls(matrices, lr=lr(cfg.matrix_lr), weight_decay=cfg.weight_decay)
     adamw = torch.optim.AdamW(
         [{"params": embeddings, "lr": lr(cfg.embedding_lr)}, {"params": heads, "lr": lr(cfg.unembedding_lr)}],
         betas=(cfg.adam_beta1, cfg.adam_beta2),

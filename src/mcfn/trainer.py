@@ -73,7 +73,6 @@ def _check_resumable(state: dict[str, Any], cfg: RunConfig, corpus_key: str, pat
 class Timings:
     step_ms: list[float] = dataclasses.field(default_factory=list)
     first_step_ms: float | None = None
-    first_eval_s: float | None = None
     eval_s: list[float] = dataclasses.field(default_factory=list)
 
 

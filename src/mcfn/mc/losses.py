@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from mcfn.mc.context import WorkingContext
@@ -26,8 +26,14 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @typechecked
+def tail_mask(wc: WorkingContext, layout: Layout) -> Bool[Tensor, "r w"]:
+    """The entries of the last ``H`` tokens (LOD0 in every variant, I4)."""
+    return wc.valid & (wc.start >= layout.T - layout.H)
+
+
+@typechecked
 def tail_nll(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> Float[Tensor, "b v"]:
-    tail = wc.valid & (wc.start >= layout.T - layout.H)
+    tail = tail_mask(wc, layout)
     return rearrange((nll * tail).sum(-1) / layout.H, "(b v) -> b v", v=layout.V)
 
 

@@ -16,7 +16,7 @@ from mcfn.config import RunConfig
 from mcfn.mc.context import WorkingContext, assemble
 from mcfn.mc.gistnet import GistNet
 from mcfn.mc.layout import Layout
-from mcfn.mc.losses import variant_losses
+from mcfn.mc.losses import tail_mask, variant_losses
 from mcfn.mc.tree import Tree, build_tree
 from mcfn.mc.variants import VariantNoise, sample_variants
 from mcfn.model import GPT
@@ -50,23 +50,28 @@ def build_contexts(system: MegaContext, window: Int[Tensor, "b t1"], noise: Vari
     return assemble(tree, sample_variants(noise, layout), window, layout, system.node_table)
 
 
+def entry_nll(system: MegaContext, wc: WorkingContext) -> Tensor:
+    """One packed base-model forward over every working context: per-entry NLL ``[B·V, W]``."""
+    base = system.base
+    return base.nll(base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
+
+
 def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise) -> dict[str, Tensor]:
     """The MegaContext training step: ``[B, T+1]`` windows and variant noise → ``loss_*`` terms + metrics."""
     wc = build_contexts(system, window, noise)
-    base = system.base
-    nll = base.nll(base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
-    return variant_losses(nll, wc, system.layout)
+    return variant_losses(entry_nll(system, wc), wc, system.layout)
 
 
 @torch.no_grad()
 def tail_nll_and_bytes(
     system: MegaContext, window: Tensor, noise: VariantNoise, token_bytes: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Validation sums per variant slot: tail NLL ``[V]`` (nats, over byte-bearing targets) and tail bytes."""
+    """Validation sums per variant slot: tail NLL ``[V]`` (nats, over byte-bearing targets) and tail bytes.
+
+    Every variant is scored on the same tail targets (I4), so the byte count is the same for all of them.
+    """
     layout = system.layout
     wc = build_contexts(system, window, noise)
-    nll = system.base.nll(system.base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
-    tail = wc.valid & (wc.start >= layout.T - layout.H)
-    nbytes = token_bytes[wc.target.clamp(min=0)] * tail
-    nll_sum = (nll * (nbytes > 0)).sum(-1).view(-1, layout.V).sum(0)
+    nbytes = token_bytes[wc.target.clamp(min=0)] * tail_mask(wc, layout)
+    nll_sum = (entry_nll(system, wc) * (nbytes > 0)).sum(-1).view(-1, layout.V).sum(0)
     return nll_sum, nbytes.sum(-1).view(-1, layout.V)[:, 0].sum()
