@@ -50,6 +50,32 @@ def test_training_writes_metrics_summary_and_learns(tmp_path, profile):
     assert (out / "checkpoint.pt").is_file() and (out / "config.json").is_file()
 
 
+def test_megacontext_run_logs_its_metrics(tmp_path, profile):
+    out = tmp_path / "run"
+    assert main(["--profile", str(profile), "--out", str(out), "--steps", "10"]) == 0
+    records = read_metrics(out)
+    step = records[1]
+    for key in (
+        "train/loss",
+        "train/loss_lm",
+        "train/loss_lod0",
+        "train/grad_norm",
+        "mc/lod_loss/1",
+        "mc/lod_count/2",
+        "mc/lod_delta/1",
+        "mc/adv_delta_mean",
+        "mc/adv_delta_p95",
+        "mc/adv_delta_std",
+        "mc/variants_per_sample",
+        "mc/tokens_covered_mean",
+    ):
+        assert key in step, key
+    assert not any(k.startswith("train/mc/") or k.startswith("train/train/") for k in step)
+    assert step["mc/variants_per_sample"] == 3 and step["mc/tokens_covered_mean"] > 16
+    assert {"val/bpb", "val/bpb_recency"} <= records[0].keys()
+    assert json.loads((out / "summary.json").read_text())["mode"] == "mc"
+
+
 def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path, text_dir):
     # The schedule's horizon is train.steps; with no warmdown, the first half of a 24-step run and a
     # 12-step run train identically, so the resumed run must reproduce the straight one bit for bit.

@@ -196,9 +196,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
             window_steps += 1
 
             if step % cfg.train.log_every == 0 or step == steps - 1:
-                loss_value = loss.item()  # the one host sync per logged step
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                # The one host sync per logged step: every loss term and metric comes back together.
+                names = ["loss", *out] + (["grad_norm"] if grad_norm is not None else [])
+                tensors = [loss, *out.values()] + ([grad_norm] if grad_norm is not None else [])
+                values = dict(zip(names, torch.stack([t.detach().float() for t in tensors]).tolist(), strict=True))
+                loss_value = values["loss"]
                 now = time.perf_counter()
                 step_ms = (now - t0) * 1e3
                 if timings.first_step_ms is None:
@@ -214,9 +216,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
                         "train/lr_mult": mult,
                     }
                 )
-                record.update({f"train/{k}": v.item() for k, v in out.items() if not k.startswith("loss_")})
-                if grad_norm is not None:
-                    record["train/grad_norm"] = grad_norm.item()
+                # Loss terms and the grad norm go under train/; metrics keep their own names (mc/..., train/...).
+                record.update({k if "/" in k else f"train/{k}": v for k, v in values.items() if k != "loss"})
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
                 window_start, window_steps = time.perf_counter(), 0
             bar.update(1)
