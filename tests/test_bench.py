@@ -15,7 +15,7 @@ KEYS = {
     "peak_mem_mb",
     "tokens_per_s",
 }
-PHASES = {"tree_ms", "variants_ms", "assemble_ms", "base_ms", "losses_ms"}
+PHASES = {"tree_ms", "variants_ms", "assemble_ms", "base_ms", "losses_ms", "lens_fwd_ms", "lens_loss_ms"}
 
 
 def test_bench_reports_every_key_and_a_table(tmp_path, capsys):

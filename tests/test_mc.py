@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mcfn.config import OptimConfig, build_config, coarsest_cover_size
+from mcfn.config import MCConfig, OptimConfig, build_config, coarsest_cover_size
 from mcfn.mc.context import WorkingContext
 from mcfn.mc.layout import Layout
-from mcfn.mc.system import MegaContext, build_contexts, process_batch
+from mcfn.mc.preferences import lens_weight_tensors
+from mcfn.mc.system import MegaContext, build_contexts, process_batch, process_batch_lens
 from mcfn.mc.tree import build_tree
 from mcfn.mc.variants import draw_variant_noise, sample_variants
 from mcfn.optim import build_optimizers
@@ -23,7 +24,7 @@ from mcfn.step import total_loss
 VOCAB = 128
 
 
-def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0) -> MegaContext:
+def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, lens_width: int = 8) -> MegaContext:
     cfg = build_config(
         {
             "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
@@ -35,6 +36,7 @@ def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0) -
                 "tail": H,
                 "variants": N,
                 "gist_layers": 1,
+                "lens_width": lens_width,
                 "gist_width": 8,
                 "gist_heads": 2,
             },
@@ -69,7 +71,7 @@ def contexts(shape: dict, batch: int, seed: int) -> tuple[MegaContext, torch.Ten
     window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
     noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
     with torch.no_grad():
-        return system, window, build_contexts(system, window, noise)
+        return system, window, build_contexts(system, window, noise)[0]
 
 
 def valid_rows(wc: WorkingContext):
@@ -148,7 +150,7 @@ def test_property_I5_every_entry_predicts_the_token_after_its_span(case):
     window = torch.arange(T + 1).expand(batch, T + 1) % VOCAB  # token id = position (T < VOCAB)
     noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     with torch.no_grad():
-        wc = build_contexts(system, window, noise)
+        wc, _ = build_contexts(system, window, noise)
     v = wc.valid
     assert torch.equal(wc.target[v], (wc.start + wc.span)[v])
     assert not (wc.target[v] == wc.start[v]).any(), "never the entry's own (first) input token"
@@ -229,14 +231,23 @@ def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
 
 
 def test_compiled_mc_step_equals_eager(fresh_dynamo):
+    """The full step (tree, random and allocator variants, base model, LensNet and every loss) compiled by
+    inductor gives the eager losses, metrics and gradients."""
     system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
-    step = torch.compile(process_batch, fullgraph=True, dynamic=False)
+    # A model that tells variants apart: at init every variant scores the same to 1e-6, and which of two
+    # equal losses is "better" (so where the LensNet targets go) is then decided by rounding.
+    with torch.no_grad():
+        torch.nn.init.normal_(system.base.lm_head.weight, std=1.0)
+        for block in system.base.blocks:
+            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+    weights = lens_weight_tensors(MCConfig(), torch.device("cpu"))
+    step = torch.compile(process_batch_lens, fullgraph=True, dynamic=False)
     for window, noise in _batches(system, 3):
-        grads = []
-        outs = []
-        for fn in (step, process_batch):
+        grads, outs = [], []
+        for fn in (step, process_batch_lens):
             system.zero_grad(set_to_none=True)
-            out = fn(system, window, noise)
+            out = fn(system, window, noise, weights)
             total_loss(out).backward()
             outs.append({k: v.detach() for k, v in out.items()})
             grads.append([p.grad.clone() for p in system.parameters()])

@@ -25,6 +25,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,10 +33,11 @@ import torch._dynamo
 
 from mcfn.config import RunConfig
 from mcfn.mc.context import assemble
-from mcfn.mc.losses import variant_losses
-from mcfn.mc.system import MegaContext, build_contexts, process_batch
+from mcfn.mc.losses import tail_nll, variant_losses
+from mcfn.mc.preferences import lens_losses, lens_weight_tensors
+from mcfn.mc.system import MegaContext, build_contexts, choose_variants, process_batch, process_batch_lens
 from mcfn.mc.tree import Tree, build_tree
-from mcfn.mc.variants import draw_variant_noise, sample_variants
+from mcfn.mc.variants import draw_variant_noise
 from mcfn.model import GPT
 from mcfn.step import total_loss
 
@@ -93,16 +95,21 @@ def run_benchmark(
 
     def mc_inputs():
         window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
-        return window, draw_variant_noise(layout, B, gen, device)
+        return window, draw_variant_noise(layout, B, gen, device, cfg.mc.alloc_iterations)
 
     with torch.no_grad():
-        supervised = build_contexts(system, *mc_inputs()).valid  # [B·V, W]: the positions the MC step trains on
+        supervised = build_contexts(system, *mc_inputs())[0].valid  # [B·V, W]: the positions the MC step trains on
 
     def plain_inputs():
         tokens = torch.randint(0, vocab, (B * layout.V, layout.W + 1), device=device, generator=gen)
         return tokens[:, :-1], torch.where(supervised, tokens[:, 1:], -1)  # -1: no target
 
-    mc_fn, plain_fn = compile_fn(process_batch), compile_fn(plain_entries_step)
+    plain_fn = compile_fn(plain_entries_step)
+    lens_weights = lens_weight_tensors(cfg.mc, device)
+    if system.lensnet is not None:
+        mc_fn = partial(compile_fn(process_batch_lens), lens_weights=lens_weights)
+    else:
+        mc_fn = compile_fn(process_batch)
 
     def mc_step(inputs):
         with autocast:
@@ -132,7 +139,7 @@ def run_benchmark(
         plain_ms.append(timer(plain_step_, tokens))
     recompiles = _compiled_frames() - frames_after_warmup
     mc_med, plain_med = statistics.median(mc_ms), statistics.median(plain_ms)
-    phases = time_phases(system, mc_inputs, compile_fn, timer, autocast, warmup, phase_steps)
+    phases = time_phases(system, mc_inputs, compile_fn, timer, autocast, warmup, phase_steps, lens_weights)
     glue = phases["variants_ms"] + phases["assemble_ms"] + phases["losses_ms"]
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
@@ -184,7 +191,14 @@ def plain_entries_step(model: GPT, tokens: torch.Tensor, targets: torch.Tensor) 
 
 
 def time_phases(
-    system: MegaContext, mc_inputs, compile_fn, timer: Timer, autocast, warmup: int, steps: int
+    system: MegaContext,
+    mc_inputs,
+    compile_fn,
+    timer: Timer,
+    autocast,
+    warmup: int,
+    steps: int,
+    lens_weights: dict[str, torch.Tensor],
 ) -> dict[str, float]:
     layout, base = system.layout, system.base
     table = system.node_table
@@ -192,23 +206,33 @@ def time_phases(
     def tree_fn(window):
         return build_tree(system.gistnet, base.embed(window[:, : layout.T]), layout).emb
 
+    def as_tree(tree_emb):
+        return Tree(emb=tree_emb, batch_size=[tree_emb.size(0)])
+
+    def variants_fn(tree_emb, window, noise):
+        return choose_variants(system, as_tree(tree_emb), window, noise)
+
     def assemble_fn(tree_emb, shown, window):
-        return assemble(Tree(emb=tree_emb, batch_size=[tree_emb.size(0)]), shown, window, layout, table)
+        return assemble(as_tree(tree_emb), shown, window, layout, table)
 
     def base_fn(emb, position, span, target):
         return base.nll(base.hidden(emb, position, span), target)
 
     def losses_fn(nll, wc):
-        return total_loss(variant_losses(nll, wc, layout))
+        return total_loss(variant_losses(nll, tail_nll(nll, wc, layout), wc, layout))
 
-    tree_c, variants_c, assemble_c = compile_fn(tree_fn), compile_fn(sample_variants), compile_fn(assemble_fn)
+    def lens_loss_fn(scores, shown, tails, wc):
+        return lens_losses(scores, shown, tails, wc, layout, table, lens_weights, system.use_rank)["loss_lens"]
+
+    tree_c, variants_c, assemble_c = compile_fn(tree_fn), compile_fn(variants_fn), compile_fn(assemble_fn)
     base_c, losses_c = compile_fn(base_fn), compile_fn(losses_fn)
     window, noise = mc_inputs()
     with torch.no_grad(), autocast:
         tree_emb = tree_fn(window).float()
-        shown = sample_variants(noise, layout)
+        shown = variants_fn(tree_emb, window, noise)
         wc = assemble_fn(tree_emb, shown, window)
         nll = base_fn(wc.emb, wc.position, wc.span.float(), wc.target).float()
+        tails = tail_nll(nll, wc, layout)
 
     def run_tree():
         with autocast:
@@ -216,8 +240,8 @@ def time_phases(
         emb.float().square().mean().backward()
 
     def run_variants():
-        with torch.no_grad():
-            variants_c(noise, layout)
+        with torch.no_grad(), autocast:
+            variants_c(tree_emb, window, noise)
 
     leaf_tree = tree_emb.detach().requires_grad_()
 
@@ -238,14 +262,29 @@ def time_phases(
     def run_losses():
         losses_c(leaf_nll, wc).backward()
 
-    phases = {}
-    for name, fn in (
+    runs = [
         ("tree_ms", run_tree),
         ("variants_ms", run_variants),
         ("assemble_ms", run_assemble),
         ("base_ms", run_base),
         ("losses_ms", run_losses),
-    ):
+    ]
+    if system.lensnet is not None:
+        lens_c, lens_loss_c = compile_fn(system.lensnet), compile_fn(lens_loss_fn)
+        with torch.no_grad(), autocast:
+            leaf_scores = system.lensnet(wc).float().requires_grad_()
+
+        def run_lens_fwd():
+            with autocast:
+                scores = lens_c(wc)
+            scores.float().square().mean().backward()
+
+        def run_lens_loss():
+            lens_loss_c(leaf_scores, shown, tails, wc).backward()
+
+        runs += [("lens_fwd_ms", run_lens_fwd), ("lens_loss_ms", run_lens_loss)]
+    phases = {}
+    for name, fn in runs:
         for _ in range(warmup):
             fn()
         phases[name] = statistics.median(timer(fn) for _ in range(steps))

@@ -120,9 +120,33 @@ class MCConfig:
     gist_layers: int = 2
     gist_width: int = 0  # GistNet's internal width; 0 means half the model width
     gist_heads: int = 2
+    lens: bool = True  # LensNet, its preference loss and the allocator-built variants
+    lens_layers: int = 2
+    lens_width: int = 0  # LensNet's internal width; 0 means half the model width
+    lens_heads: int = 2
+    lens_weight: float = 1.0  # weight of the whole LensNet loss in the step's total
+    lens_pref_weight: float = 1.0  # Bradley-Terry preference term
+    lens_budget_weight: float = 0.1  # expansion/collapse balance term
+    lens_rank: bool = False  # the optional margin term
+    lens_rank_weight: float = 0.1
+    lens_rank_margin: float = 1.0
+    lens_temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
+    lens_every: int = 1  # compute the LensNet loss on every k-th step only
+    alloc_variants: int = 1  # of the N compressed variants, how many the allocator builds from LensNet scores
+    alloc_iterations: int = 1  # refocus steps per allocator-built variant (each one a LensNet forward)
+    alloc_noise: float = 1.0  # std of the exploration noise added to LensNet scores for those variants
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 2, "mc.block_size", "must be >= 2")
+        _require(self.lens_layers >= 1, "mc.lens_layers", "must be >= 1")
+        _require(self.lens_width >= 0, "mc.lens_width", "must be >= 0")
+        _require(self.lens_heads >= 1, "mc.lens_heads", "must be >= 1")
+        for name in ("lens_weight", "lens_pref_weight", "lens_budget_weight", "lens_rank_weight", "alloc_noise"):
+            _require(getattr(self, name) >= 0, f"mc.{name}", "must be >= 0")
+        _require(self.lens_temperature > 0, "mc.lens_temperature", "must be > 0")
+        _require(self.lens_every >= 1, "mc.lens_every", "must be >= 1")
+        _require(0 <= self.alloc_variants <= self.variants, "mc.alloc_variants", "must be between 0 and mc.variants")
+        _require(self.alloc_iterations >= 1, "mc.alloc_iterations", "must be >= 1")
         _require(self.lod_max >= 1, "mc.lod_max", "must be >= 1")
         _require(
             self.tail >= 1 and self.tail % self.block_size == 0,
@@ -183,16 +207,20 @@ class RunConfig:
         _require(mc.tail <= mc.budget <= seq_len, "mc.budget", "must lie between mc.tail and data.seq_len")
         need = coarsest_cover_size(seq_len, mc.block_size, mc.lod_max, mc.tail)
         _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
-        width = self.mc.gist_width or self.model.n_embd // 2
-        _require(
-            width % mc.gist_heads == 0 and (width // mc.gist_heads) % 2 == 0,
-            "mc.gist_width",
-            "must split into mc.gist_heads heads of even width",
-        )
+        for name, width, heads in (("gist", self.gist_width, mc.gist_heads), ("lens", self.lens_width, mc.lens_heads)):
+            _require(
+                width % heads == 0 and (width // heads) % 2 == 0,
+                f"mc.{name}_width",
+                f"must split into mc.{name}_heads heads of even width",
+            )
 
     @property
     def gist_width(self) -> int:
         return self.mc.gist_width or self.model.n_embd // 2
+
+    @property
+    def lens_width(self) -> int:
+        return self.mc.lens_width or self.model.n_embd // 2
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

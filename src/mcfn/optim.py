@@ -55,8 +55,8 @@ class Float32Muon(torch.optim.Muon):
         return loss
 
 
-EMBEDDINGS = ("wte.weight", "level_emb")  # looked up by index: AdamW at the embedding rate
-HEADS = ("lm_head.weight",)  # read out one vocabulary row per token: AdamW at the unembedding rate
+EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb")  # looked up by index: AdamW at the embedding rate
+HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from mcfn.config import RunConfig
 from mcfn.data.loader import VAL_SEED
-from mcfn.mc.system import MegaContext, process_batch, tail_nll_and_bytes
+from mcfn.mc.preferences import lens_weight_tensors
+from mcfn.mc.system import MegaContext, process_batch, process_batch_lens, tail_nll_and_bytes
 from mcfn.mc.variants import draw_variant_noise
 from mcfn.model import GPT
 from mcfn.step import bits_per_byte, nll_and_bytes, plain_step
@@ -58,22 +59,32 @@ class MCTask:
     mode = "mc"
 
     def __init__(self, cfg: RunConfig, token_bytes: Tensor, device: torch.device):
+        mc = cfg.mc
         self.model = MegaContext(cfg).to(device)
         self.layout = self.model.layout
         self.token_bytes, self.device, self.seed = token_bytes, device, cfg.train.seed
+        self.alloc_iterations = mc.alloc_iterations
         self.generator = torch.Generator(device=device)
+        self.lens_every = mc.lens_every if mc.lens else 0
+        # Loss weights are tensors: changing one during training never recompiles the step.
+        self.lens_weights = lens_weight_tensors(mc, device)
         self._step: Callable = process_batch
+        self._step_lens: Callable = process_batch_lens
         self._eval: Callable = tail_nll_and_bytes
 
     def compile(self, mode: str) -> None:
-        self._step, self._eval = compile_step(self._step, mode), compile_step(self._eval, mode)
+        self._step, self._step_lens, self._eval = (
+            compile_step(f, mode) for f in (self._step, self._step_lens, self._eval)
+        )
 
     def noise(self, batch: int, seed: int):
         self.generator.manual_seed(seed)
-        return draw_variant_noise(self.layout, batch, self.generator, self.device)
+        return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
 
     def train_step(self, window: Tensor, step: int) -> dict[str, Tensor]:
         noise = self.noise(window.size(0), self.seed * 1_000_003 + step)
+        if self.lens_every and step % self.lens_every == 0:
+            return self._step_lens(self.model, window, noise, self.lens_weights)
         return self._step(self.model, window, noise)
 
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:

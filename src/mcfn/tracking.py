@@ -13,6 +13,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from mcfn.mc.preferences import HIST_RANGE
+
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -41,6 +46,7 @@ class MetricsLog:
             id_file = out_dir / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
+            self._histogram = wandb.Histogram
             self._wandb = wandb.init(
                 project=project,
                 mode=wandb_mode,
@@ -51,11 +57,18 @@ class MetricsLog:
                 name=out_dir.name,
             )
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], histograms: dict[str, torch.Tensor] | None = None) -> None:
+        """One record to ``metrics.jsonl`` and wandb; histograms (``hist/*``: counts over fixed bins from
+        ``mcfn.mc.preferences``) go to wandb only."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._wandb is None:
+            return
+        payload = {k: v for k, v in record.items() if k != "step"}
+        for name, counts in (histograms or {}).items():
+            edges = np.linspace(-HIST_RANGE, HIST_RANGE, counts.numel() + 1)
+            payload[name] = self._histogram(np_histogram=(counts.detach().cpu().numpy(), edges))
+        self._wandb.log(payload, step=record["step"])
 
     def close(self) -> None:
         self._file.close()

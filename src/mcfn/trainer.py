@@ -197,8 +197,9 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
 
             if step % cfg.train.log_every == 0 or step == steps - 1:
                 # The one host sync per logged step: every loss term and metric comes back together.
-                names = ["loss", *out] + (["grad_norm"] if grad_norm is not None else [])
-                tensors = [loss, *out.values()] + ([grad_norm] if grad_norm is not None else [])
+                scalars = {k: v for k, v in out.items() if v.ndim == 0}
+                names = ["loss", *scalars] + (["grad_norm"] if grad_norm is not None else [])
+                tensors = [loss, *scalars.values()] + ([grad_norm] if grad_norm is not None else [])
                 values = dict(zip(names, torch.stack([t.detach().float() for t in tensors]).tolist(), strict=True))
                 loss_value = values["loss"]
                 now = time.perf_counter()
@@ -222,7 +223,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
                 window_start, window_steps = time.perf_counter(), 0
             bar.update(1)
             if len(record) > 1:
-                log.log(record)
+                log.log(record, {k: v for k, v in out.items() if v.ndim == 1} if "train/loss" in record else None)
     finally:
         bar.close()
         prefetch.close()

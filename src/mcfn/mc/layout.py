@@ -60,7 +60,8 @@ class Layout:
         return coarsest_cover_size(self.T, self.K, self.L, self.H)
 
     def node_table(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """``lod``, ``start``, ``span`` (int64) and ``parent`` (-1 at the top) for every node, ``[n_nodes]``."""
+        """``lod``, ``start``, ``span``, ``parent`` (-1 at the top; int64) and ``eligible`` (bool: a token, or a
+        gist that ends before the tail) for every node, ``[n_nodes]``."""
         lod, start, span, parent = [], [], [], []
         for k, size in enumerate(self.level_sizes):
             j = torch.arange(size)
@@ -69,4 +70,6 @@ class Layout:
             span.append(torch.full((size,), self.K**k))
             parent.append(self.level_offsets[k + 1] + j // self.K if k < self.L else torch.full((size,), -1))
         table = {"lod": lod, "start": start, "span": span, "parent": parent}
-        return {name: torch.cat(parts).to(device=device, dtype=torch.int64) for name, parts in table.items()}
+        out = {name: torch.cat(parts).to(device=device, dtype=torch.int64) for name, parts in table.items()}
+        out["eligible"] = (out["lod"] == 0) | (out["start"] + out["span"] <= self.T - self.H)
+        return out

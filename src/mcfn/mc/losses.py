@@ -38,10 +38,11 @@ def tail_nll(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> F
 
 
 @typechecked
-def variant_losses(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> dict[str, Tensor]:
+def variant_losses(
+    nll: Float[Tensor, "r w"], tails: Float[Tensor, "b v"], wc: WorkingContext, layout: Layout
+) -> dict[str, Tensor]:
     """Named ``loss_*`` terms and metrics (all tensors; nothing is read back here)."""
     valid = wc.valid
-    tails = tail_nll(nll, wc, layout)
     delta = tails[:, 1:] - tails[:, :1]  # [B, N]
     baseline = rearrange(torch.arange(wc.batch_size[0], device=nll.device) % layout.V == 0, "r -> r 1")
     lod0_loss = _masked_mean(nll, valid & (wc.lod == 0))

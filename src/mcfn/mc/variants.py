@@ -16,6 +16,8 @@ with no host sync. A cut is a set of *expanded* nodes; a node is shown when its 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from jaxtyping import Bool
 from tensordict import TensorClass
@@ -30,13 +32,17 @@ class VariantNoise(TensorClass):
 
     priority: Tensor  # [B, N, n_nodes]: expansion order among a level's shown nodes (higher first)
     share: Tensor  # [B, N, L]: share of the affordable expansions taken at each level (LOD1 ignores it)
+    explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
 
 
-def draw_variant_noise(layout: Layout, batch: int, generator: torch.Generator, device: torch.device) -> VariantNoise:
+def draw_variant_noise(
+    layout: Layout, batch: int, generator: torch.Generator, device: torch.device, alloc_iterations: int = 1
+) -> VariantNoise:
     shape = (batch, layout.N)
     return VariantNoise(
         priority=torch.rand(*shape, layout.n_nodes, generator=generator, device=device),
         share=torch.rand(*shape, layout.L, generator=generator, device=device),
+        explore=torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device),
         batch_size=list(shape),
     )
 
@@ -47,9 +53,9 @@ def _level(x: Tensor, layout: Layout, k: int) -> Tensor:
     return x[..., start : start + layout.level_sizes[k]]
 
 
-def _expand_top(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:
-    """Per row, the ``count`` candidates with the highest priority."""
-    keyed = torch.where(candidates, priority, -1.0)
+def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:
+    """Per row, the ``count`` candidates with the highest priority (``count`` at most the candidates)."""
+    keyed = torch.where(candidates, priority, float("-inf"))
     order = torch.argsort(keyed, dim=-1, descending=True, stable=True)
     ranks = torch.empty_like(order).scatter_(
         -1, order, torch.arange(order.size(-1), device=order.device).expand_as(order)
@@ -73,13 +79,21 @@ def compressed_cuts(noise: VariantNoise, layout: Layout) -> Bool[Tensor, "b n no
         candidates = parent_expanded & eligible
         affordable = torch.minimum(candidates.sum(-1), slack // cost)
         take = affordable if k == 1 else (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
-        chosen = _expand_top(candidates, _level(priority, layout, k), take)
+        chosen = top_by_priority(candidates, _level(priority, layout, k), take)
         slack = slack - take * cost
         expanded[k] = chosen | (parent_expanded & ~eligible)  # nodes overlapping the tail are always expanded
         shown_levels[k] = parent_expanded & ~expanded[k]
         parent_expanded = expanded[k].repeat_interleave(layout.K, dim=-1)
     shown_levels[0] = parent_expanded
     return torch.cat([shown_levels[k] for k in range(layout.L + 1)], dim=-1)
+
+
+def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
+    """``[n_nodes]``: the coarsest cut that covers ``[0, T)`` with the tail at LOD0 (no spare budget spent)."""
+    tight = dataclasses.replace(layout, W=layout.coarsest_cover, N=1)
+    zeros = torch.zeros(1, 1, layout.n_nodes, device=device)
+    noise = VariantNoise(priority=zeros, share=zeros[..., : layout.L], explore=zeros[:, :, None], batch_size=[1, 1])
+    return compressed_cuts(noise, tight)[0, 0]
 
 
 @typechecked

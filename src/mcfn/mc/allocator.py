@@ -1,0 +1,88 @@
+"""The focus allocator: from LensNet scores and a working context, a new working context within ``W``.
+
+It works on the shown-node mask ``[R, n_nodes]`` of a cut through the tree, and one call is one
+refocus step, fixed-shape and vectorized:
+
+1. **Expansions** are candidates among the shown gists (LOD ≥ 1; a shown gist is always eligible). Each
+   turns one entry into its ``K`` children and costs ``K - 1`` entries.
+2. **Collapses** are candidates among the complete groups: a parent whose ``K`` children are all shown,
+   whose children all score below zero (the group's label is shared), and which is eligible (never over
+   the tail). Each turns ``K`` entries into one and frees ``K - 1``; the group's score is its children's mean.
+3. The free budget is filled first, with the highest-scoring expansions, whatever their sign: the
+   budget is used as fully as the tree allows. Positive expansions that do not fit are then paid for
+   by collapsing the most negative groups, one group for one expansion, so the count never exceeds ``W``.
+
+A collapsing group's children all score below zero, so none of them is also being expanded: the two
+kinds of action never touch the same node. The result is again a cut that covers the same text with
+the tail at LOD0 (I8).
+"""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from mcfn.mc.layout import Layout
+from mcfn.mc.variants import top_by_priority
+from mcfn.typecheck import typechecked
+
+
+def _children_of(chosen: Tensor, layout: Layout) -> Tensor:
+    """Mask of the ``K`` children of every chosen node (chosen tokens have none)."""
+    parts = []
+    for k in range(layout.L + 1):
+        if k == layout.L:
+            parts.append(torch.zeros_like(chosen[..., layout.level_offsets[k] :]))
+            continue
+        lo = layout.level_offsets[k + 1]
+        parts.append(chosen[..., lo : lo + layout.level_sizes[k + 1]].repeat_interleave(layout.K, dim=-1))
+    return torch.cat(parts, dim=-1)
+
+
+def _group_means(values: Tensor, layout: Layout, reduce: str) -> Tensor:
+    """Per parent node, a reduction of its ``K`` children's values (tokens get the identity element)."""
+    parts = [torch.zeros_like(values[..., : layout.T])]
+    for k in range(1, layout.L + 1):
+        lo = layout.level_offsets[k - 1]
+        children = values[..., lo : lo + layout.level_sizes[k - 1]].unflatten(-1, (-1, layout.K))
+        parts.append(children.mean(-1) if reduce == "mean" else children.amax(-1))
+    return torch.cat(parts, dim=-1)
+
+
+@typechecked
+def allocate(
+    shown: Bool[Tensor, "r nodes"],
+    node_scores: Float[Tensor, "r nodes"],
+    layout: Layout,
+    node_table: dict[str, Tensor],
+) -> Bool[Tensor, "r nodes"]:
+    """One refocus step (see the module docstring)."""
+    cost = layout.K - 1
+    lod = node_table["lod"]
+    scores = torch.where(shown, node_scores, 0.0)
+    can_expand = shown & (lod > 0)
+    children_shown = _group_means(shown.float(), layout, "mean") == 1.0
+    children_negative = _group_means(torch.where(shown, scores, 1.0), layout, "max") < 0
+    can_collapse = (lod > 0) & node_table["eligible"] & children_shown & children_negative
+    group_score = _group_means(scores, layout, "mean")
+
+    free = layout.W - shown.sum(-1)
+    n_expand = can_expand.sum(-1)
+    fill = torch.minimum(n_expand, free // cost)
+    wanted = torch.minimum((can_expand & (scores > 0)).sum(-1), n_expand)
+    swaps = torch.minimum((wanted - fill).clamp(min=0), can_collapse.sum(-1))
+    expand = top_by_priority(can_expand, scores, fill + swaps)
+    collapse = top_by_priority(can_collapse, -group_score, swaps)
+    out = (shown & ~expand) | _children_of(expand, layout)
+    return (out & ~_children_of(collapse, layout)) | collapse
+
+
+@typechecked
+def node_scores_of(
+    entry_scores: Float[Tensor, "r w"], node: Tensor, valid: Tensor, n_nodes: int
+) -> Float[Tensor, "r nodes"]:
+    """Scatter per-entry scores onto node ids (padding goes to a dropped extra slot)."""
+    index = torch.where(valid, node, n_nodes)
+    out = entry_scores.new_zeros(entry_scores.size(0), n_nodes + 1)
+    return out.scatter(1, index, entry_scores)[:, :n_nodes]

@@ -1,0 +1,211 @@
+"""LensNet's training signal: pairwise preferences between the variants of a sample, all pairs at once.
+
+For a pair of variants of one sample, ``a`` is the one with the lower tail NLL and ``c`` the other.
+Each entry ``e`` of ``c`` at LOD ``k`` gets a target from how much detail ``a`` shows over the same
+text (I7), with "not covered at all" counting as coarser than any gist:
+
+* ``+1`` (expand) where ``a`` shows more detail somewhere in ``e``'s span: ``min lod_a(span) < k``;
+* ``-1`` (collapse) where ``a`` is coarser over the **whole group** ``e`` belongs to, the span of its
+  parent: ``min lod_a(parent span) > k``. The label is computed from the parent, so every sibling shares it;
+* no target where ``a`` shows the same node: a **tie**.
+
+Legality (I6) masks the rest: no ``+`` on LOD0, no ``-`` on LODmax, and a ``-`` only where the entry's
+complete aligned group of ``K`` siblings is in ``c`` and its parent is eligible (collapsing into a
+parent that overlaps the tail is not an action the allocator can take).
+
+Each pair is weighted by how much it teaches, ``w = tanh(|ΔNLL| / τ)``: 0 for variants that score the
+same, approaching 1 for a clear winner; ``τ`` (``mc.lens_temperature``) sets the scale in nats.
+
+Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over samples, pairs or entries):
+
+* ``loss_pref``: Bradley–Terry with ties, the logistic loss of ``σ(s)`` against the label ``(1 + y)/2``:
+  1 for expand, 0 for collapse and ½ for a tie, ``Σ w·[q·softplus(-s) + (1-q)·softplus(s)] / max(Σ w, 1)``
+  over the targeted and tied entries: a weighted mean whenever the batch holds at least one entry's
+  worth of weight, and close to zero when every pair is a near-tie (``w ≈ 0``, where even which variant
+  is better is decided by rounding), instead of that noise blown up to full size. Ties matter: without
+  them a LODmax entry, which can never be told to collapse, would only ever see "expand" and its score
+  would grow without bound whether detail there paid often or rarely. With them the optimum is the
+  log-odds of "detail here helped", which ranks.
+* ``loss_rank`` (optional): a margin hinge, ``Σ w·relu(m - y·s) / max(Σ w, 1)`` over targeted entries;
+* ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
+  ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
+  row with ``scatter_add``; its mean square keeps expansion and collapse pressure balanced, so the
+  allocator does not drift towards all-detail or all-gist.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from mcfn.config import MCConfig
+from mcfn.mc.context import WorkingContext
+from mcfn.mc.layout import Layout
+from mcfn.typecheck import typechecked
+
+HIST_BINS, HIST_RANGE = 32, 4.0  # score histogram: 32 bins over [-4, 4]
+
+
+def lens_weight_tensors(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
+    """The LensNet loss weights as 0-d tensors, so that changing one never recompiles the step."""
+    values = {
+        "lens": mc.lens_weight,
+        "pref": mc.lens_pref_weight,
+        "budget": mc.lens_budget_weight,
+        "rank": mc.lens_rank_weight,
+        "rank_margin": mc.lens_rank_margin,
+        "temperature": mc.lens_temperature,
+    }
+    return {k: torch.tensor(v, device=device) for k, v in values.items()}
+
+
+@typechecked
+def lod_map(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Int[Tensor, "b v t"]:
+    """Per token, the LOD at which a variant shows it; ``L + 1`` where the variant does not cover it."""
+    out = torch.full((*shown.shape[:2], layout.T), layout.L + 1, device=shown.device, dtype=torch.int64)
+    for k in range(layout.L + 1):
+        lo = layout.level_offsets[k]
+        level = shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
+        out = torch.where(level, k, out)
+    return out
+
+
+@typechecked
+def node_min_lod(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Int[Tensor, "b v nodes"]:
+    """For every node, the finest LOD a variant shows anywhere inside the node's span."""
+    levels = [lod_map(shown, layout)]
+    for _ in range(layout.L):
+        levels.append(rearrange(levels[-1], "b v (n k) -> b v n k", k=layout.K).amin(-1))
+    return torch.cat(levels, dim=-1)
+
+
+@typechecked
+def complete_groups(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Bool[Tensor, "b v nodes"]:
+    """For every node, whether a variant shows all ``K`` of its children (False for tokens)."""
+    parts = [torch.zeros_like(shown[..., : layout.T])]
+    for k in range(1, layout.L + 1):
+        lo = layout.level_offsets[k - 1]
+        children = shown[..., lo : lo + layout.level_sizes[k - 1]]
+        parts.append(rearrange(children, "b v (n k) -> b v n k", k=layout.K).all(-1))
+    return torch.cat(parts, dim=-1)
+
+
+def pair_index(layout: Layout) -> tuple[list[int], list[int]]:
+    """All unordered pairs of variant slots of one sample."""
+    pairs = list(combinations(range(layout.V), 2))
+    return [i for i, _ in pairs], [j for _, j in pairs]
+
+
+@typechecked
+def preference_targets(
+    shown: Bool[Tensor, "b v nodes"],
+    tails: Float[Tensor, "b v"],
+    wc: WorkingContext,
+    layout: Layout,
+    node_table: dict[str, Tensor],
+    temperature: Tensor,
+) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
+    """Targets on the worse variant's entries for every pair: ``y [B, P, W]`` in {-1, 0, 1}, the ties
+    ``[B, P, W]`` (valid entries that the better variant shows unchanged), the pair weights ``w [B, P]`` and
+    ``rows [B, P]``, the worse variants' rows in the packed ``[B·V, W]`` batch.
+    """
+    B, V, L = shown.size(0), layout.V, layout.L
+    first, second = pair_index(layout)
+    i = torch.tensor(first, device=shown.device).expand(B, -1)
+    j = torch.tensor(second, device=shown.device).expand(B, -1)
+    tails = tails.detach()
+    ti, tj = tails.gather(1, i), tails.gather(1, j)
+    better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
+    weight = torch.tanh((ti - tj).abs() / temperature)
+    rows = torch.arange(B, device=shown.device)[:, None] * V + worse  # [B, P]
+
+    node, lod, valid = wc.node[rows], wc.lod[rows], wc.valid[rows]  # [B, P, W]
+    parent = node_table["parent"][node].clamp(min=0)
+    mins = node_min_lod(shown, layout)  # [B, V, nodes]
+    mins_better = mins.gather(1, repeat(better, "b p -> b p n", n=mins.size(-1)))  # [B, P, nodes]
+    finest_inside = mins_better.gather(2, node)
+    finer_inside = finest_inside < lod
+    coarser_over_group = mins_better.gather(2, parent) > lod
+    groups = complete_groups(shown, layout)
+    group_in_worse = groups.gather(1, repeat(worse, "b p -> b p n", n=groups.size(-1))).gather(2, parent)
+    parent_ok = node_table["eligible"][parent]
+    expand = valid & (lod > 0) & finer_inside
+    collapse = valid & (lod < L) & group_in_worse & parent_ok & coarser_over_group
+    return expand.long() - collapse.long(), valid & (finest_inside == lod), weight, rows
+
+
+@typechecked
+def lens_losses(
+    scores: Float[Tensor, "r w"],
+    shown: Bool[Tensor, "b v nodes"],
+    tails: Float[Tensor, "b v"],
+    wc: WorkingContext,
+    layout: Layout,
+    node_table: dict[str, Tensor],
+    weights: dict[str, Tensor],
+    use_rank: bool,
+) -> dict[str, Tensor]:
+    """``loss_lens`` (weighted sum of the terms) plus each term and the LensNet metrics."""
+    target, tie, pair_w, rows = preference_targets(shown, tails, wc, layout, node_table, weights["temperature"])
+    s = scores[rows]  # [B, P, W]
+    y = target.float()
+    w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target
+    label = (1 + y) / 2  # 1 expand, 0 collapse, 1/2 tie
+    labelled = (y != 0) | tie
+    bt = label * F.softplus(-s) + (1 - label) * F.softplus(s)
+    w_pref = pair_w[..., None] * labelled
+    pref = (w_pref * bt).sum() / w_pref.sum().clamp(min=1.0)
+
+    valid, lod, span = wc.valid, wc.lod, wc.span.float()
+    groups = complete_groups(shown, layout)  # legal collapse needs the complete group in this row
+    row_groups = rearrange(groups, "b v n -> (b v) n").gather(1, node_parent(wc, node_table))
+    legal_expand = valid & (lod > 0)
+    legal_collapse = valid & (lod < layout.L) & row_groups
+    push = (F.relu(scores) * legal_expand - F.relu(-scores) * legal_collapse) * span / layout.T
+    row_id = repeat(torch.arange(scores.size(0), device=scores.device), "r -> (r w)", w=scores.size(1))
+    net = torch.zeros(scores.size(0), device=scores.device).scatter_add(0, row_id, push.flatten())
+    budget = net.square().mean()
+
+    out = {"mc/lens_pref": pref, "mc/lens_budget": budget}
+    total = weights["pref"] * pref + weights["budget"] * budget
+    if use_rank:
+        rank = (w * F.relu(weights["rank_margin"] - y * s)).sum() / w.sum().clamp(min=1.0)
+        out["mc/lens_rank"] = rank
+        total = total + weights["rank"] * rank
+    out["loss_lens"] = weights["lens"] * total
+    out["mc/lens_loss"] = total
+    out.update(lens_metrics(scores, valid, s, y, w))
+    return out
+
+
+def node_parent(wc: WorkingContext, node_table: dict[str, Tensor]) -> Tensor:
+    return node_table["parent"][wc.node].clamp(min=0)
+
+
+def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor) -> dict[str, Tensor]:
+    targeted = y != 0
+    n_targets = targeted.sum().clamp(min=1)
+    agreement = ((torch.sign(s) == y) & targeted).sum() / n_targets
+    # Pearson correlation between the score and the weighted signed target, over targeted entries.
+    sv, tv = s * targeted, y * w
+    ms, mt = sv.sum() / n_targets, tv.sum() / n_targets
+    ds, dt = (s - ms) * targeted, (tv - mt) * targeted
+    corr = (ds * dt).sum() / (ds.square().sum().sqrt() * dt.square().sum().sqrt()).clamp(min=1e-8)
+    n_valid = valid.sum(-1).clamp(min=1)
+    row_mean = (scores * valid).sum(-1) / n_valid
+    row_std = (((scores - row_mean[:, None]) * valid).square().sum(-1) / n_valid).sqrt()
+    hist_input = torch.where(valid, scores.detach(), 2 * HIST_RANGE)  # padding lands outside the range
+    return {
+        "mc/preference_agreement": agreement,
+        "mc/pref_span_corr": corr,
+        "mc/policy_score_abs_mean": (scores.abs() * valid).sum() / valid.sum(),
+        "mc/policy_score_std_mean": row_std.mean(),
+        "mc/preference_pair_count": (targeted.any(-1)).sum().float(),
+        "mc/lens_targets_per_pair": targeted.sum(-1).float().mean(),
+        "hist/policy_score": torch.histc(hist_input, HIST_BINS, -HIST_RANGE, HIST_RANGE),
+    }

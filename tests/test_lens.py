@@ -1,0 +1,281 @@
+"""LensNet, its targets and the focus allocator: I6–I8 as properties, plus learning and compile facts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+from einops import rearrange
+from hypothesis import given
+from hypothesis import strategies as st
+from test_mc import VOCAB, layouts, make_system
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from mcfn.config import MCConfig, OptimConfig, coarsest_cover_size
+from mcfn.mc.allocator import allocate
+from mcfn.mc.context import assemble
+from mcfn.mc.preferences import lens_losses, lens_weight_tensors, lod_map, preference_targets
+from mcfn.mc.system import build_contexts, process_batch_lens
+from mcfn.mc.tree import build_tree
+from mcfn.mc.variants import coarsest_cut, draw_variant_noise, sample_variants
+from mcfn.optim import build_optimizers
+from mcfn.step import total_loss
+
+WEIGHTS = lens_weight_tensors(MCConfig(), torch.device("cpu"))
+
+
+def random_setup(shape: dict, batch: int, seed: int):
+    system = make_system(**shape, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
+    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
+    with torch.no_grad():
+        wc, shown = build_contexts(system, window, noise)
+    tails = torch.rand(batch, system.layout.V, generator=g) * 3
+    return system, wc, shown, tails
+
+
+cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
+
+
+def check_cut(shown: torch.Tensor, layout) -> None:
+    """A valid compressed working context: every token covered exactly once, the tail at LOD0, within W."""
+    coverage = torch.zeros(*shown.shape[:-1], layout.T, dtype=torch.int64)
+    for k in range(layout.L + 1):
+        lo = layout.level_offsets[k]
+        coverage += shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
+    assert (coverage == 1).all(), "disjoint cover of [0, T) (I2)"
+    assert (lod_map(shown[:, None], layout)[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
+    assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
+    eligible = layout.node_table()["eligible"]
+    assert not (shown & ~eligible).any(), "no gist over the tail"
+
+
+@given(cases)
+def test_property_I6_legality_of_targets(case):
+    shape, batch, seed = case
+    system, wc, shown, tails = random_setup(shape, batch, seed)
+    table, L = system.node_table, system.layout.L
+    y, _, _, rows = preference_targets(shown, tails, wc, system.layout, table, WEIGHTS["temperature"])
+    lod, node, valid = wc.lod[rows], wc.node[rows], wc.valid[rows]
+    assert not ((y != 0) & ~valid).any(), "no target on padding (I3)"
+    assert not ((y > 0) & (lod == 0)).any(), "never + on LOD0"
+    assert not ((y < 0) & (lod == L)).any(), "never - on LODmax"
+    parent = table["parent"][node]
+    for b in range(y.size(0)):
+        for p in range(y.size(1)):
+            collapsing = (y[b, p] < 0).nonzero().flatten()
+            for e in collapsing.tolist():
+                siblings = (parent[b, p] == parent[b, p, e]) & (lod[b, p] == lod[b, p, e]) & valid[b, p]
+                assert int(siblings.sum()) == shape["K"], "a collapse acts on a complete group"
+                assert (y[b, p][siblings] == -1).all(), "the collapse label is shared by every sibling"
+
+
+def token_targets(y: torch.Tensor, rows: torch.Tensor, wc, T: int) -> torch.Tensor:
+    """Per pair, each token's target: the target of the worse variant's entry covering it."""
+    out = torch.zeros(*y.shape[:2], T, dtype=torch.int64)
+    start, span, valid = wc.start[rows], wc.span[rows], wc.valid[rows]
+    t = torch.arange(T)
+    covered = (t >= start[..., None]) & (t < (start + span)[..., None]) & valid[..., None]  # [B, P, W, T]
+    return (covered * y[..., None]).sum(2) + out
+
+
+@given(cases)
+def test_property_I7_polarity_swap_flips_identical_gives_none(case):
+    shape, batch, seed = case
+    system, wc, shown, tails = random_setup(shape, batch, seed)
+    layout, table, T = system.layout, system.node_table, shape["T"]
+    temperature = WEIGHTS["temperature"]
+    y, _, _, rows = preference_targets(shown, tails, wc, layout, table, temperature)
+    y_swapped, _, _, rows_swapped = preference_targets(shown, -tails, wc, layout, table, temperature)
+    assert not torch.equal(rows, rows_swapped) or layout.V == 1
+    fwd, back = token_targets(y, rows, wc, T), token_targets(y_swapped, rows_swapped, wc, T)
+    assert ((fwd * back) <= 0).all(), "swapping the pair flips every sign"
+    # Identical variants: every slot shows the same cut, so no pair has anything to teach.
+    same = shown[:, 1:2].expand_as(shown).contiguous()
+    same_wc = assemble(
+        build_tree(system.gistnet, system.base.embed(torch.zeros(batch, T, dtype=torch.long)), layout),
+        same,
+        torch.zeros(batch, T + 1, dtype=torch.long),
+        layout,
+        table,
+    )
+    y_same, _, _, _ = preference_targets(same, tails, same_wc, layout, table, temperature)
+    assert (y_same == 0).all()
+
+
+@given(cases)
+def test_property_I7_a_gradient_step_moves_every_score_toward_its_target(case):
+    shape, batch, seed = case
+    system, wc, shown, tails = random_setup(shape, batch, seed)
+    layout, table = system.layout, system.node_table
+    scores = torch.randn(wc.batch_size[0], layout.W, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
+    lens_losses(scores, shown, tails, wc, layout, table, weights, use_rank=False)["loss_lens"].backward()
+    y, _, _, rows = preference_targets(shown, tails, wc, layout, table, weights["temperature"])
+    step = -scores.grad[rows]  # gradient descent direction on the worse variants' entries
+    targeted = y != 0
+    if (tails[:, :, None] - tails[:, None, :]).abs().min() > 0 or not targeted.any():
+        assert ((step * y)[targeted] > 0).all()
+
+
+adversarial = st.sampled_from(["normal", "huge", "tiny", "equal", "negative", "positive"])
+
+
+def adversarial_scores(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return {
+        "normal": x,
+        "huge": x * 1e6,
+        "tiny": x * 1e-6,
+        "equal": torch.ones(shape),
+        "negative": -x.abs() - 1,
+        "positive": x.abs() + 1,
+    }[kind]
+
+
+@given(cases, adversarial)
+def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, kind):
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    layout, table = system.layout, system.node_table
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    start = torch.cat(
+        [
+            coarsest_cut(layout, torch.device("cpu"))[None].expand(batch, -1),
+            rearrange(sample_variants(noise, layout)[:, 1:], "b v n -> (b v) n"),
+        ]
+    )
+    cut = start
+    for it in range(layout.L + 1):
+        before = cut
+        cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), layout, table)
+        check_cut(cut, layout)
+        # Only legal actions: whatever disappeared was an expanded gist (LOD >= 1) or a collapsed group's
+        # tokens/gists below LODmax, and whatever appeared is a child of one or a collapsed parent.
+        gone = before & ~cut
+        lods_gone = table["lod"][gone.nonzero()[:, 1]]
+        appeared = cut & ~before
+        for r, n in appeared.nonzero().tolist():
+            parent = int(table["parent"][n])
+            via_expand = parent >= 0 and bool(before[r, parent]) and not bool(cut[r, parent])
+            via_collapse = bool((before[r] & (table["parent"] == n)).any())
+            assert via_expand or via_collapse
+        assert (lods_gone <= layout.L).all()
+    # As fully as the tree allows: no room for one more expansion, or nothing left to expand.
+    free = layout.W - cut.sum(-1)
+    gists_left = (cut & (table["lod"] > 0)).sum(-1)
+    assert ((free < layout.K - 1) | (gists_left == 0)).all()
+
+
+def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():
+    layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
+    table = layout.node_table()
+    cut = coarsest_cut(layout, torch.device("cpu"))[None]  # 3 LOD2 + 2 LOD1 + 8 tokens = 13 entries
+    assert int(cut.sum()) == coarsest_cover_size(64, 4, 2, 8) == 13
+    lod2 = layout.level_offsets[2]
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, lod2 + 1] = 5.0  # expand the second LOD2 gist first
+    cut = allocate(cut, scores, layout, table)  # 13 + 3 = 16 entries; free 6 -> two expansions fit
+    assert not cut[0, lod2 + 1] and cut[0, layout.level_offsets[1] + 4 : layout.level_offsets[1] + 8].all()
+    assert int(cut.sum()) == layout.W  # the spare budget went to the best-scoring expansions
+    # The budget is full: a strongly positive LOD1 gist gets its room from the most negative complete group.
+    lod1 = layout.level_offsets[1]
+    gist = int((cut[0, lod1 : lod1 + layout.level_sizes[1]].nonzero().flatten() + lod1)[0])
+    groups = [
+        p
+        for p in range(lod1, lod1 + layout.level_sizes[1])
+        if cut[0, (p - lod1) * 4 : (p - lod1) * 4 + 4].all() and table["eligible"][p]
+    ]
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, gist] = 9.0
+    scores[0, (groups[0] - lod1) * 4 : (groups[0] - lod1) * 4 + 4] = -5.0
+    swapped = allocate(cut, scores, layout, table)
+    check_cut(swapped, layout)
+    assert not swapped[0, gist] and swapped[0, (gist - lod1) * 4 : (gist - lod1) * 4 + 4].all()
+    assert swapped[0, groups[0]] and int(swapped.sum()) == layout.W
+
+
+def test_lensnet_learns_where_detail_pays():
+    """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
+    (tokens 20..23), and nothing else matters. After a few hundred steps on the preference loss alone,
+    LensNet scores the coarsest context's entry that covers that block first, far above chance."""
+    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
+    layout, table = system.layout, system.node_table
+    lens = system.lensnet
+    opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
+    weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
+    block = slice(20, 24)  # tokens 20..23: inside the second LOD2 gist of the coarsest context
+    g = torch.Generator().manual_seed(0)
+    B = 8
+    for _ in range(400):
+        window = torch.randint(0, VOCAB, (B, 65), generator=g)
+        noise = draw_variant_noise(layout, B, g, torch.device("cpu"))
+        with torch.no_grad():
+            tree = build_tree(system.gistnet, system.base.embed(window[:, :64]), layout)
+            shown = sample_variants(noise, layout)
+            wc = assemble(tree, shown, window, layout, table)
+        detail = (layout.L - lod_map(shown, layout)[..., block].amin(-1)).float() / layout.L  # [B, V]
+        tails = 2.0 - detail + 0.01 * torch.rand(B, layout.V, generator=g)  # near-ties weigh ~0.02
+        loss = lens_losses(lens(wc), shown, tails, wc, layout, table, weights, use_rank=False)["loss_lens"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    window = torch.randint(0, VOCAB, (32, 65), generator=g)
+    with torch.no_grad():
+        tree = build_tree(system.gistnet, system.base.embed(window[:, :64]), layout)
+        cut = coarsest_cut(layout, torch.device("cpu"))[None, None].expand(32, 1, -1)
+        wc = assemble(tree, cut, window, dataclasses.replace(layout, N=0), table)
+        scores = lens(wc)
+    expandable = wc.valid & (wc.lod > 0)
+    best = torch.where(expandable, scores, float("-inf")).argmax(-1)
+    covers = (wc.start <= 20) & (wc.start + wc.span >= 24)
+    hit = covers.gather(1, best[:, None]).float().mean()
+    chance = 1 / expandable.sum(-1).float().mean()
+    assert hit >= 0.8 and hit > 3 * chance, (hit, chance)
+
+
+def test_lensnet_is_trained_by_the_optimizer():
+    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
+    optimizers = build_optimizers(system, OptimConfig())
+    in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in in_optimizer for p in system.lensnet.parameters())
+    before = {n: p.detach().clone() for n, p in system.lensnet.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        window = torch.randint(0, VOCAB, (2, 33), generator=g)
+        out = process_batch_lens(system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), WEIGHTS)
+        total_loss(out).backward()
+        for opt in optimizers:
+            opt.step()
+        system.zero_grad(set_to_none=True)
+    changed = {n for n, p in system.lensnet.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == set(before), set(before) - changed
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
+def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):
+    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(3)
+    for i in range(21):
+        window = torch.randint(0, VOCAB, (2, 33), generator=g)
+        noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
+        out = step(system, window, noise, WEIGHTS)
+        eager = process_batch_lens(system, window, noise, WEIGHTS)
+        for k in out:
+            torch.testing.assert_close(out[k], eager[k], atol=1e-5, rtol=1e-4)
+        total_loss(out).backward()
+        if i == 0:
+            torch.compiler.set_stance("fail_on_recompile")
+    assert counter.frame_count == 1
