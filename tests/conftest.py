@@ -32,6 +32,18 @@ def make_documents(n: int, seed: int = 0, sentences: int = 40) -> list[str]:
     return [make_document(rng, sentences) for _ in range(n)]
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """A clean dynamo cache before and after a compile test, and the default stance restored."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch.compiler.set_stance("default")
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """Every test session builds its own token caches, as CI does on a fresh machine."""

@@ -9,12 +9,7 @@ from mcfn.config import ModelConfig
 from mcfn.model import GPT
 from mcfn.step import nll_and_bytes, plain_step, total_loss
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model() -> GPT:
