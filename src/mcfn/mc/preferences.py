@@ -163,9 +163,10 @@ def lens_losses(
 
     valid, lod, span = wc.valid, wc.lod, wc.span.float()
     groups = complete_groups(shown, layout)  # legal collapse needs the complete group in this row
-    row_groups = rearrange(groups, "b v n -> (b v) n").gather(1, node_parent(wc, node_table))
+    parent = node_table["parent"][wc.node].clamp(min=0)
+    row_groups = rearrange(groups, "b v n -> (b v) n").gather(1, parent)
     legal_expand = valid & (lod > 0)
-    legal_collapse = valid & (lod < layout.L) & row_groups
+    legal_collapse = valid & (lod < layout.L) & row_groups & node_table["eligible"][parent]
     push = (F.relu(scores) * legal_expand - F.relu(-scores) * legal_collapse) * span / layout.T
     row_id = repeat(torch.arange(scores.size(0), device=scores.device), "r -> (r w)", w=scores.size(1))
     net = torch.zeros(scores.size(0), device=scores.device).scatter_add(0, row_id, push.flatten())
@@ -181,10 +182,6 @@ def lens_losses(
     out["mc/lens_loss"] = total
     out.update(lens_metrics(scores, valid, s, y, w))
     return out
-
-
-def node_parent(wc: WorkingContext, node_table: dict[str, Tensor]) -> Tensor:
-    return node_table["parent"][wc.node].clamp(min=0)
 
 
 def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor) -> dict[str, Tensor]:
