@@ -2,14 +2,17 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
 import pytest
 from conftest import tiny_sections
 
+from mcfn.checkpoint import load_checkpoint
 from mcfn.tracking import read_metrics
 from train.run import main
 
@@ -203,3 +206,40 @@ def test_compiled_run_prints_no_graph_break(tmp_path, profile):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "graph break" not in proc.stderr.lower() and "recompil" not in proc.stderr.lower(), proc.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["compiled"] is True
+
+
+def _train_records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in read_metrics(out) if "train/loss" in r]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, text_dir, sig):
+    profile = write_profile(
+        tmp_path / "p.toml",
+        tiny_sections(
+            f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"ckpt_every": 100000, "eval_every": 100000}
+        ),
+    )
+    stopped, straight = tmp_path / "stopped", tmp_path / "straight"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.run", "--profile", str(profile), "--out", str(stopped), "--steps", "100000"],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while len(_train_records(stopped)) < 3 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"stopped by {sig.name}" in err
+    step = load_checkpoint(stopped / "checkpoint.pt")["step"]
+    assert step == _train_records(stopped)[-1]["step"] + 1  # the step in flight was finished and saved
+    total = step + 3
+    assert main(["--profile", str(profile), "--out", str(stopped), "--steps", str(total), "--resume"]) == 0
+    assert main(["--profile", str(profile), "--out", str(straight), "--steps", str(total)]) == 0
+    assert [r["train/loss"] for r in _train_records(stopped)] == [r["train/loss"] for r in _train_records(straight)]

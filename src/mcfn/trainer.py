@@ -29,6 +29,7 @@ from mcfn.data.loader import Prefetcher, WindowSampler, validation_batches
 from mcfn.errors import UserError
 from mcfn.optim import build_optimizers, lr_multiplier, set_lr_multiplier
 from mcfn.step import total_loss
+from mcfn.stopping import StopRequest
 from mcfn.tasks import build_task
 from mcfn.tracking import METRICS_NAME, MetricsLog
 
@@ -159,8 +160,11 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5, file=sys.stderr
     )
     first_bpb = last_bpb = None
+    stopped_at = None
     window_start, window_steps = time.perf_counter(), 0
+    stop = StopRequest()
     try:
+        stop.install()
         for step in range(start_step, steps + 1):
             record: dict[str, Any] = {"step": step}
             last = step == steps
@@ -224,7 +228,12 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
             bar.update(1)
             if len(record) > 1:
                 log.log(record, {k: v for k, v in out.items() if v.ndim == 1} if "train/loss" in record else None)
+            if stop.signum is not None:  # finish the step, checkpoint it, and leave
+                stopped_at = step + 1
+                checkpoint(stopped_at)
+                break
     finally:
+        stop.restore()
         bar.close()
         prefetch.close()
         log.close()
@@ -233,6 +242,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
     summary = {
         "steps": steps,
         "resumed_from": start_step if resume else None,
+        "stopped_at": stopped_at,  # set when a signal stopped the run early (resume with --resume)
         "mode": task.mode,
         "device": str(device),
         "compiled": cfg.train.compile,
@@ -249,6 +259,14 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
     tmp = out_dir / f"{SUMMARY_NAME}.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out_dir / SUMMARY_NAME)
+    if stopped_at is not None:
+        print(
+            f"[run] stopped by {stop.name} after step {stopped_at}; checkpoint written; continue with "
+            f"--resume --out {out_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return summary
     print(
         f"[run] done: val bpb {first_bpb:.4f} -> {last_bpb:.4f}, {summary['tokens_per_s'] or 0:,.0f} tok/s "
         f"(median step {median_ms:.0f} ms), summary in {out_dir / SUMMARY_NAME}",
