@@ -40,6 +40,7 @@ from mcfn.mc.tree import Tree, build_tree
 from mcfn.mc.variants import draw_variant_noise
 from mcfn.model import GPT
 from mcfn.step import total_loss
+from mcfn.tasks import compile_step
 
 
 class Timer:
@@ -87,11 +88,7 @@ def run_benchmark(
     layout, B = system.layout, cfg.train.batch_size
     gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    compile_fn = (
-        (lambda f: torch.compile(f, fullgraph=True, dynamic=False, mode=compile_mode))
-        if compile_mode
-        else (lambda f: f)
-    )
+    compile_fn = partial(compile_step, mode=compile_mode) if compile_mode else (lambda f: f)
 
     def mc_inputs():
         window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)

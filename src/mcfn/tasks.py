@@ -19,6 +19,7 @@ from mcfn.mc.preferences import lens_weight_tensors
 from mcfn.mc.system import MegaContext, process_batch, process_batch_lens, tail_nll_and_bytes
 from mcfn.mc.variants import draw_variant_noise
 from mcfn.model import GPT
+from mcfn.seeding import derive_seed
 from mcfn.step import bits_per_byte, nll_and_bytes, plain_step
 
 
@@ -82,14 +83,16 @@ class MCTask:
         return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
 
     def train_step(self, window: Tensor, step: int) -> dict[str, Tensor]:
-        noise = self.noise(window.size(0), self.seed * 1_000_003 + step)
+        noise = self.noise(window.size(0), derive_seed(self.seed, "train_noise", step))
         if self.lens_every and step % self.lens_every == 0:
             return self._step_lens(self.model, window, noise, self.lens_weights)
         return self._step(self.model, window, noise)
 
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
         def sums(i: int, window: Tensor) -> tuple[Tensor, Tensor]:
-            return self._eval(self.model, window, self.noise(window.size(0), VAL_SEED + i), self.token_bytes)
+            return self._eval(
+                self.model, window, self.noise(window.size(0), derive_seed(VAL_SEED, "val_noise", i)), self.token_bytes
+            )
 
         bpb = bits_per_byte(sums, batches, self.device)  # [V]
         return {"val/bpb": float(bpb[1:].mean()), "val/bpb_recency": float(bpb[0])}

@@ -19,19 +19,20 @@ import torch
 
 from mcfn.data.corpus import Split
 from mcfn.errors import UserError
+from mcfn.seeding import derive_seed
 
 VAL_SEED = 0x5EED  # validation windows do not depend on the run's seed
 
 
 class WindowSampler:
-    def __init__(self, split: Split, window: int, seed: int, name: str = "train"):
+    def __init__(self, split: Split, window: int, seed: int, name: str = "train", stream: str = "train_windows"):
         n_tokens = len(split.tokens)
         if n_tokens < window:
             raise UserError(
                 f"the {name} split has {n_tokens} tokens, fewer than data.seq_len + 1 = {window}; "
                 f"use more data or a smaller data.seq_len"
             )
-        self.split, self.window, self.seed = split, window, seed
+        self.split, self.window, self.seed, self.stream = split, window, seed, stream
         starts = split.doc_offsets[:-1]
         counts = np.maximum(np.diff(split.doc_offsets) - window + 1, 0)
         self.in_document = bool(counts.sum() > 0)
@@ -43,7 +44,7 @@ class WindowSampler:
 
     def batch(self, index: int, batch_size: int) -> torch.Tensor:
         """``[batch_size, T + 1]`` int64 windows for batch number ``index``."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, self.stream, index))
         u = torch.randint(int(self.cum_counts[-1]), (batch_size,), generator=g)
         doc = torch.searchsorted(self.cum_counts, u, right=True)
         before = torch.where(doc > 0, self.cum_counts[(doc - 1).clamp(min=0)], 0)
@@ -54,7 +55,7 @@ class WindowSampler:
 
 def validation_batches(split: Split, window: int, n_batches: int, batch_size: int) -> list[torch.Tensor]:
     """A fixed set of validation windows, the same for every run on this corpus and ``T``."""
-    sampler = WindowSampler(split, window, VAL_SEED, name="validation")
+    sampler = WindowSampler(split, window, VAL_SEED, name="validation", stream="val_windows")
     return [sampler.batch(i, batch_size) for i in range(n_batches)]
 
 
