@@ -50,6 +50,17 @@ def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, l
     return system
 
 
+def decisive(system: MegaContext) -> MegaContext:
+    """A random system whose predictions depend strongly on its context, with logits far apart (greedy
+    choices and loss gaps then do not hinge on rounding)."""
+    with torch.no_grad():
+        torch.nn.init.normal_(system.base.lm_head.weight, std=2.0)
+        for block in system.base.blocks:
+            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+    return system.eval()
+
+
 @st.composite
 def layouts(draw) -> dict:
     K = draw(st.integers(2, 4))
@@ -183,6 +194,18 @@ def test_compressed_variants_differ_in_where_detail_goes():
     assert all(n > 0 for n in gists_per_level), "mixes of LOD1 and LOD2"
     counts = shown[:, 1:].sum(-1)
     assert (counts <= layout.W).all() and counts.float().mean() > layout.W * 0.6
+
+
+@pytest.mark.parametrize("spend_min", [0.0, 0.5, 1.0])
+def test_compressed_variants_spend_at_least_their_share_of_the_spare_budget(spend_min):
+    layout = Layout(T=1024, K=16, L=2, W=256, H=64, N=2)
+    noise = draw_variant_noise(layout, 64, torch.Generator().manual_seed(1), torch.device("cpu"))
+    counts = sample_variants(noise, layout, spend_min)[:, 1:].sum(-1)
+    spare = layout.W - layout.coarsest_cover
+    assert (counts <= layout.W).all()
+    assert (counts >= layout.coarsest_cover + int(spend_min * spare) - (layout.K - 2)).all()
+    if spend_min < 1.0:  # and the draws really spread over the range
+        assert counts.min() < layout.coarsest_cover + spend_min * spare + 0.25 * (1 - spend_min) * spare
 
 
 @pytest.mark.parametrize("network", ["gistnet", "lensnet"])

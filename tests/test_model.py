@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -102,3 +103,30 @@ def test_logits_are_soft_capped_and_targets_below_zero_are_ignored():
 def test_shape_checks_run_in_eager_code():
     with pytest.raises(Exception, match="(?i)type-check|shape|dimension"):
         rotary_tables(torch.zeros(2, 5), torch.ones(2, 6), 8, 10000.0)
+
+
+@pytest.mark.parametrize("mc", [False, True])
+def test_step_flops_estimate_matches_the_counted_flops(mc):
+    """The MFU numerator against torch's FLOP counter over a real forward + backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mcfn.config import build_config
+    from mcfn.flops import step_flops
+    from mcfn.tasks import build_task
+
+    cfg = build_config(
+        {
+            "model": {"n_layer": 2, "n_head": 2, "n_embd": 64},
+            "data": {"seq_len": 64},
+            "train": {"batch_size": 2},
+            "mc": {"enabled": mc, "block_size": 4, "budget": 32, "tail": 8, "lens_every": 1},
+        }
+    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256))
+    task = build_task(cfg, torch.ones(256, dtype=torch.int64), torch.device("cpu"))
+    window = torch.randint(0, 256, (2, 65))
+    with FlopCounterMode(display=False) as counter:
+        out = task.train_step(window, 0)
+        sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+    counted, estimated = counter.get_total_flops(), step_flops(cfg, task.model)
+    assert 0.75 < estimated / counted < 1.25, (estimated, counted)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from mcfn.config import DEFAULT_PROFILE, parse_override, resolve
-from mcfn.errors import UserError
+from mcfn.errors import UserError, exit_code
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,31 +37,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        overrides = [parse_override(o) for o in args.overrides]
-        flags = {
-            ("train", "steps"): args.steps,
-            ("train", "seed"): args.seed,
-            ("data", "source"): args.data,
-            ("train", "wandb"): args.wandb,
-            ("train", "compile"): True if args.compile else None,
-            ("mc", "enabled"): False if args.no_mc else None,
-        }
-        overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
-        cfg = resolve(args.profile, overrides)
-        if args.resume and args.out is None:
-            raise UserError("--resume needs --out DIR, the run to continue")
-        profile_name = Path(args.profile).stem
-        out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        from mcfn.trainer import train  # heavy imports after the arguments are known to be good
+def run(args: argparse.Namespace) -> None:
+    overrides = [parse_override(o) for o in args.overrides]
+    flags = {
+        ("train", "steps"): args.steps,
+        ("train", "seed"): args.seed,
+        ("data", "source"): args.data,
+        ("train", "wandb"): args.wandb,
+        ("train", "compile"): True if args.compile else None,
+        ("mc", "enabled"): False if args.no_mc else None,
+    }
+    overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
+    cfg = resolve(args.profile, overrides)
+    if args.resume and args.out is None:
+        raise UserError("--resume needs --out DIR, the run to continue")
+    profile_name = Path(args.profile).stem
+    out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from mcfn.trainer import train  # heavy imports after the arguments are known to be good
 
-        train(cfg, out, resume=args.resume)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    train(cfg, out, resume=args.resume)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

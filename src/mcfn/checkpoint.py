@@ -28,6 +28,8 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     torch.save(state, buf)
     payload = buf.getvalue()
     header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n"
+    for stale in path.parent.glob(f".{path.name}.*"):  # left by a process killed mid-write
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -117,6 +117,10 @@ class MCConfig:
     budget: int = 256  # W: working-context capacity in entries
     tail: int = 64  # H: the last H tokens, LOD0 in every variant and scored in every variant
     variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
+    # Random compressed variants spend a uniform fraction in [variant_spend_min, 1] of the spare budget
+    # (W minus the coarsest cover): below 1, some variants are mostly gists, so the base model and GistNet
+    # learn to rely on gists. The allocator's variants always fill W.
+    variant_spend_min: float = 1.0
     gist_layers: int = 2
     gist_width: int = 0  # GistNet's internal width; 0 means half the model width
     gist_heads: int = 2
@@ -143,6 +147,7 @@ class MCConfig:
         _require(self.lens_heads >= 1, "mc.lens_heads", "must be >= 1")
         for name in ("lens_weight", "lens_pref_weight", "lens_budget_weight", "lens_rank_weight", "alloc_noise"):
             _require(getattr(self, name) >= 0, f"mc.{name}", "must be >= 0")
+        _require(0.0 <= self.variant_spend_min <= 1.0, "mc.variant_spend_min", "must lie in [0, 1]")
         _require(self.lens_temperature > 0, "mc.lens_temperature", "must be > 0")
         _require(self.lens_every >= 1, "mc.lens_every", "must be >= 1")
         _require(0 <= self.alloc_variants <= self.variants, "mc.alloc_variants", "must be between 0 and mc.variants")
@@ -166,7 +171,10 @@ WANDB_MODES = ("offline", "online", "disabled")
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200
-    batch_size: int = 4  # B: samples per step
+    batch_size: int = 4  # B: samples per step (the global batch, whatever the number of processes)
+    # Rows per forward/backward, gradients accumulated over the rest; 0: the whole batch on CPU, the largest
+    # that fits on a GPU (found by trying, halving on out-of-memory).
+    micro_batch_size: int = 0
     eval_every: int = 50  # validation bpb every this many steps (and at step 0 and the end)
     eval_batches: int = 8  # validation batches of batch_size windows each
     log_every: int = 1  # read the loss back and write metrics every this many steps
@@ -177,10 +185,25 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     wandb: str = "offline"
     wandb_project: str = "mcfn"
+    lod_map_every: int = 50  # print (and append to lod_maps.txt) sample 0's working contexts; 0: never
+    max_bad_steps: int = 3  # non-finite losses in a row that stop the run (each one skips its update)
+    final_eval: bool = True  # MC runs end with train.eval's table (full/recency/random/lens/oracle) and plot
+    final_eval_batches: int = 32  # validation batches for it: more than eval_batches, the differences are small
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_batches", "log_every", "ckpt_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_batches",
+            "final_eval_batches",
+            "log_every",
+            "ckpt_every",
+            "max_bad_steps",
+        ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
+        _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")
         _require(
@@ -259,6 +282,14 @@ def build_config(sections: dict[str, dict[str, Any]], source: str = "config") ->
             kwargs[key] = _coerce(full, value, fields[key].type)
         built[section] = cls(**kwargs)
     return RunConfig(**built)
+
+
+def config_from_saved(sections: dict[str, dict[str, Any]]) -> RunConfig:
+    """The config a checkpoint was written with, derived fields included (the file is ours, not the user's)."""
+    try:
+        return RunConfig(**{name: cls(**sections[name]) for name, cls in _SECTION_TYPES.items()})
+    except (KeyError, TypeError) as e:
+        raise UserError(f"checkpoint config does not match this version of mcfn ({e})") from None
 
 
 def profile_path(name: str) -> Path:

@@ -65,12 +65,18 @@ class SelfAttention(nn.Module):
         self.c_v = nn.Linear(dim, dim, bias=False)
         self.c_proj = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values ``[b, h, n, e]``, rotated (keys are what a KV cache stores)."""
         q, k, v = (rearrange(lin(x), "b n (h e) -> b h n e", h=self.n_head) for lin in (self.c_q, self.c_k, self.c_v))
         # QK-norm before the rotary, so a gist's span damping is not normalised away.
-        q, k = apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return apply_rotary(rms_norm(q), cos, sin), apply_rotary(rms_norm(k), cos, sin), v
+
+    def project(self, y: Tensor) -> Tensor:
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.project(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal))
 
 
 class MLP(nn.Module):

@@ -84,10 +84,15 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
         foreach=False if not fused else None,
     )
     optimizers = [muon, adamw]
-    for opt in optimizers:
-        for group in opt.param_groups:
+    for opt, names in zip(optimizers, (["matrix"], ["embedding", "unembedding"]), strict=True):
+        for group, name in zip(opt.param_groups, names, strict=True):
             group["base_lr"] = float(group["lr"])
+            group["name"] = name  # logged as train/lr/<name>
     return optimizers
+
+
+def current_lrs(optimizers: list[torch.optim.Optimizer], mult: float) -> dict[str, float]:
+    return {f"train/lr/{g['name']}": g["base_lr"] * mult for opt in optimizers for g in opt.param_groups}
 
 
 def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.data.loader import VAL_SEED
 from mcfn.mc.preferences import lens_weight_tensors
-from mcfn.mc.system import MegaContext, process_batch, process_batch_lens, tail_nll_and_bytes
+from mcfn.mc.render import lod_string
+from mcfn.mc.system import MegaContext, build_contexts, process_batch, process_batch_lens, tail_nll_and_bytes
 from mcfn.mc.variants import draw_variant_noise
 from mcfn.model import GPT
 from mcfn.seeding import derive_seed
@@ -41,7 +42,7 @@ class PlainTask:
     def compile(self, mode: str) -> None:
         self._step, self._eval = compile_step(self._step, mode), compile_step(self._eval, mode)
 
-    def train_step(self, window: Tensor, step: int) -> dict[str, Tensor]:
+    def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> dict[str, Tensor]:
         return self._step(self.model, window)
 
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
@@ -62,6 +63,7 @@ class MCTask:
     def __init__(self, cfg: RunConfig, token_bytes: Tensor, device: torch.device):
         mc = cfg.mc
         self.model = MegaContext(cfg).to(device)
+        self.global_batch = cfg.train.batch_size
         self.layout = self.model.layout
         self.token_bytes, self.device, self.seed = token_bytes, device, cfg.train.seed
         self.alloc_iterations = mc.alloc_iterations
@@ -82,11 +84,29 @@ class MCTask:
         self.generator.manual_seed(seed)
         return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
 
-    def train_step(self, window: Tensor, step: int) -> dict[str, Tensor]:
-        noise = self.noise(window.size(0), derive_seed(self.seed, "train_noise", step))
+    def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> dict[str, Tensor]:
+        """The step on ``window``, rows ``rows`` of the global batch (None: ``window`` is the whole batch).
+        Variant noise is drawn for the global batch and sliced, so a sample gets the same variants however
+        the batch is split (processes, micro-batches)."""
+        if rows is None:
+            rows = slice(0, window.size(0))
+        noise = self.noise(max(self.global_batch, rows.stop), derive_seed(self.seed, "train_noise", step))[rows]
         if self.lens_every and step % self.lens_every == 0:
             return self._step_lens(self.model, window, noise, self.lens_weights)
         return self._step(self.model, window, noise)
+
+    @torch.no_grad()
+    def lod_maps(self, window: Tensor, step: int) -> list[tuple[str, str]]:
+        """Sample 0's working contexts at this step (``window`` holds rows from 0 of the global batch), as
+        ``(kind, one character per block)`` pairs."""
+        noise = self.noise(self.global_batch, derive_seed(self.seed, "train_noise", step))[:1]
+        wc, _ = build_contexts(self.model, window[:1], noise)
+        V, A = self.layout.V, self.model.alloc_variants
+        kinds = ["recency"] + ["random"] * (V - 1 - A) + ["allocator"] * A
+        return [
+            (kind, lod_string(wc.start[v], wc.span[v], wc.lod[v], wc.valid[v], self.layout.T, self.layout.K))
+            for v, kind in enumerate(kinds)
+        ]
 
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
         def sums(i: int, window: Tensor) -> tuple[Tensor, Tensor]:

@@ -21,10 +21,18 @@ from mcfn.mc.preferences import HIST_RANGE
 METRICS_NAME = "metrics.jsonl"
 
 
+def _parse(line: str) -> dict[str, Any] | None:
+    """A record, or None for a blank line or the torn last line of a killed run."""
+    try:
+        return json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+
+
 def _drop_records_from(path: Path, step: int) -> None:
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    kept = [line for line in path.read_text().splitlines() if (record := _parse(line)) and record["step"] < step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     os.replace(tmp, path)
@@ -32,13 +40,22 @@ def _drop_records_from(path: Path, step: int) -> None:
 
 class MetricsLog:
     def __init__(
-        self, out_dir: Path, config: dict[str, Any], wandb_mode: str, project: str, resume_step: int | None = None
+        self,
+        out_dir: Path,
+        config: dict[str, Any],
+        wandb_mode: str,
+        project: str,
+        resume_step: int | None = None,
+        enabled: bool = True,
     ):
+        """``enabled=False`` (every rank but 0 of a distributed run) writes nothing at all."""
         self.path = out_dir / METRICS_NAME
+        self._file = self._wandb = None
+        if not enabled:
+            return
         if resume_step is not None:
             _drop_records_from(self.path, resume_step)
         self._file = self.path.open("a")
-        self._wandb = None
         if wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
@@ -60,6 +77,8 @@ class MetricsLog:
     def log(self, record: dict[str, Any], histograms: dict[str, torch.Tensor] | None = None) -> None:
         """One record to ``metrics.jsonl`` and wandb; histograms (``hist/*``: counts over fixed bins from
         ``mcfn.mc.preferences``) go to wandb only."""
+        if self._file is None:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb is None:
@@ -71,11 +90,12 @@ class MetricsLog:
         self._wandb.log(payload, step=record["step"])
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
 def read_metrics(out_dir: Path) -> list[dict[str, Any]]:
     path = out_dir / METRICS_NAME
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for line in path.read_text().splitlines() if (record := _parse(line))]

@@ -26,15 +26,22 @@ from mcfn.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.data.corpus import prepare_corpus
 from mcfn.data.loader import Prefetcher, WindowSampler, validation_batches
-from mcfn.errors import UserError
-from mcfn.optim import build_optimizers, lr_multiplier, set_lr_multiplier
-from mcfn.step import total_loss
+from mcfn.distributed import World, average_gradients, init_world, shutdown
+from mcfn.errors import RunAborted, UserError
+from mcfn.evaluation import EvalSettings, default_budgets, run_evaluation, write_eval_outputs
+from mcfn.flops import peak_flops, step_flops
+from mcfn.mc.system import MegaContext
+from mcfn.microbatch import check_micro_batch, fitting_micro_batch, forward_backward, out_of_memory_message
+from mcfn.optim import build_optimizers, current_lrs, lr_multiplier, set_lr_multiplier
+from mcfn.report import write_report
 from mcfn.stopping import StopRequest
-from mcfn.tasks import build_task
+from mcfn.tasks import MCTask, build_task
 from mcfn.tracking import METRICS_NAME, MetricsLog
 
 CHECKPOINT_FORMAT = 1
 SUMMARY_NAME = "summary.json"
+LOD_MAPS_NAME = "lod_maps.txt"
+LOD_LEGEND = "a character per block of K tokens: 0 tokens, 1 and up gists, · not covered"
 # Config sections that must match a checkpoint for --resume to continue the same run.
 RESUME_MUST_MATCH = ("model", "data", "mc")
 
@@ -45,6 +52,39 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"train.device is {name} but torch sees no CUDA device")
     return torch.device(name)
+
+
+def choose_micro_batch(
+    cfg: RunConfig, task, sampler: WindowSampler, rows: slice, step: int, device: torch.device, autocast
+) -> int:
+    """``train.micro_batch_size``, or when it is 0: the whole local batch off GPU, else the largest that fits."""
+    local = rows.stop - rows.start
+    if cfg.train.micro_batch_size:
+        return check_micro_batch(cfg.train.micro_batch_size, local)
+    if device.type != "cuda":
+        return local
+    probe = sampler.batch(step, cfg.train.batch_size)[rows].to(device)
+
+    def try_step(micro: int) -> None:
+        try:
+            forward_backward(task.train_step, probe, step, rows.start, micro, autocast)
+        finally:
+            task.model.zero_grad(set_to_none=True)
+
+    micro = fitting_micro_batch(try_step, local)
+    say(f"[run] micro-batch {micro} of {local} rows: the largest that fits")
+    return micro
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def phase_clock(device: torch.device, sync: bool) -> float:
+    """``perf_counter``, after the device's queued work when ``sync`` (so a phase's time is its own)."""
+    if sync and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def padded_vocab(n: int, multiple: int = 64) -> int:
@@ -81,7 +121,21 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
     """Train as configured, writing metrics, checkpoints and ``summary.json`` to ``out_dir``."""
     t_start = time.perf_counter()
     device = resolve_device(cfg.train.device)
+    world = init_world(device.type)
+    if world.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    try:
+        return _train(cfg, out_dir, resume, device, world, t_start)
+    finally:
+        shutdown(world)
+
+
+def _train(
+    cfg: RunConfig, out_dir: Path, resume: bool, device: torch.device, world: World, t_start: float
+) -> dict[str, Any]:
     torch.manual_seed(cfg.train.seed)
+    rows = world.rows(cfg.train.batch_size)
 
     corpus = prepare_corpus(cfg.data)
     vocab = padded_vocab(corpus.tokenizer.vocab_size)
@@ -98,6 +152,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         _check_resumable(state, cfg, corpus.key, ckpt_path)
     elif ckpt_path.exists() or (out_dir / METRICS_NAME).exists():
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")
+    if world.size > 1:  # every rank has checked the directory before rank 0 writes to it
+        torch.distributed.barrier()
 
     task = build_task(cfg, token_bytes, device)
     model = task.model
@@ -110,10 +166,16 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         torch.set_rng_state(state["rng"]["torch"])
         start_step = state["step"]
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    if world.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     log = MetricsLog(
-        out_dir, cfg.to_dict(), cfg.train.wandb, cfg.train.wandb_project, resume_step=start_step if resume else None
+        out_dir,
+        cfg.to_dict(),
+        cfg.train.wandb if world.is_main else "disabled",
+        cfg.train.wandb_project,
+        resume_step=start_step if resume else None,
+        enabled=world.is_main,
     )
 
     if cfg.train.compile:
@@ -132,6 +194,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         return result
 
     def checkpoint(step: int) -> None:
+        if not world.is_main:
+            return
         save_checkpoint(
             ckpt_path,
             {
@@ -147,20 +211,31 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         )
 
     steps, tokens_per_step = cfg.train.steps, cfg.train.batch_size * cfg.data.seq_len
-    print(
+    say(
         f"[run] {task.mode} mode, {model.num_params():,} parameters, vocab {vocab}, T={cfg.data.seq_len}, "
-        f"B={cfg.train.batch_size}, {steps} steps on {device}"
-        f"{' (compiled, ' + cfg.train.compile_mode + ')' if cfg.train.compile else ''} -> {out_dir}",
-        file=sys.stderr,
-        flush=True,
+        f"B={cfg.train.batch_size}{f' over {world.size} processes' if world.size > 1 else ''}, {steps} steps on "
+        f"{device}{' (compiled, ' + cfg.train.compile_mode + ')' if cfg.train.compile else ''} -> {out_dir}"
     )
+    # Model FLOPs utilisation on a known GPU: mean FLOPs per step over the step's duration, per device.
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    flops = step_flops(cfg, model)
+    micro = choose_micro_batch(cfg, task, sampler, rows, start_step, device, autocast)
     timings = Timings()
-    prefetch = Prefetcher(sampler, cfg.train.batch_size, start_step, device)
+    prefetch = Prefetcher(sampler, cfg.train.batch_size, start_step, device, rows=rows)
+    params = list(model.parameters())
     bar = tqdm(
-        total=steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, mininterval=0.5, file=sys.stderr
+        total=steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        mininterval=0.5,
+        file=sys.stderr,
+        disable=not world.is_main,
     )
     first_bpb = last_bpb = None
     stopped_at = None
+    skipped = bad_in_a_row = 0  # updates skipped for a non-finite loss: in all, and in a row
     window_start, window_steps = time.perf_counter(), 0
     stop = StopRequest()
     try:
@@ -168,7 +243,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         for step in range(start_step, steps + 1):
             record: dict[str, Any] = {"step": step}
             last = step == steps
-            if step % cfg.train.eval_every == 0 or last:
+            if (step % cfg.train.eval_every == 0 or last) and world.is_main:
                 result = evaluate()
                 last_bpb = result["val/bpb"]
                 first_bpb = last_bpb if first_bpb is None else first_bpb
@@ -183,24 +258,55 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
 
             mult = lr_multiplier(step, steps, cfg.optim)
             set_lr_multiplier(optimizers, mult)
-            t0 = time.perf_counter()
+            logged = step % cfg.train.log_every == 0 or step == steps - 1
+            # Phase times on logged steps only (synchronising the device there, never elsewhere).
+            t0 = phase_clock(device, logged)
             window_batch = prefetch.next()
-            with autocast():
-                out = task.train_step(window_batch, step)
-            loss = total_loss(out)
-            loss.backward()
+            t_data = phase_clock(device, logged)
+            try:
+                loss, out = forward_backward(task.train_step, window_batch, step, rows.start, micro, autocast)
+            except torch.OutOfMemoryError:
+                raise RunAborted(out_of_memory_message(micro)) from None
+            # With several processes: the mean gradient and loss, and whether any rank was signalled.
+            loss, stop_requested = average_gradients(params, loss, stop.signum is not None, world)
+            t_fwd_bwd = phase_clock(device, logged)
             grad_norm = (
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
                 if cfg.optim.grad_clip > 0
                 else None
             )
-            for opt in optimizers:
-                opt.step()
+            # One host sync per step: a non-finite loss or gradient must not reach the weights.
+            if bool(torch.isfinite(loss if grad_norm is None else loss + grad_norm)):
+                for opt in optimizers:
+                    opt.step()
+                bad_in_a_row = 0
+            else:
+                skipped += 1
+                bad_in_a_row += 1
+                bar.write(f"step {step:5d} | non-finite loss: update skipped ({skipped} so far)", file=sys.stderr)
+                if bad_in_a_row >= cfg.train.max_bad_steps:
+                    model.zero_grad(set_to_none=True)
+                    checkpoint(step + 1)
+                    log.log({"step": step, "train/skipped_steps": skipped})
+                    raise RunAborted(
+                        f"the loss was non-finite {bad_in_a_row} steps in a row (steps {step - bad_in_a_row + 1}-"
+                        f"{step}); the last good parameters are checkpointed in {ckpt_path} (step {step + 1}). "
+                        f"Lower the learning rates (optim.*_lr), set optim.grad_clip, or check the data"
+                    )
             model.zero_grad(set_to_none=True)
             window_steps += 1
 
-            if step % cfg.train.log_every == 0 or step == steps - 1:
-                # The one host sync per logged step: every loss term and metric comes back together.
+            if logged:
+                t_optim = phase_clock(device, logged)
+                record.update(
+                    {
+                        "time/data_ms": (t_data - t0) * 1e3,
+                        "time/fwd_bwd_ms": (t_fwd_bwd - t_data) * 1e3,
+                        "time/optim_ms": (t_optim - t_fwd_bwd) * 1e3,
+                        **current_lrs(optimizers, mult),
+                    }
+                )
+                # Every loss term and metric comes back in one transfer.
                 scalars = {k: v for k, v in out.items() if v.ndim == 0}
                 names = ["loss", *scalars] + (["grad_norm"] if grad_norm is not None else [])
                 tensors = [loss, *scalars.values()] + ([grad_norm] if grad_norm is not None else [])
@@ -216,8 +322,10 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
                 record.update(
                     {
                         "train/loss": loss_value,
+                        "train/skipped_steps": skipped,
                         "time/step_ms": step_ms,
                         "train/tokens_per_s": tok_s,
+                        **({"train/mfu": flops / (step_ms / 1e3) / (peak * world.size)} if peak else {}),
                         "train/lr_mult": mult,
                     }
                 )
@@ -225,10 +333,22 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
                 record.update({k if "/" in k else f"train/{k}": v for k, v in values.items() if k != "loss"})
                 bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
                 window_start, window_steps = time.perf_counter(), 0
+            if (
+                world.is_main
+                and cfg.train.lod_map_every
+                and step % cfg.train.lod_map_every == 0
+                and isinstance(task, MCTask)
+            ):
+                maps = task.lod_maps(window_batch, step)
+                text = f"step {step}: sample 0's working contexts ({LOD_LEGEND})\n"
+                text += "".join(f"  {name:>9} {line}\n" for name, line in maps)
+                bar.write(text.rstrip("\n"), file=sys.stderr)
+                with (out_dir / LOD_MAPS_NAME).open("a") as f:
+                    f.write(text)
             bar.update(1)
             if len(record) > 1:
                 log.log(record, {k: v for k, v in out.items() if v.ndim == 1} if "train/loss" in record else None)
-            if stop.signum is not None:  # finish the step, checkpoint it, and leave
+            if stop_requested:  # finish the step, checkpoint it, and leave
                 stopped_at = step + 1
                 checkpoint(stopped_at)
                 break
@@ -238,11 +358,24 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         prefetch.close()
         log.close()
 
+    if not world.is_main:
+        return {"steps": steps, "rank": world.rank, "stopped_at": stopped_at}
+    final_eval = None
+    if stopped_at is None and cfg.train.final_eval and isinstance(model, MegaContext):
+        settings = EvalSettings(default_budgets(model.layout))
+        windows = validation_batches(corpus.val, window, cfg.train.final_eval_batches, cfg.train.batch_size)
+        final_eval = run_evaluation(model, windows, token_bytes, settings)
+        final_eval["checkpoint_step"] = steps
+        table = write_eval_outputs(final_eval, out_dir)
+        print(f"\n{table}", file=sys.stderr, flush=True)
+
     median_ms = statistics.median(timings.step_ms) if timings.step_ms else timings.first_step_ms or 0.0
     summary = {
         "steps": steps,
         "resumed_from": start_step if resume else None,
         "stopped_at": stopped_at,  # set when a signal stopped the run early (resume with --resume)
+        "skipped_steps": skipped,  # updates skipped for a non-finite loss
+        "micro_batch_size": micro,
         "mode": task.mode,
         "device": str(device),
         "compiled": cfg.train.compile,
@@ -255,10 +388,18 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
         "compile_s": max(0.0, ((timings.first_step_ms or 0.0) - median_ms) / 1e3),
         "eval_s_total": sum(timings.eval_s),
         "wall_s": time.perf_counter() - t_start,
+        "eval": None
+        if final_eval is None
+        else {k: final_eval[k] for k in ("W", "bpb", "retained_fraction", "lens_rank_corr")},
     }
     tmp = out_dir / f"{SUMMARY_NAME}.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out_dir / SUMMARY_NAME)
+    if stopped_at is None:
+        maps_path = out_dir / LOD_MAPS_NAME
+        last_maps = maps_path.read_text().split("step ")[-1] if maps_path.exists() else None
+        report = write_report(out_dir, summary, tokens_per_step, final_eval, last_maps and f"step {last_maps}")
+        print(f"[run] report: {report}", file=sys.stderr, flush=True)
     if stopped_at is not None:
         print(
             f"[run] stopped by {stop.name} after step {stopped_at}; checkpoint written; continue with "

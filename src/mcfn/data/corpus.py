@@ -189,3 +189,26 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
         )
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"token cache {entry} is damaged ({e}); delete it to rebuild") from None
+
+
+def encode_source(spec: str, tokenizer: Tokenizer, min_doc_chars: int) -> Split:
+    """Every document of a data source, tokenized in memory with an existing tokenizer (for evaluation)."""
+    source = open_source(spec)
+    offsets, parts = [0], []
+    batch: list[str] = []
+
+    def flush() -> None:
+        for ids in tokenizer.encode_batch(batch):
+            parts.append(np.asarray([tokenizer.bos_id, *ids], dtype=np.int64))
+            offsets.append(offsets[-1] + len(parts[-1]))
+        batch.clear()
+
+    for _, text in iter_documents(source):
+        if len(text) >= min_doc_chars:
+            batch.append(text)
+        if len(batch) == ENCODE_CHUNK_DOCS:
+            flush()
+    flush()
+    if not parts:
+        raise UserError(f"data source {spec!r}: no documents of at least {min_doc_chars} characters")
+    return Split(tokens=np.concatenate(parts), doc_offsets=np.asarray(offsets, dtype=np.int64))

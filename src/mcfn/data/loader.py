@@ -66,8 +66,17 @@ class Prefetcher:
     host work that could have happened during the previous step.
     """
 
-    def __init__(self, sampler: WindowSampler, batch_size: int, start: int, device: torch.device, depth: int = 2):
-        self.sampler, self.batch_size, self.device = sampler, batch_size, device
+    def __init__(
+        self,
+        sampler: WindowSampler,
+        batch_size: int,
+        start: int,
+        device: torch.device,
+        depth: int = 2,
+        rows: slice = slice(None),
+    ):
+        # rows: this process's share of each global batch (data parallelism)
+        self.sampler, self.batch_size, self.device, self.rows = sampler, batch_size, device, rows
         self.next_index = start
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -78,7 +87,7 @@ class Prefetcher:
         pin = self.device.type == "cuda"
         while not self._stop.is_set():
             try:
-                batch = self.sampler.batch(index, self.batch_size)
+                batch = self.sampler.batch(index, self.batch_size)[self.rows]
                 item = (index, batch.pin_memory() if pin else batch)
             except BaseException as e:  # handed to the consumer, raised there
                 item = (index, e)

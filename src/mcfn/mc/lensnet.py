@@ -6,7 +6,7 @@
 A small **bidirectional** transformer (the GPT's block without the causal mask), so that old entries
 see the recent text they are judged against. Padding is masked out of attention. Entries carry
 their (damped) rotary position, and three features added to the input: a learned embedding of the
-LOD, and the log-span and distance to the tail (both scaled to about [0, 1]). The inputs are the
+LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it.
 """
 
@@ -49,9 +49,12 @@ class LensNet(nn.Module):
     @typechecked
     def forward(self, wc: WorkingContext) -> Float[Tensor, "r w"]:
         T, L = self.layout.T, self.layout.L
-        end = (wc.start + wc.span).float()
+        end = wc.start + wc.span
+        # Distance back from the context's last entry (the newest token), in units of the training T:
+        # during training the context ends at T; while streaming it ends wherever the text has got to.
+        now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
         features = torch.stack(
-            (torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), (T - end) / T), dim=-1
+            (torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), (now - end).float() / T), dim=-1
         )
         x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, 10000.0)

@@ -95,35 +95,26 @@ def complete_groups(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Bool[Te
     return torch.cat(parts, dim=-1)
 
 
-def pair_index(layout: Layout) -> tuple[list[int], list[int]]:
-    """All unordered pairs of variant slots of one sample."""
-    pairs = list(combinations(range(layout.V), 2))
+def pair_index(slots: int) -> tuple[list[int], list[int]]:
+    """All unordered pairs of ``slots`` variant slots of one sample."""
+    pairs = list(combinations(range(slots), 2))
     return [i for i, _ in pairs], [j for _, j in pairs]
 
 
 @typechecked
-def preference_targets(
+def detail_targets(
     shown: Bool[Tensor, "b v nodes"],
-    tails: Float[Tensor, "b v"],
+    better: Int[Tensor, "b p"],
+    worse: Int[Tensor, "b p"],
     wc: WorkingContext,
     layout: Layout,
     node_table: dict[str, Tensor],
-    temperature: Tensor,
-) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
-    """Targets on the worse variant's entries for every pair: ``y [B, P, W]`` in {-1, 0, 1}, the ties
-    ``[B, P, W]`` (valid entries that the better variant shows unchanged), the pair weights ``w [B, P]`` and
-    ``rows [B, P]``, the worse variants' rows in the packed ``[B·V, W]`` batch.
-    """
-    B, V, L = shown.size(0), layout.V, layout.L
-    first, second = pair_index(layout)
-    i = torch.tensor(first, device=shown.device).expand(B, -1)
-    j = torch.tensor(second, device=shown.device).expand(B, -1)
-    tails = tails.detach()
-    ti, tj = tails.gather(1, i), tails.gather(1, j)
-    better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
-    weight = torch.tanh((ti - tj).abs() / temperature)
+) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Int[Tensor, "b p"]]:
+    """For pairs of variant slots, the I7 targets on the ``worse`` variant's entries that would move it
+    towards ``better``: ``y [B, P, W]`` in {-1, 0, 1}, the ties (valid entries ``better`` shows unchanged)
+    and ``rows [B, P]``, the ``worse`` variants' rows in the packed ``[B·V, W]`` batch."""
+    B, V, L = shown.size(0), shown.size(1), layout.L
     rows = torch.arange(B, device=shown.device)[:, None] * V + worse  # [B, P]
-
     node, lod, valid = wc.node[rows], wc.lod[rows], wc.valid[rows]  # [B, P, W]
     parent = node_table["parent"][node].clamp(min=0)
     mins = node_min_lod(shown, layout)  # [B, V, nodes]
@@ -136,7 +127,30 @@ def preference_targets(
     parent_ok = node_table["eligible"][parent]
     expand = valid & (lod > 0) & finer_inside
     collapse = valid & (lod < L) & group_in_worse & parent_ok & coarser_over_group
-    return expand.long() - collapse.long(), valid & (finest_inside == lod), weight, rows
+    return expand.long() - collapse.long(), valid & (finest_inside == lod), rows
+
+
+@typechecked
+def preference_targets(
+    shown: Bool[Tensor, "b v nodes"],
+    tails: Float[Tensor, "b v"],
+    wc: WorkingContext,
+    layout: Layout,
+    node_table: dict[str, Tensor],
+    temperature: Tensor,
+) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
+    """Targets on the worse variant's entries for every pair (:func:`detail_targets`, with the better
+    variant the one of lower tail NLL) and the pair weights ``w [B, P]``."""
+    B = shown.size(0)
+    first, second = pair_index(layout.V)
+    i = torch.tensor(first, device=shown.device).expand(B, -1)
+    j = torch.tensor(second, device=shown.device).expand(B, -1)
+    tails = tails.detach()
+    ti, tj = tails.gather(1, i), tails.gather(1, j)
+    better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
+    weight = torch.tanh((ti - tj).abs() / temperature)
+    target, tie, rows = detail_targets(shown, better, worse, wc, layout, node_table)
+    return target, tie, weight, rows
 
 
 @typechecked

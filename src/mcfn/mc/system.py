@@ -51,6 +51,7 @@ class MegaContext(nn.Module):
         self.alloc_variants = mc.alloc_variants if mc.lens else 0
         self.alloc_noise = mc.alloc_noise
         self.use_rank = mc.lens_rank
+        self.spend_min = mc.variant_spend_min
         for name, value in self.layout.node_table().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
         self.register_buffer("coarsest", coarsest_cut(self.layout, torch.device("cpu")), persistent=False)
@@ -64,23 +65,44 @@ class MegaContext(nn.Module):
 
 
 @typechecked
+def refocus(
+    system: MegaContext,
+    tree: Tree,
+    window: Int[Tensor, "b t1"],
+    cut: Bool[Tensor, "b a nodes"],
+    layout: Layout,
+    explore: Tensor | None = None,
+    iterations: int = 1,
+    node_table: dict[str, Tensor] | None = None,
+) -> Bool[Tensor, "b a nodes"]:
+    """Refocus ``A`` working contexts per sample within ``layout.W``: each iteration scores the current
+    context with LensNet, adds ``alloc_noise`` times the exploration noise ``explore [B, A, I, nodes]``
+    if given (then ``I`` iterations), and reallocates. ``node_table`` is ``layout``'s, when ``layout`` is
+    not the system's own (a streaming view)."""
+    B, A = cut.shape[:2]
+    table = system.node_table if node_table is None else node_table
+    per_row = dataclasses.replace(layout, N=A - 1)  # assemble A contexts per sample: V = A
+    iterations = explore.size(2) if explore is not None else iterations
+    cut = rearrange(cut, "b a n -> (b a) n")
+    with torch.no_grad():
+        for it in range(iterations):
+            wc = assemble(tree, rearrange(cut, "(b a) n -> b a n", b=B), window, per_row, table)
+            scores = node_scores_of(system.lensnet(wc), wc.node, wc.valid, layout.n_nodes)
+            if explore is not None:
+                scores = scores + system.alloc_noise * rearrange(explore[:, :, it], "b a n -> (b a) n")
+            cut = allocate(cut, scores, per_row, table)
+    return rearrange(cut, "(b a) n -> b a n", b=B)
+
+
+@typechecked
 def allocator_cuts(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b a nodes"]:
-    """The allocator's working contexts, ``A = alloc_variants`` per sample: from the coarsest cut, each
-    refocus step scores the current context with LensNet (no gradient), adds exploration noise and
-    reallocates. LensNet thus learns on the contexts it creates."""
-    layout, A, B = system.layout, system.alloc_variants, window.size(0)
-    one = dataclasses.replace(layout, N=A - 1)  # assemble A contexts per sample: V = A
-    explore = noise.explore[:, -A:]  # [B, A, I, nodes]
-    cut = repeat(system.coarsest, "n -> (b a) n", b=B, a=A)
-    with torch.no_grad():
-        for it in range(explore.size(2)):
-            wc = assemble(tree, rearrange(cut, "(b a) n -> b a n", b=B), window, one, system.node_table)
-            scores = node_scores_of(system.lensnet(wc), wc.node, wc.valid, layout.n_nodes)
-            scores = scores + system.alloc_noise * rearrange(explore[:, :, it], "b a n -> (b a) n")
-            cut = allocate(cut, scores, layout, system.node_table)
-    return rearrange(cut, "(b a) n -> b a n", b=B)
+    """The allocator's working contexts, ``A = alloc_variants`` per sample, refocused from the coarsest cut
+    with exploration noise: LensNet thus learns on the contexts it creates."""
+    A, B = system.alloc_variants, window.size(0)
+    start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
+    return refocus(system, tree, window, start, system.layout, explore=noise.explore[:, -A:])
 
 
 @typechecked
@@ -88,7 +110,7 @@ def choose_variants(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b v nodes"]:
     """The baseline and the random compressed cuts, the last ``alloc_variants`` of them replaced by the allocator's."""
-    shown = sample_variants(noise, system.layout)
+    shown = sample_variants(noise, system.layout, system.spend_min)
     if not system.alloc_variants:
         return shown
     keep = system.layout.V - system.alloc_variants

@@ -32,6 +32,7 @@ class VariantNoise(TensorClass):
 
     priority: Tensor  # [B, N, n_nodes]: expansion order among a level's shown nodes (higher first)
     share: Tensor  # [B, N, L]: share of the affordable expansions taken at each level (LOD1 ignores it)
+    spend: Tensor  # [B, N]: where between ``spend_min`` and all of it a variant's spare budget lies
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
 
 
@@ -42,6 +43,7 @@ def draw_variant_noise(
     return VariantNoise(
         priority=torch.rand(*shape, layout.n_nodes, generator=generator, device=device),
         share=torch.rand(*shape, layout.L, generator=generator, device=device),
+        spend=torch.rand(*shape, generator=generator, device=device),
         explore=torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device),
         batch_size=list(shape),
     )
@@ -64,12 +66,13 @@ def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tens
 
 
 @typechecked
-def compressed_cuts(noise: VariantNoise, layout: Layout) -> Bool[Tensor, "b n nodes"]:
-    """Shown-node masks of the ``N`` compressed variants."""
+def compressed_cuts(noise: VariantNoise, layout: Layout, spend_min: float = 1.0) -> Bool[Tensor, "b n nodes"]:
+    """Shown-node masks of the ``N`` compressed variants. Each spends a fraction of the spare budget
+    ``W - coarsest`` drawn uniformly from ``[spend_min, 1]`` (all of it when ``spend_min = 1``)."""
     priority, share = noise.priority, noise.share
-    rows = priority.shape[:-1]
-    device = priority.device
-    slack = torch.full(rows, layout.W - layout.coarsest_cover, device=device, dtype=torch.int64)
+    rows, device = priority.shape[:-1], priority.device
+    fraction = spend_min + (1.0 - spend_min) * noise.spend
+    slack = (fraction * (layout.W - layout.coarsest_cover)).floor().long()
     cost = layout.K - 1  # entries an expansion adds
     expanded: dict[int, Tensor] = {}
     parent_expanded = torch.ones(*rows, layout.level_sizes[layout.L], dtype=torch.bool, device=device)
@@ -92,7 +95,9 @@ def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
     """``[n_nodes]``: the coarsest cut that covers ``[0, T)`` with the tail at LOD0 (no spare budget spent)."""
     tight = dataclasses.replace(layout, W=layout.coarsest_cover, N=1)
     zeros = torch.zeros(1, 1, layout.n_nodes, device=device)
-    noise = VariantNoise(priority=zeros, share=zeros[..., : layout.L], explore=zeros[:, :, None], batch_size=[1, 1])
+    noise = VariantNoise(
+        priority=zeros, share=zeros[..., : layout.L], spend=zeros[..., 0], explore=zeros[:, :, None], batch_size=[1, 1]
+    )
     return compressed_cuts(noise, tight)[0, 0]
 
 
@@ -104,7 +109,9 @@ def recency_cut(layout: Layout, batch: int, device: torch.device) -> Bool[Tensor
 
 
 @typechecked
-def sample_variants(noise: VariantNoise, layout: Layout) -> Bool[Tensor, "b v nodes"]:
+def sample_variants(noise: VariantNoise, layout: Layout, spend_min: float = 1.0) -> Bool[Tensor, "b v nodes"]:
     """Shown-node masks ``[B, V, n_nodes]``: the recency baseline, then the ``N`` compressed variants."""
     batch = noise.batch_size[0]
-    return torch.cat([recency_cut(layout, batch, noise.priority.device), compressed_cuts(noise, layout)], dim=1)
+    return torch.cat(
+        [recency_cut(layout, batch, noise.priority.device), compressed_cuts(noise, layout, spend_min)], dim=1
+    )

@@ -1,0 +1,156 @@
+"""Text generation past the budget: MegaContext streaming decode, and full-context decode to compare.
+
+``mc``: the prompt streams into a :class:`StreamingTree`. Every ``refocus_every`` tokens the working
+context is rebuilt by LensNet and the allocator within ``W - refocus_every`` entries (room for the tokens
+decoded until the next refocus), run through the base model once to fill a KV cache, and the next
+tokens are decoded one at a time against that cache; each new token also joins the tree, so its block's
+gists exist by the next refocus. Per-token cost is bounded by ``W`` however long the text gets.
+
+``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
+
+``use_cache=False`` recomputes the whole working context at every token instead of reading the cache;
+it must pick the same tokens (the tests hold the cache to that).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mcfn.decode import KVCache, extend
+from mcfn.errors import UserError
+from mcfn.mc.render import lod_string
+from mcfn.mc.streaming import StreamingTree, focused_context
+from mcfn.mc.system import MegaContext
+from mcfn.model import GPT
+
+PREFILL_CHUNK = 1024  # full mode reads long prompts in chunks, so attention never builds an n × n mask
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: the whole vocabulary
+    seed: int = 0
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0  # reading the prompt: tree and cache (mc), or the cache (full)
+    decode_s: float = 0.0  # every new token, refocuses included
+    refocus_s: float = 0.0  # of decode_s: rebuilding the working context and its cache
+    layouts: list[str] = field(default_factory=list)  # the LOD layout at each refocus (mc)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator) -> Tensor:
+    """``[vocab]`` logits → a ``[1]`` token id."""
+    if sampling.temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    scaled = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
+        scaled = torch.where(scaled < kth, float("-inf"), scaled)
+    return torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator)
+
+
+def check_refocus(system: MegaContext, refocus_every: int) -> int:
+    """The budget left at each refocus, ``W - refocus_every``, which must hold the coarsest useful context."""
+    layout = system.layout
+    budget = layout.W - refocus_every
+    if refocus_every < 1 or budget < layout.H + layout.K * layout.L:
+        raise UserError(
+            f"--refocus-every {refocus_every} must lie in [1, {layout.W - layout.H - layout.K * layout.L}]: the "
+            f"working context of W={layout.W} must keep room for the tail and a few gists"
+        )
+    return budget
+
+
+@torch.no_grad()
+def generate_mc(
+    system: MegaContext,
+    prompt: Tensor,
+    max_new_tokens: int,
+    refocus_every: int,
+    refocus_steps: int = 4,
+    sampling: Sampling = Sampling(),
+    use_cache: bool = True,
+    on_refocus: Callable[[int, str], None] | None = None,
+) -> tuple[Tensor, GenerationStats]:
+    """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats."""
+    base, layout = system.base, system.layout
+    budget = check_refocus(system, refocus_every)
+    device = prompt.device
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    stats = GenerationStats(prompt_tokens=prompt.numel())
+    t0 = time.perf_counter()
+    stream = StreamingTree(system, device)
+    stream.append(prompt)
+    stats.prefill_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    produced: list[Tensor] = []
+    while len(produced) < max_new_tokens:
+        t_refocus = time.perf_counter()
+        wc = focused_context(system, stream, budget, refocus_steps)
+        layout_text = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), layout.K)
+        stats.layouts.append(layout_text)
+        if on_refocus is not None:
+            on_refocus(len(stream), layout_text)
+        emb, positions, spans = wc.emb, wc.position, wc.span.float()
+        cache = KVCache(base, emb.size(1) + refocus_every, device) if use_cache else None
+        hidden = extend(base, cache, emb, positions, spans) if use_cache else base.hidden(emb, positions, spans)
+        stats.refocus_s += time.perf_counter() - t_refocus
+        for _ in range(min(refocus_every, max_new_tokens - len(produced))):
+            token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
+            produced.append(token)
+            stream.append(token)
+            new_emb = base.embed(token[None])
+            new_pos = torch.full((1, 1), float(len(stream) - 1), device=device)
+            one = torch.ones_like(new_pos)
+            if use_cache:
+                hidden = extend(base, cache, new_emb, new_pos, one)
+            else:
+                emb = torch.cat([emb, new_emb], 1)
+                positions, spans = torch.cat([positions, new_pos], 1), torch.cat([spans, one], 1)
+                hidden = base.hidden(emb, positions, spans)
+    stats.decode_s = time.perf_counter() - t0
+    stats.new_tokens = len(produced)
+    return torch.cat(produced) if produced else prompt.new_zeros(0), stats
+
+
+@torch.no_grad()
+def generate_full(
+    base: GPT, prompt: Tensor, max_new_tokens: int, sampling: Sampling = Sampling()
+) -> tuple[Tensor, GenerationStats]:
+    """Decode with every token at LOD0 and a KV cache over the whole text (the comparison for ``mc``)."""
+    device, n = prompt.device, prompt.numel()
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    stats = GenerationStats(prompt_tokens=n)
+    cache = KVCache(base, n + max_new_tokens, device)
+    t0 = time.perf_counter()
+    for lo in range(0, n, PREFILL_CHUNK):
+        ids = prompt[lo : lo + PREFILL_CHUNK][None]
+        pos = torch.arange(lo, lo + ids.size(1), device=device, dtype=torch.float32)[None]
+        hidden = extend(base, cache, base.embed(ids), pos, torch.ones_like(pos))
+    stats.prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    produced: list[Tensor] = []
+    for i in range(max_new_tokens):
+        token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
+        produced.append(token)
+        if i + 1 < max_new_tokens:
+            pos = torch.full((1, 1), float(n + i), device=device)
+            hidden = extend(base, cache, base.embed(token[None]), pos, torch.ones_like(pos))
+    stats.decode_s = time.perf_counter() - t0
+    stats.new_tokens = len(produced)
+    return torch.cat(produced) if produced else prompt.new_zeros(0), stats

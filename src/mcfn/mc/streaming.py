@@ -1,0 +1,143 @@
+"""MegaContext over an unbounded stream: a tree that grows as tokens arrive, refocused within ``W``.
+
+* :class:`StreamingTree` keeps every token id, its embedding and every complete gist. A LOD1 gist is
+  built by GistNet the moment its block of ``K`` tokens completes, a LOD2 gist when its ``K`` LOD1
+  gists are complete, and so on (one batched GistNet call per level per append).
+* :func:`focused_context` builds a working context over the whole history ``[0, n)`` (or its most recent
+  part, once even the coarsest full cover would not fit): it lays the static training machinery over the
+  history, with the last ``H`` to ``H + K - 1`` tokens as the LOD0 tail, starts from the coarsest cut and
+  refocuses with LensNet and the allocator, the procedure ``train.eval`` scores as ``lens``.
+
+The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
+*phantom* tokens after the newest one. They sit in the tail, so no gist ever covers them, the budget is
+raised by their count so that they cost nothing, and they are dropped from the context before it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Int
+from torch import Tensor
+
+from mcfn.mc.context import WorkingContext, assemble
+from mcfn.mc.layout import Layout
+from mcfn.mc.system import MegaContext, refocus
+from mcfn.mc.tree import Tree
+from mcfn.mc.variants import coarsest_cut
+
+
+class GrowingRows:
+    """Rows appended at the end of a buffer that doubles its capacity when full."""
+
+    def __init__(self, width: int | None, dtype: torch.dtype, device: torch.device):
+        shape = (16,) if width is None else (16, width)
+        self.data, self.length = torch.zeros(shape, dtype=dtype, device=device), 0
+
+    def append(self, rows: Tensor) -> None:
+        need = self.length + rows.size(0)
+        if need > self.data.size(0):
+            grown = self.data.new_zeros((max(need, 2 * self.data.size(0)), *self.data.shape[1:]))
+            grown[: self.length] = self.data[: self.length]
+            self.data = grown
+        self.data[self.length : need] = rows
+        self.length = need
+
+    @property
+    def rows(self) -> Tensor:
+        return self.data[: self.length]
+
+
+class StreamingTree:
+    """Token ids, token embeddings and the complete gists of every level, for one stream."""
+
+    def __init__(self, system: MegaContext, device: torch.device):
+        self.system, self.layout = system, system.layout
+        dim = system.base.cfg.n_embd
+        self.tokens = GrowingRows(None, torch.int64, device)
+        self.levels = [GrowingRows(dim, torch.float32, device) for _ in range(self.layout.L + 1)]
+
+    def __len__(self) -> int:
+        return self.tokens.length
+
+    @torch.no_grad()
+    def append(self, ids: Int[Tensor, " n"]) -> None:
+        """Add tokens; build every gist whose block they complete, level by level."""
+        K = self.layout.K
+        self.tokens.append(ids)
+        self.levels[0].append(self.system.base.embed(ids[None])[0])
+        for k in range(1, self.layout.L + 1):
+            below, level = self.levels[k - 1], self.levels[k]
+            complete = below.length // K
+            if complete > level.length:
+                children = below.rows[level.length * K : complete * K].view(-1, K, below.data.size(1))
+                level.append(self.system.gistnet(children, level=k))
+
+
+@dataclass(frozen=True)
+class StreamView:
+    """Where the static layout lies over the stream: tokens ``[origin, origin + layout.T)``, of which the
+    ones from ``origin + real`` on are phantoms."""
+
+    layout: Layout
+    origin: int
+    real: int
+
+
+def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
+    """The layout over a history of ``n`` tokens, or over its most recent part that ``budget`` entries can
+    cover: past about ``budget·K^L`` tokens even the coarsest cover is too big, and the oldest top-level
+    gists are dropped, ``K^L`` tokens at a time."""
+    K, top = layout.K, layout.K**layout.L
+    tail_start = max(0, (n - layout.H) // K * K)
+
+    def fitted(origin: int) -> tuple[Layout, int]:
+        real = n - origin
+        T = -(-real // top) * top
+        H = T - (tail_start - origin)
+        phantoms = T - real
+        view = dataclasses.replace(layout, T=T, H=H, W=min(budget + phantoms, T), N=0)
+        return view, view.coarsest_cover - phantoms
+
+    origin = 0
+    view, cover = fitted(origin)
+    while cover > budget and origin + top <= tail_start:
+        origin += top
+        view, cover = fitted(origin)
+    return StreamView(view, origin, n - origin)
+
+
+def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
+    """The view's node embeddings ``[1, n_nodes, D]`` (zeros for phantoms and incomplete gists) and its
+    token window ``[1, T + 1]`` (phantoms are token 0; nothing reads their targets)."""
+    layout, origin = view.layout, view.origin
+    parts = []
+    for k, size in enumerate(layout.level_sizes):
+        first = origin // layout.K**k
+        rows = stream.levels[k].rows[first : first + size]
+        parts.append(F.pad(rows, (0, 0, 0, size - rows.size(0))))
+    window = F.pad(stream.tokens.rows[origin:], (0, layout.T + 1 - view.real))
+    return Tree(emb=torch.cat(parts)[None], batch_size=[1]), window[None]
+
+
+@torch.no_grad()
+def focused_context(system: MegaContext, stream: StreamingTree, budget: int, steps: int) -> WorkingContext:
+    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history, refocused
+    ``steps`` times from the coarsest cut; positions and starts are absolute token positions."""
+    view = stream_view(len(stream), system.layout, budget)
+    layout = view.layout
+    tree, window = view_tree(stream, view)
+    table = {name: value.to(window.device) for name, value in layout.node_table().items()}
+    cut = coarsest_cut(layout, window.device)[None, None]
+    if system.lensnet is not None:
+        cut = refocus(system, tree, window, cut, layout, iterations=steps, node_table=table)
+    wc = assemble(tree, cut, window, layout, table)[0]
+    keep = wc.valid & (wc.start < view.real)
+    m = int(keep.sum())
+    wc = wc[:m]
+    wc.start += view.origin
+    wc.position += view.origin
+    return wc[None]

@@ -1,0 +1,52 @@
+"""PNG figures for evaluation and run reports (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_budget_sweep(report: dict, path: Path) -> None:
+    """Tail bpb against compression ratio ``T / W``, one line per condition."""
+    rows = sorted(report["sweep"], key=lambda r: r["compression"])
+    x = [r["compression"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for name, style in (("full", "k--"), ("recency", "o-"), ("random", "s-"), ("lens", "^-"), ("oracle", "v:")):
+        y = [r[name] for r in rows]
+        if all(v == v for v in y):  # skip a condition that was not measured (NaN)
+            ax.plot(x, y, style, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [f"{v:g}" for v in x])
+    ax.set_xlabel("compression T / W")
+    ax.set_ylabel(f"tail bits per byte (last {report['H']} tokens)")
+    ax.set_title(f"Budget sweep, T={report['T']}, {report['n_windows']} held-out windows")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+Series = dict[str, tuple[list[float], list[float]]]
+
+
+def plot_panels(path: Path, title: str, xlabel: str, panels: list[tuple[str, Series]]) -> None:
+    """One row of line charts sharing an x axis label: ``panels`` is ``[(ylabel, {label: (xs, ys)})]``."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), dpi=110, squeeze=False)
+    for ax, (ylabel, series) in zip(axes[0], panels, strict=True):
+        for label, (xs, ys) in series.items():
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, markersize=3, label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if any(xs for xs, _ in series.values()):
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""``DIR/report.md`` at the end of a run: what it did, how fast, how well, with PNG plots of the metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mcfn.evaluation import EVAL_PNG, format_eval_table
+from mcfn.plots import Series, plot_panels
+from mcfn.tracking import read_metrics
+
+REPORT_NAME = "report.md"
+PHASES = ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms")
+
+
+def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
+    rows = [(r["step"] * scale, r[key]) for r in records if key in r]
+    return [x for x, _ in rows], [y for _, y in rows]
+
+
+def write_report(
+    out_dir: Path, summary: dict[str, Any], tokens_per_step: int, eval_report: dict | None, lod_maps: str | None
+) -> Path:
+    """Plots from ``metrics.jsonl`` and the summary, evaluation and latest LOD maps, as Markdown."""
+    records = read_metrics(out_dir)
+    tokens = float(tokens_per_step)
+    val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
+    plot_panels(
+        out_dir / "loss.png",
+        "Loss and validation bits per byte",
+        "tokens",
+        [
+            ("train loss (nats)", {"train/loss": _series(records, "train/loss", tokens)}),
+            ("val bits per byte", {k: _series(records, k, tokens) for k in val_keys}),
+        ],
+    )
+    timed = [r for r in records if "time/step_ms" in r][1:]  # the first logged step includes compilation
+    plot_panels(
+        out_dir / "timings.png",
+        "Phase times per logged step (the first, which compiles, left out)",
+        "step",
+        [("ms", {k.removeprefix("time/"): _series(timed, k) for k in (*PHASES, "time/step_ms")})],
+    )
+    sections = [
+        f"# Run report: {out_dir.name}",
+        "",
+        f"{summary['mode']} mode on {summary['device']}, {summary['params']:,} parameters, "
+        f"{summary['steps']} steps{' (compiled)' if summary['compiled'] else ''}. Median step "
+        f"{summary['step_ms_median']:.0f} ms, {summary['tokens_per_s'] or 0:,.0f} tokens/s, compile "
+        f"{summary['compile_s']:.0f} s, wall {summary['wall_s']:.0f} s, {summary['skipped_steps']} skipped updates.",
+        f"Validation bpb {summary['first_val_bpb']:.4f} → {summary['final_val_bpb']:.4f}.",
+        "",
+        "## Loss",
+        "",
+        "![loss and validation bpb against tokens](loss.png)",
+        "",
+        "## Phase timings",
+        "",
+        "Data wait, forward + backward and optimizer per logged step (`time/*` in `metrics.jsonl`).",
+        "",
+        "![phase timings](timings.png)",
+    ]
+    if any("mc/preference_agreement" in r for r in records):
+        lens: Series = {
+            "preference agreement": _series(records, "mc/preference_agreement"),
+            "score std per context": _series(records, "mc/policy_score_std_mean"),
+            "|score| mean": _series(records, "mc/policy_score_abs_mean"),
+        }
+        plot_panels(out_dir / "lensnet.png", "LensNet", "step", [("value", lens)])
+        sections += [
+            "",
+            "## LensNet",
+            "",
+            "Share of preference targets whose sign LensNet's score matches, and the spread of its scores.",
+            "",
+            "![LensNet agreement and score spread](lensnet.png)",
+        ]
+    if eval_report is not None:
+        sections += ["", "## Evaluation", "", format_eval_table(eval_report), f"![budget sweep]({EVAL_PNG})"]
+    if lod_maps:
+        sections += ["", "## Working contexts at the last map", "", "```", lod_maps.rstrip(), "```"]
+    path = out_dir / REPORT_NAME
+    path.write_text("\n".join(sections) + "\n")
+    return path

@@ -1,0 +1,42 @@
+"""A trained model back from its run directory, for evaluation and generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from mcfn.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from mcfn.config import RunConfig, config_from_saved
+from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.errors import UserError
+from mcfn.mc.system import MegaContext
+from mcfn.model import GPT
+
+
+@dataclass
+class Trained:
+    cfg: RunConfig
+    model: nn.Module  # MegaContext, or GPT for a --no-mc run
+    corpus: Corpus
+    token_bytes: Tensor  # [vocab] bytes per token id, on the model's device
+    step: int
+
+
+def load_trained(path: Path, device: torch.device) -> Trained:
+    """Load ``path`` (a run directory or its checkpoint file) onto ``device``, with its corpus and tokenizer."""
+    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
+    state = load_checkpoint(ckpt)
+    cfg = config_from_saved(state["config"])
+    corpus = prepare_corpus(cfg.data)
+    if corpus.key != state.get("corpus_key"):
+        raise UserError(
+            f"checkpoint {ckpt} was trained on a corpus or tokenizer that this machine rebuilds differently"
+        )
+    model = (MegaContext(cfg) if cfg.mc.enabled else GPT(cfg.model)).to(device)
+    model.load_state_dict(state["model"])
+    model.eval()
+    token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
+    return Trained(cfg=cfg, model=model, corpus=corpus, token_bytes=token_bytes, step=state["step"])

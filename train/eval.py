@@ -1,0 +1,58 @@
+"""Evaluate a checkpoint: ``python -m train.eval --ckpt DIR [--data SPEC] [--json FILE] ...``.
+
+Tail bits per byte on held-out windows under full / recency / random / lens / oracle working contexts,
+at the checkpoint's budget and a sweep of budgets (see ``mcfn.evaluation``). Prints the table and writes
+``eval.json``, ``eval.md`` and ``eval_sweep.png`` into ``--out`` (default: the checkpoint's directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mcfn.errors import exit_code
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", type=Path, required=True, help="run directory (or its checkpoint.pt)")
+    p.add_argument("--data", help="evaluate on every document of this source instead of the validation split")
+    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    p.add_argument("--out", type=Path, help="where eval.md and eval_sweep.png go (default: the run directory)")
+    p.add_argument(
+        "--batches", type=int, help="held-out batches of train.batch_size windows (default train.eval_batches)"
+    )
+    p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
+    p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, oracle)")
+    p.add_argument("--refocus", type=int, default=4, help="allocator iterations for the lens condition")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    from mcfn.evaluation import evaluate_checkpoint
+
+    report, table = evaluate_checkpoint(
+        args.ckpt,
+        data=args.data,
+        out_dir=args.out,
+        batches=args.batches,
+        budgets=args.budgets,
+        random_contexts=args.random_contexts,
+        refocus=args.refocus,
+        device=args.device,
+    )
+    print(table)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
