@@ -48,7 +48,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise UserError(f"no checkpoint at {path} to resume from") from None
+        raise UserError(f"no checkpoint at {path}") from None
     except OSError as e:
         raise UserError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     header, sep, payload = data.partition(b"\n")

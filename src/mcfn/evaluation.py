@@ -113,9 +113,10 @@ def budget_sums(
     budget: int,
     settings: EvalSettings,
     generator: torch.Generator,
-) -> tuple[dict[str, Tensor], Tensor, Tensor, Tensor]:
-    """Tail nats per window and condition at budget ``budget`` (``full`` excepted), tail bytes per window,
-    and the predicted and measured preferences of every pair of random contexts."""
+) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    """Tail nats per window and condition at budget ``budget`` (``full`` excepted; every condition scores the
+    same tail bytes, counted once by :func:`full_context_sums`), and the predicted and measured preferences
+    of every pair of random contexts."""
     B, M = window.size(0), settings.random_contexts
     layout = dataclasses.replace(system.layout, W=budget, N=M)
     noise = draw_variant_noise(layout, B, generator, window.device)
@@ -127,7 +128,7 @@ def budget_sums(
     packed = dataclasses.replace(layout, N=shown.size(1) - 1)
     wc = assemble(tree, shown, window, packed, system.node_table)
     nll = entry_nll(system, wc)
-    nats, nbytes = tail_sums(nll, wc.target, tail_mask(wc, packed), token_bytes)
+    nats, _ = tail_sums(nll, wc.target, tail_mask(wc, packed), token_bytes)
     nats = rearrange(nats, "(b v) -> b v", b=B)
     per_window = {"recency": nats[:, 0], "random": nats[:, 1 : 1 + M].mean(-1), "oracle": nats[:, 1 : 1 + M].amin(-1)}
     predicted = measured = torch.zeros(0, device=window.device)
@@ -141,7 +142,7 @@ def budget_sums(
         first, second = pair_index(M)
         random_nats = nats[:, 1 : 1 + M]
         measured = (random_nats[:, second] - random_nats[:, first]).flatten()  # > 0: the first is better
-    return per_window, rearrange(nbytes, "(b v) -> b v", b=B)[:, 0], predicted, measured
+    return per_window, predicted, measured
 
 
 def spearman(x: Tensor, y: Tensor) -> float:
@@ -184,7 +185,7 @@ def evaluate_mc(
         for w, acc in totals.items():
             # The same random contexts for every checkpoint evaluated on these windows at this budget.
             generator.manual_seed(derive_seed(w, "eval_contexts", index))
-            per_window, _, predicted, measured = budget_sums(system, tree, window, token_bytes, w, settings, generator)
+            per_window, predicted, measured = budget_sums(system, tree, window, token_bytes, w, settings, generator)
             for name, value in per_window.items():
                 acc.nats[name] += float(value.double().sum())
             acc.predicted.append(predicted.cpu())
