@@ -232,7 +232,7 @@ def test_lensnet_learns_where_detail_pays():
     covers = (wc.start <= 20) & (wc.start + wc.span >= 24)
     hit = covers.gather(1, best[:, None]).float().mean()
     chance = 1 / expandable.sum(-1).float().mean()
-    assert hit >= 0.6 and hit > 3 * chance, (hit, chance)  # 0.875-1.0 over seeds; chance is 0.2
+    assert hit >= 0.6 and hit > 3 * chance, (hit, chance)  # 0.97-1.0 over seeds 0-3; chance is 0.2
 
 
 def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):

@@ -335,11 +335,10 @@ def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint_exactly
 @pytest.mark.parametrize("mode", ["mc", "plain"])
 def test_two_processes_with_gloo_train_like_one(tmp_path, text_dir, mode):
     """torchrun with 2 CPU processes: each takes half of every global batch, gradients are averaged, and the
-    losses follow the 1-process run's: up to float rounding for the plain GPT; for MegaContext the LM loss
-    is a mean over valid entries per process, so the runs differ by that weighting only. (LensNet's
-    preference loss is normalised per process by max(Σw, 1), which is not additive over processes; it is
-    off here and LABLOG.md says by how much it moves.)"""
-    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000}, mc={"lens": False})
+    losses follow the 1-process run's: up to float rounding for the plain GPT; for MegaContext, LensNet
+    included, the losses are weighted means over entries per process, so the runs differ by that
+    weighting only."""
+    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000})
     profile = write_profile(tmp_path / "p.toml", sections)
     one, two = tmp_path / "one", tmp_path / "two"
     flags = ["--profile", str(profile), "--steps", "8"] + (["--no-mc"] if mode == "plain" else [])
@@ -361,7 +360,7 @@ def test_two_processes_with_gloo_train_like_one(tmp_path, text_dir, mode):
 
 @pytest.mark.parametrize("mode", ["mc", "plain"])
 def test_micro_batches_accumulate_to_the_whole_batch(tmp_path, text_dir, mode):
-    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000}, mc={"lens": False})
+    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000})
     profile = write_profile(tmp_path / "p.toml", sections)
     flags = ["--profile", str(profile), "--steps", "5"] + (["--no-mc"] if mode == "plain" else [])
     assert main([*flags, "--out", str(tmp_path / "whole")]) == 0

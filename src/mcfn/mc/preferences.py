@@ -19,14 +19,14 @@ same, approaching 1 for a clear winner; ``τ`` (``mc.lens_temperature``) sets th
 Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over samples, pairs or entries):
 
 * ``loss_pref``: Bradley–Terry with ties, the logistic loss of ``σ(s)`` against the label ``(1 + y)/2``:
-  1 for expand, 0 for collapse and ½ for a tie, ``Σ w·[q·softplus(-s) + (1-q)·softplus(s)] / max(Σ w, 1)``
-  over the targeted and tied entries: a weighted mean whenever the batch holds at least one entry's
-  worth of weight, and close to zero when every pair is a near-tie (``w ≈ 0``, where even which variant
+  1 for expand, 0 for collapse and ½ for a tie, ``Σ w·[q·softplus(-s) + (1-q)·softplus(s)] / max(Σ w, B/4)``
+  over the targeted and tied entries: a weighted mean whenever the batch holds at least a quarter of an
+  entry's worth of weight per sample, and close to zero when every pair is a near-tie (``w ≈ 0``, where even which variant
   is better is decided by rounding), instead of that noise blown up to full size. Ties matter: without
   them a LODmax entry, which can never be told to collapse, would only ever see "expand" and its score
   would grow without bound whether detail there paid often or rarely. With them the optimum is the
   log-odds of "detail here helped", which ranks.
-* ``loss_rank`` (optional): a margin hinge, ``Σ w·relu(m - y·s) / max(Σ w, 1)`` over targeted entries;
+* ``loss_rank`` (optional): a margin hinge, ``Σ w·relu(m - y·s) / max(Σ w, B/4)`` over targeted entries;
 * ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
   ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
   row with ``scatter_add``; its mean square keeps expansion and collapse pressure balanced, so the
@@ -49,6 +49,10 @@ from mcfn.mc.layout import Layout
 from mcfn.typecheck import typechecked
 
 HIST_BINS, HIST_RANGE = 32, 4.0  # score histogram: 32 bins over [-4, 4]
+# The preference loss divides by max(Σw, floor), floor = this × samples: 1 for the default 4 samples. Per
+# sample, so that when the floor binds, the mean over processes or micro-batches of their losses is the
+# loss of the whole batch.
+WEIGHT_FLOOR_PER_SAMPLE = 0.25
 
 
 def lens_weight_tensors(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
@@ -173,7 +177,8 @@ def lens_losses(
     labelled = (y != 0) | tie
     bt = label * F.softplus(-s) + (1 - label) * F.softplus(s)
     w_pref = pair_w[..., None] * labelled
-    pref = (w_pref * bt).sum() / w_pref.sum().clamp(min=1.0)
+    floor = WEIGHT_FLOOR_PER_SAMPLE * shown.size(0)
+    pref = (w_pref * bt).sum() / w_pref.sum().clamp(min=floor)
 
     valid, lod, span = wc.valid, wc.lod, wc.span.float()
     groups = complete_groups(shown, layout)  # legal collapse needs the complete group in this row
@@ -189,7 +194,7 @@ def lens_losses(
     out = {"mc/lens_pref": pref, "mc/lens_budget": budget}
     total = weights["pref"] * pref + weights["budget"] * budget
     if use_rank:
-        rank = (w * F.relu(weights["rank_margin"] - y * s)).sum() / w.sum().clamp(min=1.0)
+        rank = (w * F.relu(weights["rank_margin"] - y * s)).sum() / w.sum().clamp(min=floor)
         out["mc/lens_rank"] = rank
         total = total + weights["rank"] * rank
     out["loss_lens"] = weights["lens"] * total
