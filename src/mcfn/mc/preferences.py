@@ -21,11 +21,11 @@ Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over sampl
 * ``loss_pref``: Bradley–Terry with ties, the logistic loss of ``σ(s)`` against the label ``(1 + y)/2``:
   1 for expand, 0 for collapse and ½ for a tie, ``Σ w·[q·softplus(-s) + (1-q)·softplus(s)] / max(Σ w, B/4)``
   over the targeted and tied entries: a weighted mean whenever the batch holds at least a quarter of an
-  entry's worth of weight per sample, and close to zero when every pair is a near-tie (``w ≈ 0``, where even which variant
-  is better is decided by rounding), instead of that noise blown up to full size. Ties matter: without
-  them a LODmax entry, which can never be told to collapse, would only ever see "expand" and its score
-  would grow without bound whether detail there paid often or rarely. With them the optimum is the
-  log-odds of "detail here helped", which ranks.
+  entry's worth of weight per sample, and close to zero when every pair is a near-tie (``w ≈ 0``, where
+  even which variant is better is decided by rounding), instead of that noise blown up to full size.
+  Ties matter: without them a LODmax entry, which can never be told to collapse, would only ever see
+  "expand" and its score would grow without bound whether detail there paid often or rarely. With them
+  the optimum is the log-odds of "detail here helped", which ranks.
 * ``loss_rank`` (optional): a margin hinge, ``Σ w·relu(m - y·s) / max(Σ w, B/4)`` over targeted entries;
 * ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
   ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
