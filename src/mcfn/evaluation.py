@@ -39,7 +39,7 @@ from mcfn.errors import UserError
 from mcfn.mc.context import assemble
 from mcfn.mc.layout import Layout
 from mcfn.mc.losses import tail_mask
-from mcfn.mc.preferences import detail_targets, pair_index
+from mcfn.mc.preferences import detail_targets, pair_slots
 from mcfn.mc.system import MegaContext, entry_nll, refocus
 from mcfn.mc.tree import Tree, build_tree
 from mcfn.mc.variants import compressed_cuts, draw_variant_noise, recency_cut
@@ -96,9 +96,7 @@ def predicted_preference(
     scores: Float[Tensor, "r w"], shown: Bool[Tensor, "b m nodes"], wc, layout: Layout, node_table: dict[str, Tensor]
 ) -> Float[Tensor, "b p"]:
     """LensNet's preference of slot ``i`` over slot ``j`` for every pair ``i < j`` of a window's contexts."""
-    first, second = pair_index(shown.size(1))
-    i = torch.tensor(first, device=shown.device).expand(shown.size(0), -1)
-    j = torch.tensor(second, device=shown.device).expand(shown.size(0), -1)
+    i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
     y_j, _, rows_j = detail_targets(shown, i, j, wc, layout, node_table)  # move j towards i
     y_i, _, rows_i = detail_targets(shown, j, i, wc, layout, node_table)  # move i towards j
     return (scores[rows_j] * y_j).sum(-1) - (scores[rows_i] * y_i).sum(-1)
@@ -139,9 +137,9 @@ def budget_sums(
         scores = system.lensnet(random_wc)
         layout_m = dataclasses.replace(layout, N=M - 1)
         predicted = predicted_preference(scores, random, random_wc, layout_m, system.node_table).flatten()
-        first, second = pair_index(M)
+        i, j = pair_slots(M, B, window.device)
         random_nats = nats[:, 1 : 1 + M]
-        measured = (random_nats[:, second] - random_nats[:, first]).flatten()  # > 0: the first is better
+        measured = (random_nats.gather(1, j) - random_nats.gather(1, i)).flatten()  # > 0: the first is better
     return per_window, predicted, measured
 
 

@@ -99,10 +99,12 @@ def complete_groups(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Bool[Te
     return torch.cat(parts, dim=-1)
 
 
-def pair_index(slots: int) -> tuple[list[int], list[int]]:
-    """All unordered pairs of ``slots`` variant slots of one sample."""
+def pair_slots(slots: int, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """All unordered pairs ``i < j`` of ``slots`` variant slots, as ``[batch, P]`` index tensors ``i`` and ``j``."""
     pairs = list(combinations(range(slots), 2))
-    return [i for i, _ in pairs], [j for _, j in pairs]
+    i = torch.tensor([a for a, _ in pairs], device=device).expand(batch, -1)
+    j = torch.tensor([b for _, b in pairs], device=device).expand(batch, -1)
+    return i, j
 
 
 @typechecked
@@ -145,10 +147,7 @@ def preference_targets(
 ) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
     """Targets on the worse variant's entries for every pair (:func:`detail_targets`, with the better
     variant the one of lower tail NLL) and the pair weights ``w [B, P]``."""
-    B = shown.size(0)
-    first, second = pair_index(layout.V)
-    i = torch.tensor(first, device=shown.device).expand(B, -1)
-    j = torch.tensor(second, device=shown.device).expand(B, -1)
+    i, j = pair_slots(layout.V, shown.size(0), shown.device)
     tails = tails.detach()
     ti, tj = tails.gather(1, i), tails.gather(1, j)
     better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
