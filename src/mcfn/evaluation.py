@@ -44,6 +44,7 @@ from mcfn.mc.system import MegaContext, entry_nll, refocus
 from mcfn.mc.tree import Tree, build_tree
 from mcfn.mc.variants import compressed_cuts, draw_variant_noise, recency_cut
 from mcfn.seeding import derive_seed
+from mcfn.step import byte_sums
 from mcfn.typecheck import typechecked
 
 CONDITIONS = ("full", "recency", "random", "lens", "oracle")
@@ -72,15 +73,6 @@ def default_budgets(layout: Layout) -> tuple[int, ...]:
     return tuple(dict.fromkeys(fits))
 
 
-@typechecked
-def tail_sums(
-    nll: Float[Tensor, "r w"], target: Int[Tensor, "r w"], tail: Bool[Tensor, "r w"], token_bytes: Tensor
-) -> tuple[Float[Tensor, " r"], Int[Tensor, " r"]]:
-    """Per row, tail NLL (nats) and bytes over the targets that stand for bytes (special tokens excluded)."""
-    nbytes = token_bytes[target.clamp(min=0)] * tail
-    return (nll * (nbytes > 0)).sum(-1), nbytes.sum(-1)
-
-
 @torch.no_grad()
 def full_context_sums(system: MegaContext, window: Int[Tensor, "b t1"], token_bytes: Tensor) -> tuple[Tensor, Tensor]:
     """Tail nats and bytes per window with all ``T`` tokens at LOD0."""
@@ -88,7 +80,7 @@ def full_context_sums(system: MegaContext, window: Int[Tensor, "b t1"], token_by
     inputs, targets = window[:, :-1], window[:, 1:]
     nll = base.nll(base.token_hidden(inputs), targets)
     tail = (torch.arange(layout.T, device=window.device) >= layout.T - layout.H).expand_as(targets)
-    return tail_sums(nll, targets, tail, token_bytes)
+    return byte_sums(nll, targets, token_bytes, tail)
 
 
 @typechecked
@@ -126,7 +118,7 @@ def budget_sums(
     packed = dataclasses.replace(layout, N=shown.size(1) - 1)
     wc = assemble(tree, shown, window, packed, system.node_table)
     nll = entry_nll(system, wc)
-    nats, _ = tail_sums(nll, wc.target, tail_mask(wc, packed), token_bytes)
+    nats, _ = byte_sums(nll, wc.target, token_bytes, tail_mask(wc, packed))
     nats = rearrange(nats, "(b v) -> b v", b=B)
     per_window = {"recency": nats[:, 0], "random": nats[:, 1 : 1 + M].mean(-1), "oracle": nats[:, 1 : 1 + M].amin(-1)}
     predicted = measured = torch.zeros(0, device=window.device)

@@ -34,14 +34,23 @@ def total_loss(out: dict[str, Tensor]) -> Tensor:
 
 
 @typechecked
+def byte_sums(
+    nll: Float[Tensor, "r n"], targets: Int[Tensor, "r n"], token_bytes: Int[Tensor, " v"], mask: Tensor | None = None
+) -> tuple[Float[Tensor, " r"], Int[Tensor, " r"]]:
+    """Per row, summed NLL (nats) and summed bytes over the targets (within ``mask``) that stand for bytes:
+    special tokens and padding (target -1) count for neither."""
+    nbytes = token_bytes[targets.clamp(min=0)] * (targets >= 0 if mask is None else mask)
+    return (nll * (nbytes > 0)).sum(-1), nbytes.sum(-1)
+
+
+@typechecked
 def nll_and_bytes(
     model: GPT, window: Int[Tensor, "b t1"], token_bytes: Int[Tensor, " v"]
 ) -> tuple[Float[Tensor, ""], Int[Tensor, ""]]:
     """Summed NLL (nats) and summed bytes over targets that stand for bytes (special tokens excluded)."""
     inputs, targets = split_window(window)
-    nll = model.nll(model.token_hidden(inputs), targets)
-    nbytes = token_bytes[targets]
-    return (nll * (nbytes > 0)).sum(), nbytes.sum()
+    nats, nbytes = byte_sums(model.nll(model.token_hidden(inputs), targets), targets, token_bytes)
+    return nats.sum(), nbytes.sum()
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ from mcfn.mc.preferences import lens_losses
 from mcfn.mc.tree import Tree, build_tree
 from mcfn.mc.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.model import GPT
+from mcfn.step import byte_sums
 from mcfn.typecheck import typechecked
 
 NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
@@ -163,6 +164,5 @@ def tail_nll_and_bytes(
     """
     layout = system.layout
     wc, _ = build_contexts(system, window, noise)
-    nbytes = token_bytes[wc.target.clamp(min=0)] * tail_mask(wc, layout)
-    nll_sum = (entry_nll(system, wc) * (nbytes > 0)).sum(-1).view(-1, layout.V).sum(0)
-    return nll_sum, nbytes.sum(-1).view(-1, layout.V)[:, 0].sum()
+    nats, nbytes = byte_sums(entry_nll(system, wc), wc.target, token_bytes, tail_mask(wc, layout))
+    return nats.view(-1, layout.V).sum(0), nbytes.view(-1, layout.V)[:, 0].sum()
