@@ -63,6 +63,12 @@ def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator) -
     return torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator)
 
 
+def token_entry(base: GPT, token: Tensor, position: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoded ``[1]`` token as one LOD0 entry: embedding ``[1, 1, D]``, position and span ``[1, 1]``."""
+    pos = torch.full((1, 1), float(position), device=token.device)
+    return base.embed(token[None]), pos, torch.ones_like(pos)
+
+
 def check_refocus(system: MegaContext, refocus_every: int) -> int:
     """The budget left at each refocus, ``W - refocus_every``, which must hold the coarsest useful context."""
     layout = system.layout
@@ -114,9 +120,7 @@ def generate_mc(
             token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
             produced.append(token)
             stream.append(token)
-            new_emb = base.embed(token[None])
-            new_pos = torch.full((1, 1), float(len(stream) - 1), device=device)
-            one = torch.ones_like(new_pos)
+            new_emb, new_pos, one = token_entry(base, token, len(stream) - 1)
             if use_cache:
                 hidden = extend(base, cache, new_emb, new_pos, one)
             else:
@@ -149,8 +153,7 @@ def generate_full(
         token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
         produced.append(token)
         if i + 1 < max_new_tokens:
-            pos = torch.full((1, 1), float(n + i), device=device)
-            hidden = extend(base, cache, base.embed(token[None]), pos, torch.ones_like(pos))
+            hidden = extend(base, cache, *token_entry(base, token, n + i))
     stats.decode_s = time.perf_counter() - t0
     stats.new_tokens = len(produced)
     return torch.cat(produced) if produced else prompt.new_zeros(0), stats

@@ -28,10 +28,10 @@ def forward_backward(
     micro-batches of ``micro`` rows; returns the loss and the outputs, scalars averaged over micro-batches
     (anything else, such as histograms, from the last one)."""
     local = window.size(0)
-    loss_sum: Tensor | None = None
+    share = micro / local  # each micro-batch's part of the mean over the rows
+    loss_sum: Tensor | float = 0.0
     outs: dict[str, Tensor] = {}
     for lo in range(0, local, micro):
-        share = micro / local
         # Compiled with CUDA graphs, a step's outputs live in buffers the next replay overwrites: mark each
         # micro-batch as a new step, and keep only fresh tensors (sums, clones) from it.
         torch.compiler.cudagraph_mark_step_begin()
@@ -39,11 +39,14 @@ def forward_backward(
             out = train_step(window[lo : lo + micro], step, slice(first_row + lo, first_row + lo + micro))
         loss = total_loss(out) * share
         loss.backward()
-        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+        loss_sum = loss_sum + loss.detach()
         for k, v in out.items():
             v = v.detach()
-            outs[k] = outs[k] + v * share if (k in outs and v.ndim == 0) else (v * share if v.ndim == 0 else v.clone())
-    assert loss_sum is not None
+            if v.ndim == 0:  # scalars: the mean over micro-batches
+                outs[k] = outs.get(k, 0.0) + v * share
+            else:  # histograms and the like: the last micro-batch's, copied out of graph-owned memory
+                outs[k] = v.clone()
+    assert isinstance(loss_sum, Tensor)  # at least one micro-batch ran
     return loss_sum, outs
 
 

@@ -270,11 +270,7 @@ def _train(
             # With several processes: the mean gradient and loss, and whether any rank was signalled.
             loss, stop_requested = average_gradients(params, loss, stop.signum is not None, world)
             t_fwd_bwd = phase_clock(device, logged)
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                if cfg.optim.grad_clip > 0
-                else None
-            )
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else None
             # One host sync per step: a non-finite loss or gradient must not reach the weights.
             if bool(torch.isfinite(loss if grad_norm is None else loss + grad_norm)):
                 for opt in optimizers:
@@ -367,7 +363,7 @@ def _train(
         final_eval = run_evaluation(model, windows, token_bytes, settings)
         final_eval["checkpoint_step"] = steps
         table = write_eval_outputs(final_eval, out_dir)
-        print(f"\n{table}", file=sys.stderr, flush=True)
+        say(f"\n{table}")
 
     median_ms = statistics.median(timings.step_ms) if timings.step_ms else timings.first_step_ms or 0.0
     summary = {
@@ -395,23 +391,18 @@ def _train(
     tmp = out_dir / f"{SUMMARY_NAME}.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, out_dir / SUMMARY_NAME)
-    if stopped_at is None:
-        maps_path = out_dir / LOD_MAPS_NAME
-        last_maps = maps_path.read_text().split("step ")[-1] if maps_path.exists() else None
-        report = write_report(out_dir, summary, tokens_per_step, final_eval, last_maps and f"step {last_maps}")
-        print(f"[run] report: {report}", file=sys.stderr, flush=True)
     if stopped_at is not None:
-        print(
+        say(
             f"[run] stopped by {stop.name} after step {stopped_at}; checkpoint written; continue with "
-            f"--resume --out {out_dir}",
-            file=sys.stderr,
-            flush=True,
+            f"--resume --out {out_dir}"
         )
         return summary
-    print(
+    maps_path = out_dir / LOD_MAPS_NAME
+    last_maps = maps_path.read_text().split("step ")[-1] if maps_path.exists() else None
+    report = write_report(out_dir, summary, tokens_per_step, final_eval, last_maps and f"step {last_maps}")
+    say(f"[run] report: {report}")
+    say(
         f"[run] done: val bpb {first_bpb:.4f} -> {last_bpb:.4f}, {summary['tokens_per_s'] or 0:,.0f} tok/s "
-        f"(median step {median_ms:.0f} ms), summary in {out_dir / SUMMARY_NAME}",
-        file=sys.stderr,
-        flush=True,
+        f"(median step {median_ms:.0f} ms), summary in {out_dir / SUMMARY_NAME}"
     )
     return summary
