@@ -1,0 +1,41 @@
+"""Golden per-step losses (as torchtitan keeps them): the first 10 steps of a tiny fixed MegaContext run,
+eager on the CPU, against ``tests/golden/tiny_mc_losses.json``.
+
+Any change to the model, the step, the data pipeline or the optimizer that moves a number shows up here.
+When a change is *meant* to alter the numbers, regenerate the file and commit it with the change:
+
+    MCFN_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden.py
+
+and say in the commit message why the losses moved.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import tiny_sections
+from test_run import write_profile
+
+from mcfn.tracking import read_metrics
+from train.run import main
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_mc_losses.json"
+KEYS = ("train/loss", "train/loss_lm", "train/loss_lens", "train/grad_norm")
+STEPS = 10
+
+
+def test_first_ten_steps_match_the_golden_losses(tmp_path, text_dir):
+    sections = tiny_sections(f"text:{text_dir}", train={"final_eval": False, "lod_map_every": 0})
+    profile = write_profile(tmp_path / "golden.toml", sections)
+    assert main(["--profile", str(profile), "--out", str(tmp_path / "run"), "--steps", str(STEPS)]) == 0
+    losses = {
+        key: [r[key] for r in read_metrics(tmp_path / "run") if key in r and r["step"] < STEPS] for key in KEYS
+    }
+    assert all(len(v) == STEPS for v in losses.values()), {k: len(v) for k, v in losses.items()}
+    if os.environ.get("MCFN_REGEN_GOLDEN") == "1":
+        GOLDEN.write_text(json.dumps(losses, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())
+    for key in KEYS:
+        # Float tolerance only: thread counts change the order of CPU reductions, nothing else may move.
+        assert losses[key] == pytest.approx(golden[key], rel=2e-4, abs=1e-5), key
