@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,24 @@ def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
     for section, values in extra.items():
         sections[section].update(values)
     return sections
+
+
+def toml_tables(name: str, values: dict) -> list[str]:
+    """``[name]`` with its plain keys, then its nested tables (``[mc.lens]``) the same way."""
+    lines = [f"[{name}]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items() if not isinstance(v, dict)]
+    for key, table in values.items():
+        if isinstance(table, dict):
+            lines += toml_tables(f"{name}.{key}", table)
+    return lines
+
+
+def write_profile(path: Path, sections: dict) -> Path:
+    lines = [line for section, values in sections.items() for line in toml_tables(section, values)]
+    path.write_text("\n".join(lines) + "\n")
+    tomllib.loads(path.read_text())
+    return path
+
+
+@pytest.fixture
+def profile(tmp_path, text_dir) -> Path:
+    return write_profile(tmp_path / "tiny.toml", tiny_sections(f"text:{text_dir}"))

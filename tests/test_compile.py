@@ -6,8 +6,8 @@ import torch._dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mcfn.config import ModelConfig
-from mcfn.model import GPT
-from mcfn.step import nll_and_bytes, plain_step, total_loss
+from mcfn.core.model import GPT
+from mcfn.core.step import nll_and_bytes, plain_step
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -23,7 +23,7 @@ def _model() -> GPT:
 
 def _grads(model: GPT, fn, window: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = total_loss(fn(model, window))
+    loss = fn(model, window).total()
     loss.backward()  # outside the compiled region
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_mc import VOCAB, decisive, make_system
 
-from mcfn.evaluation import (
+from mcfn.tools.evaluation import (
     CONDITIONS,
     EvalSettings,
     default_budgets,
@@ -68,8 +68,7 @@ def test_recency_with_the_whole_window_is_full_context(report):
 
 
 def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
-    from conftest import tiny_sections
-    from test_run import write_profile
+    from conftest import tiny_sections, write_profile
 
     from train.eval import main as eval_main
     from train.run import main as run_main

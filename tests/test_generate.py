@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, make_system
 
-from mcfn.decode import KVCache, extend
-from mcfn.generation import Sampling, generate_full, generate_mc
-from mcfn.mc.streaming import StreamingTree, focused_context
-from mcfn.mc.tree import build_tree
+from mcfn.core.tree import build_tree
+from mcfn.inference.decode import KVCache, extend
+from mcfn.inference.generation import Sampling, generate_full, generate_mc
+from mcfn.inference.streaming import StreamingTree, focused_context
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 REFOCUS = 4

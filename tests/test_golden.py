@@ -14,10 +14,9 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import tiny_sections
-from test_run import write_profile
+from conftest import tiny_sections, write_profile
 
-from mcfn.tracking import read_metrics
+from mcfn.shell.tracking import read_metrics
 from train.run import main
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_mc_losses.json"
@@ -29,9 +28,7 @@ def test_first_ten_steps_match_the_golden_losses(tmp_path, text_dir):
     sections = tiny_sections(f"text:{text_dir}", train={"final_eval": False, "lod_map_every": 0})
     profile = write_profile(tmp_path / "golden.toml", sections)
     assert main(["--profile", str(profile), "--out", str(tmp_path / "run"), "--steps", str(STEPS)]) == 0
-    losses = {
-        key: [r[key] for r in read_metrics(tmp_path / "run") if key in r and r["step"] < STEPS] for key in KEYS
-    }
+    losses = {key: [r[key] for r in read_metrics(tmp_path / "run") if key in r and r["step"] < STEPS] for key in KEYS}
     assert all(len(v) == STEPS for v in losses.values()), {k: len(v) for k, v in losses.items()}
     if os.environ.get("MCFN_REGEN_GOLDEN") == "1":
         GOLDEN.write_text(json.dumps(losses, indent=1) + "\n")

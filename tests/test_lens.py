@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch._dynamo
 from einops import rearrange
@@ -12,16 +10,16 @@ from hypothesis import strategies as st
 from test_mc import VOCAB, layouts, make_system
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mcfn.config import MCConfig, coarsest_cover_size
-from mcfn.mc.allocator import allocate
-from mcfn.mc.context import assemble
-from mcfn.mc.preferences import lens_losses, lens_weight_tensors, lod_map, preference_targets
-from mcfn.mc.system import build_contexts, process_batch_lens
-from mcfn.mc.tree import build_tree
-from mcfn.mc.variants import coarsest_cut, draw_variant_noise, sample_variants
-from mcfn.step import total_loss
+from mcfn.config import LensConfig, coarsest_cover_size
+from mcfn.core.allocator import allocate
+from mcfn.core.context import assemble
+from mcfn.core.nodes import NodeTable
+from mcfn.core.preferences import lens_losses, lens_weight_tensors, lod_map, preference_targets
+from mcfn.core.system import build_contexts, process_batch_lens
+from mcfn.core.tree import build_tree
+from mcfn.core.variants import coarsest_cut, draw_variant_noise, sample_variants
 
-WEIGHTS = lens_weight_tensors(MCConfig(), torch.device("cpu"))
+WEIGHTS = lens_weight_tensors(LensConfig(), torch.device("cpu"))
 
 
 def random_setup(shape: dict, batch: int, seed: int):
@@ -45,9 +43,9 @@ def check_cut(shown: torch.Tensor, layout) -> None:
         lo = layout.level_offsets[k]
         coverage += shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
     assert (coverage == 1).all(), "disjoint cover of [0, T) (I2)"
-    assert (lod_map(shown[:, None], layout)[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
+    assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
     assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
-    eligible = layout.node_table()["eligible"]
+    eligible = NodeTable.of(layout).eligible
     assert not (shown & ~eligible).any(), "no gist over the tail"
 
 
@@ -55,13 +53,13 @@ def check_cut(shown: torch.Tensor, layout) -> None:
 def test_property_I6_legality_of_targets(case):
     shape, batch, seed = case
     system, wc, shown, tails = random_setup(shape, batch, seed)
-    table, L = system.node_table, system.layout.L
-    y, _, _, rows = preference_targets(shown, tails, wc, system.layout, table, WEIGHTS["temperature"])
+    table, L = system.nodes, system.layout.L
+    y, _, _, rows = preference_targets(shown, tails, wc, table, WEIGHTS["temperature"])
     lod, node, valid = wc.lod[rows], wc.node[rows], wc.valid[rows]
     assert not ((y != 0) & ~valid).any(), "no target on padding (I3)"
     assert not ((y > 0) & (lod == 0)).any(), "never + on LOD0"
     assert not ((y < 0) & (lod == L)).any(), "never - on LODmax"
-    parent = table["parent"][node]
+    parent = table.parent[node]
     for b in range(y.size(0)):
         for p in range(y.size(1)):
             collapsing = (y[b, p] < 0).nonzero().flatten()
@@ -84,10 +82,10 @@ def token_targets(y: torch.Tensor, rows: torch.Tensor, wc, T: int) -> torch.Tens
 def test_property_I7_polarity_swap_flips_identical_gives_none(case):
     shape, batch, seed = case
     system, wc, shown, tails = random_setup(shape, batch, seed)
-    layout, table, T = system.layout, system.node_table, shape["T"]
+    layout, table, T = system.layout, system.nodes, shape["T"]
     temperature = WEIGHTS["temperature"]
-    y, _, _, rows = preference_targets(shown, tails, wc, layout, table, temperature)
-    y_swapped, _, _, rows_swapped = preference_targets(shown, -tails, wc, layout, table, temperature)
+    y, _, _, rows = preference_targets(shown, tails, wc, table, temperature)
+    y_swapped, _, _, rows_swapped = preference_targets(shown, -tails, wc, table, temperature)
     assert not torch.equal(rows, rows_swapped) or layout.V == 1
     fwd, back = token_targets(y, rows, wc, T), token_targets(y_swapped, rows_swapped, wc, T)
     assert ((fwd * back) <= 0).all(), "swapping the pair flips every sign"
@@ -97,10 +95,9 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
         build_tree(system.gistnet, system.base.embed(torch.zeros(batch, T, dtype=torch.long)), layout),
         same,
         torch.zeros(batch, T + 1, dtype=torch.long),
-        layout,
         table,
     )
-    y_same, _, _, _ = preference_targets(same, tails, same_wc, layout, table, temperature)
+    y_same, _, _, _ = preference_targets(same, tails, same_wc, table, temperature)
     assert (y_same == 0).all()
 
 
@@ -108,11 +105,11 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
 def test_property_I7_a_gradient_step_moves_every_score_toward_its_target(case):
     shape, batch, seed = case
     system, wc, shown, tails = random_setup(shape, batch, seed)
-    layout, table = system.layout, system.node_table
+    layout, table = system.layout, system.nodes
     scores = torch.randn(wc.batch_size[0], layout.W, generator=torch.Generator().manual_seed(seed)).requires_grad_()
     weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
-    lens_losses(scores, shown, tails, wc, layout, table, weights, use_rank=False)["loss_lens"].backward()
-    y, _, _, rows = preference_targets(shown, tails, wc, layout, table, weights["temperature"])
+    lens_losses(scores, shown, tails, wc, table, weights, use_rank=False).losses["loss_lens"].backward()
+    y, _, _, rows = preference_targets(shown, tails, wc, table, weights["temperature"])
     step = -scores.grad[rows]  # gradient descent direction on the worse variants' entries
     targeted = y != 0
     if (tails[:, :, None] - tails[:, None, :]).abs().min() > 0 or not targeted.any():
@@ -138,45 +135,45 @@ def adversarial_scores(kind: str, shape: tuple[int, int], seed: int) -> torch.Te
 def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, kind):
     shape, batch, seed = case
     system = make_system(**shape, seed=seed)
-    layout, table = system.layout, system.node_table
+    layout, table = system.layout, system.nodes
     noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     start = torch.cat(
         [
             coarsest_cut(layout, torch.device("cpu"))[None].expand(batch, -1),
-            rearrange(sample_variants(noise, layout)[:, 1:], "b v n -> (b v) n"),
+            rearrange(sample_variants(noise, NodeTable.of(layout))[:, 1:], "b v n -> (b v) n"),
         ]
     )
     cut = start
     for it in range(layout.L + 1):
         before = cut
-        cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), layout, table)
+        cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), table)
         check_cut(cut, layout)
         # Only legal actions: whatever disappeared was an expanded gist (LOD >= 1) or a collapsed group's
         # tokens/gists below LODmax, and whatever appeared is a child of one or a collapsed parent.
         gone = before & ~cut
-        lods_gone = table["lod"][gone.nonzero()[:, 1]]
+        lods_gone = table.lod[gone.nonzero()[:, 1]]
         appeared = cut & ~before
         for r, n in appeared.nonzero().tolist():
-            parent = int(table["parent"][n])
+            parent = int(table.parent[n])
             via_expand = parent >= 0 and bool(before[r, parent]) and not bool(cut[r, parent])
-            via_collapse = bool((before[r] & (table["parent"] == n)).any())
+            via_collapse = bool((before[r] & (table.parent == n)).any())
             assert via_expand or via_collapse
         assert (lods_gone <= layout.L).all()
     # As fully as the tree allows: no room for one more expansion, or nothing left to expand.
     free = layout.W - cut.sum(-1)
-    gists_left = (cut & (table["lod"] > 0)).sum(-1)
+    gists_left = (cut & (table.lod > 0)).sum(-1)
     assert ((free < layout.K - 1) | (gists_left == 0)).all()
 
 
 def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():
     layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
-    table = layout.node_table()
+    table = NodeTable.of(layout)
     cut = coarsest_cut(layout, torch.device("cpu"))[None]  # 3 LOD2 + 2 LOD1 + 8 tokens = 13 entries
     assert int(cut.sum()) == coarsest_cover_size(64, 4, 2, 8) == 13
     lod2 = layout.level_offsets[2]
     scores = torch.zeros(1, layout.n_nodes)
     scores[0, lod2 + 1] = 5.0  # expand the second LOD2 gist first
-    cut = allocate(cut, scores, layout, table)  # 13 + 3 = 16 entries; free 6 -> two expansions fit
+    cut = allocate(cut, scores, table)  # 13 + 3 = 16 entries; free 6 -> two expansions fit
     assert not cut[0, lod2 + 1] and cut[0, layout.level_offsets[1] + 4 : layout.level_offsets[1] + 8].all()
     assert int(cut.sum()) == layout.W  # the spare budget went to the best-scoring expansions
     # The budget is full: a strongly positive LOD1 gist gets its room from the most negative complete group.
@@ -185,12 +182,12 @@ def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():
     groups = [
         p
         for p in range(lod1, lod1 + layout.level_sizes[1])
-        if cut[0, (p - lod1) * 4 : (p - lod1) * 4 + 4].all() and table["eligible"][p]
+        if cut[0, (p - lod1) * 4 : (p - lod1) * 4 + 4].all() and table.eligible[p]
     ]
     scores = torch.zeros(1, layout.n_nodes)
     scores[0, gist] = 9.0
     scores[0, (groups[0] - lod1) * 4 : (groups[0] - lod1) * 4 + 4] = -5.0
-    swapped = allocate(cut, scores, layout, table)
+    swapped = allocate(cut, scores, table)
     check_cut(swapped, layout)
     assert not swapped[0, gist] and swapped[0, (gist - lod1) * 4 : (gist - lod1) * 4 + 4].all()
     assert swapped[0, groups[0]] and int(swapped.sum()) == layout.W
@@ -201,7 +198,7 @@ def test_lensnet_learns_where_detail_pays():
     (tokens 20..23), and nothing else matters. After 800 steps on the preference loss alone,
     LensNet scores the coarsest context's entry that covers that block first, far above chance."""
     system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
-    layout, table = system.layout, system.node_table
+    layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
     weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
@@ -213,11 +210,11 @@ def test_lensnet_learns_where_detail_pays():
         noise = draw_variant_noise(layout, B, g, torch.device("cpu"))
         with torch.no_grad():
             tree = build_tree(system.gistnet, system.base.embed(window[:, :64]), layout)
-            shown = sample_variants(noise, layout)
-            wc = assemble(tree, shown, window, layout, table)
-        detail = (layout.L - lod_map(shown, layout)[..., block].amin(-1)).float() / layout.L  # [B, V]
+            shown = sample_variants(noise, NodeTable.of(layout))
+            wc = assemble(tree, shown, window, table)
+        detail = (layout.L - lod_map(shown, table)[..., block].amin(-1)).float() / layout.L  # [B, V]
         tails = 2.0 - detail + 0.01 * torch.rand(B, layout.V, generator=g)  # near-ties weigh ~0.02
-        loss = lens_losses(lens(wc), shown, tails, wc, layout, table, weights, use_rank=False)["loss_lens"]
+        loss = lens_losses(lens(wc), shown, tails, wc, table, weights, use_rank=False).losses["loss_lens"]
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -225,7 +222,7 @@ def test_lensnet_learns_where_detail_pays():
     with torch.no_grad():
         tree = build_tree(system.gistnet, system.base.embed(window[:, :64]), layout)
         cut = coarsest_cut(layout, torch.device("cpu"))[None, None].expand(32, 1, -1)
-        wc = assemble(tree, cut, window, dataclasses.replace(layout, N=0), table)
+        wc = assemble(tree, cut, window, table)
         scores = lens(wc)
     expandable = wc.valid & (wc.lod > 0)
     best = torch.where(expandable, scores, float("-inf")).argmax(-1)
@@ -245,9 +242,11 @@ def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo
         noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
         out = step(system, window, noise, WEIGHTS)
         eager = process_batch_lens(system, window, noise, WEIGHTS)
-        for k in out:
-            torch.testing.assert_close(out[k], eager[k], atol=1e-5, rtol=1e-4)
-        total_loss(out).backward()
+        for part, reference in zip(out, eager, strict=True):  # losses, metrics, histograms
+            assert part.keys() == reference.keys()
+            for k in reference:
+                torch.testing.assert_close(part[k], reference[k], atol=1e-5, rtol=1e-4)
+        out.total().backward()
         if i == 0:
             torch.compiler.set_stance("fail_on_recompile")
     assert counter.frame_count == 1

@@ -11,17 +11,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mcfn.config import MCConfig, OptimConfig, build_config, coarsest_cover_size
-from mcfn.mc.context import WorkingContext
-from mcfn.mc.layout import Layout
-from mcfn.mc.preferences import lens_weight_tensors
-from mcfn.mc.system import MegaContext, build_contexts, process_batch, process_batch_lens
-from mcfn.mc.tree import build_tree
-from mcfn.mc.variants import draw_variant_noise, sample_variants
-from mcfn.optim import build_optimizers
-from mcfn.step import total_loss
+from mcfn.config import LensConfig, OptimConfig, coarsest_cover_size
+from mcfn.core.context import WorkingContext
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.outputs import StepOutput
+from mcfn.core.preferences import lens_weight_tensors
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
+from mcfn.core.tree import build_tree
+from mcfn.core.variants import draw_variant_noise, sample_variants
+from mcfn.profile import build_config
+from mcfn.shell.optim import build_optimizers
 
 VOCAB = 128
+
+
+def flat(out: StepOutput) -> dict[str, torch.Tensor]:
+    """Every tensor of a step's output under its name."""
+    return {**out.losses, **out.metrics, **out.histograms}
 
 
 def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, lens_width: int = 8) -> MegaContext:
@@ -35,10 +41,8 @@ def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, l
                 "budget": W,
                 "tail": H,
                 "variants": N,
-                "gist_layers": 1,
-                "lens_width": lens_width,
-                "gist_width": 8,
-                "gist_heads": 2,
+                "gist": {"layers": 1, "width": 8, "heads": 2},
+                "lens": {"width": lens_width},
             },
         }
     )
@@ -176,18 +180,18 @@ def test_property_I9_same_seed_same_variants_and_losses(case):
     def run(noise_seed: int):
         noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(noise_seed), torch.device("cpu"))
         with torch.no_grad():
-            return sample_variants(noise, system.layout), process_batch(system, window, noise)
+            return sample_variants(noise, system.nodes), process_batch(system, window, noise)
 
     (shown_a, out_a), (shown_b, out_b) = run(seed), run(seed)
     assert torch.equal(shown_a, shown_b)
-    assert all(torch.equal(out_a[k], out_b[k]) for k in out_a)
+    assert all(torch.equal(a, b) for a, b in zip(flat(out_a).values(), flat(out_b).values(), strict=True))
 
 
 def test_compressed_variants_differ_in_where_detail_goes():
     layout = Layout(T=1024, K=16, L=2, W=256, H=64, N=2)
     noise = draw_variant_noise(layout, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
-    shown = sample_variants(noise, layout)
-    lod_of = layout.node_table()["lod"]
+    shown = sample_variants(noise, NodeTable.of(layout))
+    lod_of = NodeTable.of(layout).lod
     for b in range(8):
         assert not torch.equal(shown[b, 1], shown[b, 2])
     gists_per_level = [int((shown[:, 1:] & (lod_of == k)).sum()) for k in (1, 2)]
@@ -200,7 +204,7 @@ def test_compressed_variants_differ_in_where_detail_goes():
 def test_compressed_variants_spend_at_least_their_share_of_the_spare_budget(spend_min):
     layout = Layout(T=1024, K=16, L=2, W=256, H=64, N=2)
     noise = draw_variant_noise(layout, 64, torch.Generator().manual_seed(1), torch.device("cpu"))
-    counts = sample_variants(noise, layout, spend_min)[:, 1:].sum(-1)
+    counts = sample_variants(noise, NodeTable.of(layout), spend_min)[:, 1:].sum(-1)
     spare = layout.W - layout.coarsest_cover
     assert (counts <= layout.W).all()
     assert (counts >= layout.coarsest_cover + int(spend_min * spare) - (layout.K - 2)).all()
@@ -216,13 +220,13 @@ def test_network_is_in_the_optimizer_and_learns_in_the_training_step(network):
     in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
     assert all(id(p) in in_optimizer for p in module.parameters())
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    weights = lens_weight_tensors(MCConfig(), torch.device("cpu"))
+    weights = lens_weight_tensors(LensConfig(), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     # Output projections start at zero, so the inner matrices get gradient from the second step on.
     for _ in range(3):
         window = torch.randint(0, VOCAB, (2, 33), generator=g)
         noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
-        total_loss(process_batch_lens(system, window, noise, weights)).backward()
+        process_batch_lens(system, window, noise, weights).total().backward()
         for opt in optimizers:
             opt.step()
         system.zero_grad(set_to_none=True)
@@ -242,7 +246,7 @@ def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(process_batch, backend=counter, fullgraph=True, dynamic=False)
     for i, (window, noise) in enumerate(_batches(system, 24)):
-        total_loss(step(system, window, noise)).backward()
+        step(system, window, noise).total().backward()
         if i == 0:
             torch.compiler.set_stance("fail_on_recompile")
     assert counter.frame_count == 1
@@ -259,15 +263,15 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
         for block in system.base.blocks:
             torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
-    weights = lens_weight_tensors(MCConfig(), torch.device("cpu"))
+    weights = lens_weight_tensors(LensConfig(), torch.device("cpu"))
     step = torch.compile(process_batch_lens, fullgraph=True, dynamic=False)
     for window, noise in _batches(system, 3):
         grads, outs = [], []
         for fn in (step, process_batch_lens):
             system.zero_grad(set_to_none=True)
             out = fn(system, window, noise, weights)
-            total_loss(out).backward()
-            outs.append({k: v.detach() for k, v in out.items()})
+            out.total().backward()
+            outs.append({k: v.detach() for k, v in flat(out).items()})
             grads.append([p.grad.clone() for p in system.parameters()])
         for k in outs[0]:
             torch.testing.assert_close(outs[0][k], outs[1][k], atol=1e-5, rtol=1e-4)

@@ -3,11 +3,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import ModelConfig, OptimConfig
+from mcfn.core.model import GPT
 from mcfn.errors import UserError
-from mcfn.model import GPT
-from mcfn.optim import Float32Muon, build_optimizers, lr_multiplier, set_lr_multiplier
+from mcfn.shell.checkpoint import load_checkpoint, save_checkpoint
+from mcfn.shell.optim import Float32Muon, build_optimizers, lr_multiplier, set_lr_multiplier
 
 
 def test_every_parameter_is_in_exactly_one_optimizer():

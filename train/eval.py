@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: ``python -m train.eval --ckpt DIR [--data SPEC] [--json FILE] ...``.
 
 Tail bits per byte on held-out windows under full / recency / random / lens / oracle working contexts,
-at the checkpoint's budget and a sweep of budgets (see ``mcfn.evaluation``). Prints the table and writes
+at the checkpoint's budget and a sweep of budgets (see ``mcfn.tools.evaluation``). Prints the table and writes
 ``eval.json``, ``eval.md`` and ``eval_sweep.png`` into ``--out`` (default: the checkpoint's directory).
 """
 
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    from mcfn.evaluation import evaluate_checkpoint
+    from mcfn.shell.evaluate import evaluate_checkpoint
 
     report, table = evaluate_checkpoint(
         args.ckpt,

@@ -35,11 +35,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from mcfn.generation import Sampling, generate_full, generate_mc
-    from mcfn.mc.render import fold
-    from mcfn.mc.system import MegaContext
-    from mcfn.restore import load_trained
-    from mcfn.trainer import resolve_device
+    from mcfn.core.system import MegaContext
+    from mcfn.inference.generation import Sampling, generate_full, generate_mc
+    from mcfn.inference.render import fold
+    from mcfn.shell.devices import resolve_device
+    from mcfn.shell.restore import load_trained
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")

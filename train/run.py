@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from mcfn.config import DEFAULT_PROFILE, parse_override, resolve
 from mcfn.errors import UserError, exit_code
+from mcfn.profile import DEFAULT_PROFILE, parse_override, resolve
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError("--resume needs --out DIR, the run to continue")
     profile_name = Path(args.profile).stem
     out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    from mcfn.trainer import train  # heavy imports after the arguments are known to be good
+    from mcfn.shell.loop import train  # heavy imports after the arguments are known to be good
 
     train(cfg, out, resume=args.resume)
 

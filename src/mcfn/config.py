@@ -1,22 +1,19 @@
-"""Run configuration: frozen dataclasses, filled from a TOML profile and then from CLI overrides.
+"""Run configuration: frozen dataclasses, one per section, each validating its own values.
 
-A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[mc]``). Unknown sections
-or keys, values of the wrong type and out-of-range values are rejected with a one-line
-:class:`~mcfn.errors.UserError` that names the key (``train.steps``).
+Sections: ``model``, ``data``, ``optim``, ``train`` and ``mc``, the last with nested ``gist``, ``lens`` and
+``alloc`` tables. An out-of-range value raises a one-line :class:`~mcfn.errors.UserError` naming its dotted
+key (``mc.lens.temperature``). Reading profiles and overrides into a config is :mod:`mcfn.profile`'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
+import hashlib
+import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mcfn.errors import UserError
-
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
-DEFAULT_PROFILE = "cpu-tiny"
 
 
 def _require(ok: bool, key: str, why: str) -> None:
@@ -110,6 +107,55 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
 
 
 @dataclass(frozen=True)
+class GistConfig:
+    layers: int = 2
+    width: int = 0  # GistNet's internal width; 0 means half the model width
+    heads: int = 2
+
+    def __post_init__(self) -> None:
+        _require(self.layers >= 1, "mc.gist.layers", "must be >= 1")
+        _require(self.width >= 0, "mc.gist.width", "must be >= 0")
+        _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LensConfig:
+    enabled: bool = True  # LensNet, its preference loss and the allocator-built variants
+    layers: int = 2
+    width: int = 0  # LensNet's internal width; 0 means half the model width
+    heads: int = 2
+    weight: float = 1.0  # weight of the whole LensNet loss in the step's total
+    pref_weight: float = 1.0  # Bradley-Terry preference term
+    budget_weight: float = 0.1  # expansion/collapse balance term
+    rank: bool = False  # the optional margin term
+    rank_weight: float = 0.1
+    rank_margin: float = 1.0
+    temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
+    every: int = 1  # compute the LensNet loss on every k-th step only
+
+    def __post_init__(self) -> None:
+        _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
+        _require(self.width >= 0, "mc.lens.width", "must be >= 0")
+        _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
+        for name in ("weight", "pref_weight", "budget_weight", "rank_weight"):
+            _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
+        _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
+        _require(self.every >= 1, "mc.lens.every", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class AllocConfig:
+    variants: int = 1  # of the N compressed variants, how many the allocator builds from LensNet scores
+    iterations: int = 1  # refocus steps per allocator-built variant (each one a LensNet forward)
+    noise: float = 1.0  # std of the exploration noise added to LensNet scores for those variants
+
+    def __post_init__(self) -> None:
+        _require(self.variants >= 0, "mc.alloc.variants", "must be >= 0")
+        _require(self.iterations >= 1, "mc.alloc.iterations", "must be >= 1")
+        _require(self.noise >= 0, "mc.alloc.noise", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class MCConfig:
     enabled: bool = True  # MegaContext training; --no-mc trains the plain GPT on the same data
     block_size: int = 16  # K: children per gist
@@ -121,37 +167,13 @@ class MCConfig:
     # (W minus the coarsest cover): below 1, some variants are mostly gists, so the base model and GistNet
     # learn to rely on gists. The allocator's variants always fill W.
     variant_spend_min: float = 1.0
-    gist_layers: int = 2
-    gist_width: int = 0  # GistNet's internal width; 0 means half the model width
-    gist_heads: int = 2
-    lens: bool = True  # LensNet, its preference loss and the allocator-built variants
-    lens_layers: int = 2
-    lens_width: int = 0  # LensNet's internal width; 0 means half the model width
-    lens_heads: int = 2
-    lens_weight: float = 1.0  # weight of the whole LensNet loss in the step's total
-    lens_pref_weight: float = 1.0  # Bradley-Terry preference term
-    lens_budget_weight: float = 0.1  # expansion/collapse balance term
-    lens_rank: bool = False  # the optional margin term
-    lens_rank_weight: float = 0.1
-    lens_rank_margin: float = 1.0
-    lens_temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
-    lens_every: int = 1  # compute the LensNet loss on every k-th step only
-    alloc_variants: int = 1  # of the N compressed variants, how many the allocator builds from LensNet scores
-    alloc_iterations: int = 1  # refocus steps per allocator-built variant (each one a LensNet forward)
-    alloc_noise: float = 1.0  # std of the exploration noise added to LensNet scores for those variants
+    gist: GistConfig = field(default_factory=GistConfig)  # [mc.gist]
+    lens: LensConfig = field(default_factory=LensConfig)  # [mc.lens]
+    alloc: AllocConfig = field(default_factory=AllocConfig)  # [mc.alloc]
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 2, "mc.block_size", "must be >= 2")
-        _require(self.lens_layers >= 1, "mc.lens_layers", "must be >= 1")
-        _require(self.lens_width >= 0, "mc.lens_width", "must be >= 0")
-        _require(self.lens_heads >= 1, "mc.lens_heads", "must be >= 1")
-        for name in ("lens_weight", "lens_pref_weight", "lens_budget_weight", "lens_rank_weight", "alloc_noise"):
-            _require(getattr(self, name) >= 0, f"mc.{name}", "must be >= 0")
         _require(0.0 <= self.variant_spend_min <= 1.0, "mc.variant_spend_min", "must lie in [0, 1]")
-        _require(self.lens_temperature > 0, "mc.lens_temperature", "must be > 0")
-        _require(self.lens_every >= 1, "mc.lens_every", "must be >= 1")
-        _require(0 <= self.alloc_variants <= self.variants, "mc.alloc_variants", "must be between 0 and mc.variants")
-        _require(self.alloc_iterations >= 1, "mc.alloc_iterations", "must be >= 1")
         _require(self.lod_max >= 1, "mc.lod_max", "must be >= 1")
         _require(
             self.tail >= 1 and self.tail % self.block_size == 0,
@@ -159,9 +181,12 @@ class MCConfig:
             "must be a positive multiple of mc.block_size",
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
-        _require(self.gist_layers >= 1, "mc.gist_layers", "must be >= 1")
-        _require(self.gist_width >= 0, "mc.gist_width", "must be >= 0")
-        _require(self.gist_heads >= 1, "mc.gist_heads", "must be >= 1")
+        _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
+
+    @property
+    def alloc_variants(self) -> int:
+        """Allocator-built variants per sample: none without LensNet."""
+        return self.alloc.variants if self.lens.enabled else 0
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -230,104 +255,37 @@ class RunConfig:
         _require(mc.tail <= mc.budget <= seq_len, "mc.budget", "must lie between mc.tail and data.seq_len")
         need = coarsest_cover_size(seq_len, mc.block_size, mc.lod_max, mc.tail)
         _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
-        for name, width, heads in (("gist", self.gist_width, mc.gist_heads), ("lens", self.lens_width, mc.lens_heads)):
+        for name, width, heads in (("gist", self.gist_width, mc.gist.heads), ("lens", self.lens_width, mc.lens.heads)):
             _require(
                 width % heads == 0 and (width // heads) % 2 == 0,
-                f"mc.{name}_width",
-                f"must split into mc.{name}_heads heads of even width",
+                f"mc.{name}.width",
+                f"must split into mc.{name}.heads heads of even width",
             )
 
     @property
     def gist_width(self) -> int:
-        return self.mc.gist_width or self.model.n_embd // 2
+        return self.mc.gist.width or self.model.n_embd // 2
 
     @property
     def lens_width(self) -> int:
-        return self.mc.lens_width or self.model.n_embd // 2
+        return self.mc.lens.width or self.model.n_embd // 2
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def flat(self) -> dict[str, Any]:
+        """Every setting under its dotted key (``mc.lens.weight``)."""
+        return flatten(self.to_dict())
 
-_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "mc": MCConfig}
-
-
-def _coerce(key: str, value: Any, annotation: str) -> Any:
-    """Check a TOML value against a field's annotation; ints are accepted where floats are expected."""
-    expected = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) and expected is not bool:
-        raise UserError(f"invalid value for {key}: expected {annotation}, got a boolean")
-    if not isinstance(value, expected):
-        raise UserError(f"invalid value for {key}: expected {annotation}, got {type(value).__name__} {value!r}")
-    return value
+    def digest(self) -> str:
+        """A short hash of the resolved config: two runs with the same digest were configured alike."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def build_config(sections: dict[str, dict[str, Any]], source: str = "config") -> RunConfig:
-    """Build a RunConfig from nested ``{section: {key: value}}``, rejecting anything unknown."""
-    built: dict[str, Any] = {}
-    for section, values in sections.items():
-        if section not in _SECTION_TYPES:
-            raise UserError(f"unknown section [{section}] in {source} (known: {', '.join(_SECTION_TYPES)})")
-        if not isinstance(values, dict):
-            raise UserError(f"[{section}] in {source} must be a table")
-        cls = _SECTION_TYPES[section]
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        kwargs = {}
-        for key, value in values.items():
-            full = f"{section}.{key}"
-            if key not in fields or fields[key].metadata.get("derived"):
-                raise UserError(f"unknown key {full} in {source}")
-            kwargs[key] = _coerce(full, value, fields[key].type)
-        built[section] = cls(**kwargs)
-    return RunConfig(**built)
-
-
-def config_from_saved(sections: dict[str, dict[str, Any]]) -> RunConfig:
-    """The config a checkpoint was written with, derived fields included (the file is ours, not the user's)."""
-    try:
-        return RunConfig(**{name: cls(**sections[name]) for name, cls in _SECTION_TYPES.items()})
-    except (KeyError, TypeError) as e:
-        raise UserError(f"checkpoint config does not match this version of mcfn ({e})") from None
-
-
-def profile_path(name: str) -> Path:
-    path = Path(name)
-    if path.suffix == ".toml":
-        return path
-    return PROFILES_DIR / f"{name}.toml"
-
-
-def load_profile(name: str) -> dict[str, dict[str, Any]]:
-    """Read a profile by name (``profiles/NAME.toml``) or by path to a ``.toml`` file."""
-    path = profile_path(name)
-    if not path.is_file():
-        known = sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
-        raise UserError(f"no profile {name!r} (looked for {path}; known: {', '.join(known)})")
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read profile {path}: {e}") from None
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` with a TOML value; a bare word that is not TOML is taken as a string."""
-    if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise UserError(f"override {text!r} must look like section.key=value")
-    dotted, raw = text.split("=", 1)
-    section, key = dotted.strip().split(".", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    return section, key, value
-
-
-def resolve(profile: str, overrides: list[tuple[str, str, Any]]) -> RunConfig:
-    """Profile values first, then overrides (in order); validated once, at the end."""
-    sections = load_profile(profile)
-    for section, key, value in overrides:
-        sections.setdefault(section, {})[key] = value
-    return build_config(sections, source=str(profile_path(profile)))
+def flatten(tables: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested tables as one dict of dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in tables.items():
+        dotted = f"{prefix}{key}"
+        out.update(flatten(value, f"{dotted}.") if isinstance(value, dict) else {dotted: value})
+    return out

@@ -8,9 +8,10 @@ Set ``MCFN_TYPECHECK=0`` to switch the eager checks off.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -20,6 +21,17 @@ from jaxtyping import jaxtyped
 F = TypeVar("F", bound=Callable)
 
 _ENABLED = os.environ.get("MCFN_TYPECHECK", "1") != "0"
+
+
+@contextlib.contextmanager
+def checks(enabled: bool) -> Iterator[None]:
+    """Eager shape checks on or off inside the block (the benchmark measures what they cost)."""
+    global _ENABLED
+    previous, _ENABLED = _ENABLED, enabled
+    try:
+        yield
+    finally:
+        _ENABLED = previous
 
 
 def typechecked(fn: F) -> F:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mcfn.mc.preferences import HIST_RANGE
+from mcfn.core.outputs import HIST_RANGE
 
 METRICS_NAME = "metrics.jsonl"
 
@@ -76,7 +76,7 @@ class MetricsLog:
 
     def log(self, record: dict[str, Any], histograms: dict[str, torch.Tensor] | None = None) -> None:
         """One record to ``metrics.jsonl`` and wandb; histograms (``hist/*``: counts over fixed bins from
-        ``mcfn.mc.preferences``) go to wandb only."""
+        ``mcfn.core.preferences``) go to wandb only."""
         if self._file is None:
             return
         self._file.write(json.dumps(record) + "\n")

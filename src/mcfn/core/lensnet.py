@@ -19,9 +19,9 @@ from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from mcfn.mc.context import WorkingContext
-from mcfn.mc.layout import Layout
-from mcfn.model import Block, rms_norm, rotary_tables
+from mcfn.core.context import WorkingContext
+from mcfn.core.model import Block, rms_norm, rotary_tables
+from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
 

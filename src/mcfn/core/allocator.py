@@ -23,49 +23,25 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from mcfn.mc.layout import Layout
-from mcfn.mc.variants import top_by_priority
+from mcfn.core.nodes import NodeTable
+from mcfn.core.variants import top_by_priority
 from mcfn.typecheck import typechecked
-
-
-def _children_of(chosen: Tensor, layout: Layout) -> Tensor:
-    """Mask of the ``K`` children of every chosen node (chosen tokens have none)."""
-    parts = []
-    for k in range(layout.L + 1):
-        if k == layout.L:
-            parts.append(torch.zeros_like(chosen[..., layout.level_offsets[k] :]))
-            continue
-        lo = layout.level_offsets[k + 1]
-        parts.append(chosen[..., lo : lo + layout.level_sizes[k + 1]].repeat_interleave(layout.K, dim=-1))
-    return torch.cat(parts, dim=-1)
-
-
-def _group_means(values: Tensor, layout: Layout, reduce: str) -> Tensor:
-    """Per parent node, a reduction of its ``K`` children's values (tokens get the identity element)."""
-    parts = [torch.zeros_like(values[..., : layout.T])]
-    for k in range(1, layout.L + 1):
-        lo = layout.level_offsets[k - 1]
-        children = values[..., lo : lo + layout.level_sizes[k - 1]].unflatten(-1, (-1, layout.K))
-        parts.append(children.mean(-1) if reduce == "mean" else children.amax(-1))
-    return torch.cat(parts, dim=-1)
 
 
 @typechecked
 def allocate(
     shown: Bool[Tensor, "r nodes"],
     node_scores: Float[Tensor, "r nodes"],
-    layout: Layout,
-    node_table: dict[str, Tensor],
+    nodes: NodeTable,
 ) -> Bool[Tensor, "r nodes"]:
     """One refocus step (see the module docstring)."""
+    layout = nodes.layout
     cost = layout.K - 1
-    lod = node_table["lod"]
     scores = torch.where(shown, node_scores, 0.0)
-    can_expand = shown & (lod > 0)
-    children_shown = _group_means(shown.float(), layout, "mean") == 1.0
-    children_negative = _group_means(torch.where(shown, scores, 1.0), layout, "max") < 0
-    can_collapse = (lod > 0) & node_table["eligible"] & children_shown & children_negative
-    group_score = _group_means(scores, layout, "mean")
+    can_expand = shown & (nodes.lod > 0)
+    children_negative = nodes.group_reduce(torch.where(shown, scores, 1.0), "amax") < 0
+    can_collapse = nodes.collapsible(shown) & children_negative
+    group_score = nodes.group_reduce(scores, "mean")
 
     free = layout.W - shown.sum(-1)
     n_expand = can_expand.sum(-1)
@@ -74,8 +50,8 @@ def allocate(
     swaps = torch.minimum((wanted - fill).clamp(min=0), can_collapse.sum(-1))
     expand = top_by_priority(can_expand, scores, fill + swaps)
     collapse = top_by_priority(can_collapse, -group_score, swaps)
-    out = (shown & ~expand) | _children_of(expand, layout)
-    return (out & ~_children_of(collapse, layout)) | collapse
+    out = (shown & ~expand) | nodes.children_of(expand)
+    return (out & ~nodes.children_of(collapse)) | collapse
 
 
 @typechecked

@@ -1,31 +1,44 @@
 """What the training loop trains: the plain GPT or MegaContext, behind one small interface.
 
 A task owns its model and its (optionally compiled) step and evaluation functions. ``train_step``
-returns named tensors (``loss_*`` terms and metrics); ``evaluate`` returns floats for the log.
+returns the step's :class:`~mcfn.core.outputs.StepOutput`; ``evaluate`` returns floats for the log.
 Anything random in a step is drawn from a generator seeded by ``(seed, step)``, so a step depends
 only on the run's seed and its index: resuming replays exactly.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from mcfn.config import RunConfig
+from mcfn.core.model import GPT
+from mcfn.core.outputs import StepOutput
+from mcfn.core.preferences import lens_weight_tensors
+from mcfn.core.step import compile_step, nll_and_bytes, plain_step
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, validation_sums
+from mcfn.core.variants import draw_variant_noise
 from mcfn.data.loader import VAL_SEED
-from mcfn.mc.preferences import lens_weight_tensors
-from mcfn.mc.render import lod_string
-from mcfn.mc.system import MegaContext, build_contexts, process_batch, process_batch_lens, tail_nll_and_bytes
-from mcfn.mc.variants import draw_variant_noise
-from mcfn.model import GPT
+from mcfn.inference.render import lod_string
 from mcfn.seeding import derive_seed
-from mcfn.step import bits_per_byte, nll_and_bytes, plain_step
 
 
-def compile_step(fn: Callable, mode: str) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+@torch.no_grad()
+def bits_per_byte(sums_fn, batches: list[Tensor], device: torch.device) -> Tensor:
+    """Bits per byte over fixed validation batches: total nats / (ln 2 · total bytes).
+
+    ``sums_fn(i, batch)`` returns summed NLL (any shape, one bpb per element) and summed bytes for batch ``i``.
+    """
+    total_nll: Tensor | int = 0
+    total_bytes: Tensor | int = 0
+    for i, batch in enumerate(batches):
+        nll, nbytes = sums_fn(i, batch.to(device, non_blocking=True))
+        total_nll = total_nll + nll.double()
+        total_bytes = total_bytes + nbytes
+    return (total_nll / (math.log(2) * total_bytes.clamp(min=1))).cpu()
 
 
 class PlainTask:
@@ -42,7 +55,7 @@ class PlainTask:
     def compile(self, mode: str) -> None:
         self._step, self._eval = compile_step(self._step, mode), compile_step(self._eval, mode)
 
-    def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> dict[str, Tensor]:
+    def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> StepOutput:
         return self._step(self.model, window)
 
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
@@ -66,14 +79,14 @@ class MCTask:
         self.global_batch = cfg.train.batch_size
         self.layout = self.model.layout
         self.token_bytes, self.device, self.seed = token_bytes, device, cfg.train.seed
-        self.alloc_iterations = mc.alloc_iterations
+        self.alloc_iterations = mc.alloc.iterations
         self.generator = torch.Generator(device=device)
-        self.lens_every = mc.lens_every if mc.lens else 0
+        self.lens_every = mc.lens.every if mc.lens.enabled else 0
         # Loss weights are tensors: changing one during training never recompiles the step.
-        self.lens_weights = lens_weight_tensors(mc, device)
+        self.lens_weights = lens_weight_tensors(mc.lens, device)
         self._step: Callable = process_batch
         self._step_lens: Callable = process_batch_lens
-        self._eval: Callable = tail_nll_and_bytes
+        self._eval: Callable = validation_sums
 
     def compile(self, mode: str) -> None:
         self._step, self._step_lens, self._eval = (
@@ -84,7 +97,7 @@ class MCTask:
         self.generator.manual_seed(seed)
         return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
 
-    def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> dict[str, Tensor]:
+    def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> StepOutput:
         """The step on ``window``, rows ``rows`` of the global batch (None: ``window`` is the whole batch).
         Variant noise is drawn for the global batch and sliced, so a sample gets the same variants however
         the batch is split (processes, micro-batches)."""

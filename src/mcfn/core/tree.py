@@ -9,8 +9,8 @@ from jaxtyping import Float
 from tensordict import TensorClass
 from torch import Tensor
 
-from mcfn.mc.gistnet import GistNet
-from mcfn.mc.layout import Layout
+from mcfn.core.gistnet import GistNet
+from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
 

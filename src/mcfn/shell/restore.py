@@ -8,12 +8,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mcfn.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from mcfn.config import RunConfig, config_from_saved
+from mcfn.config import RunConfig
+from mcfn.core.model import GPT
+from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
-from mcfn.mc.system import MegaContext
-from mcfn.model import GPT
+from mcfn.profile import config_from_saved
+from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint
 
 
 @dataclass

@@ -8,8 +8,8 @@ from jaxtyping import Bool, Int
 from tensordict import TensorClass
 from torch import Tensor
 
-from mcfn.mc.layout import Layout
-from mcfn.mc.tree import Tree
+from mcfn.core.nodes import NodeTable
+from mcfn.core.tree import Tree
 from mcfn.typecheck import typechecked
 
 
@@ -35,12 +35,12 @@ def assemble(
     tree: Tree,
     shown: Bool[Tensor, "b v nodes"],
     window: Int[Tensor, "b t1"],
-    layout: Layout,
-    node_table: dict[str, Tensor],
+    nodes: NodeTable,
 ) -> WorkingContext:
-    """Gather each variant's shown nodes, ordered by start, right-padded to ``W``."""
+    """Gather each variant's shown nodes, ordered by start, right-padded to ``W`` (``nodes.layout.W``)."""
+    layout = nodes.layout
     B, V, W = shown.size(0), shown.size(1), layout.W
-    start_of = node_table["start"]
+    start_of = nodes.start
     # Shown spans are disjoint, so sorting by start orders them; hidden nodes sort after every shown one.
     key = torch.where(shown, start_of, layout.T + 1)
     node = torch.topk(key, W, dim=-1, largest=False, sorted=True).indices  # [B, V, W]
@@ -49,7 +49,7 @@ def assemble(
     flat = rearrange(node, "b v w -> b (v w)")
     emb = torch.gather(tree.emb, 1, repeat(flat, "b n -> b n d", d=tree.emb.size(-1)))
     emb = emb * rearrange(valid, "b v w -> b (v w) 1")
-    start, span, lod = start_of[node], node_table["span"][node], node_table["lod"][node]
+    start, span, lod = start_of[node], nodes.span[node], nodes.lod[node]
     target = torch.gather(window, 1, rearrange(start + span, "b v w -> b (v w)"))
     target = torch.where(valid, rearrange(target, "b (v w) -> b v w", v=V), -1)
     packed = {

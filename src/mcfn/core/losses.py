@@ -16,8 +16,9 @@ from einops import rearrange
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from mcfn.mc.context import WorkingContext
-from mcfn.mc.layout import Layout
+from mcfn.core.context import WorkingContext
+from mcfn.core.nodes import Layout
+from mcfn.core.outputs import StepOutput
 from mcfn.typecheck import typechecked
 
 
@@ -40,14 +41,13 @@ def tail_nll(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> F
 @typechecked
 def variant_losses(
     nll: Float[Tensor, "r w"], tails: Float[Tensor, "b v"], wc: WorkingContext, layout: Layout
-) -> dict[str, Tensor]:
-    """Named ``loss_*`` terms and metrics (all tensors; nothing is read back here)."""
+) -> StepOutput:
+    """``loss_lm`` and the variant metrics (all tensors; nothing is read back here)."""
     valid = wc.valid
     delta = tails[:, 1:] - tails[:, :1]  # [B, N]
     baseline = rearrange(torch.arange(wc.batch_size[0], device=nll.device) % layout.V == 0, "r -> r 1")
     lod0_loss = _masked_mean(nll, valid & (wc.lod == 0))
     out = {
-        "loss_lm": _masked_mean(nll, valid),
         "train/loss_lod0": _masked_mean(nll, valid & baseline),
         "mc/tail_loss_baseline": tails[:, 0].mean(),
         "mc/tail_loss_compressed": tails[:, 1:].mean(),
@@ -65,4 +65,4 @@ def variant_losses(
         out[f"mc/lod_count/{k}"] = at_k.sum() / rows
         # How much worse an entry at LODk predicts its next token than a token entry does, on average.
         out[f"mc/lod_delta/{k}"] = loss_k - lod0_loss
-    return out
+    return StepOutput({"loss_lm": _masked_mean(nll, valid)}, out, {})

@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from mcfn.model import Block, rms_norm, rotary_tables
+from mcfn.core.model import Block, rms_norm, rotary_tables
 from mcfn.typecheck import typechecked
 
 

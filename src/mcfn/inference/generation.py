@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mcfn.decode import KVCache, extend
+from mcfn.core.model import GPT
+from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
-from mcfn.mc.render import lod_string
-from mcfn.mc.streaming import StreamingTree, focused_context
-from mcfn.mc.system import MegaContext
-from mcfn.model import GPT
+from mcfn.inference.decode import KVCache, extend
+from mcfn.inference.render import lod_string
+from mcfn.inference.streaming import StreamingTree, focused_context
 
 PREFILL_CHUNK = 1024  # full mode reads long prompts in chunks, so attention never builds an n × n mask
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from mcfn.model import GPT, rms_norm, rotary_tables
+from mcfn.core.model import GPT, rms_norm, rotary_tables
 from mcfn.typecheck import typechecked
 
 

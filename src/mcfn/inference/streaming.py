@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from jaxtyping import Int
 from torch import Tensor
 
-from mcfn.mc.context import WorkingContext, assemble
-from mcfn.mc.layout import Layout
-from mcfn.mc.system import MegaContext, refocus
-from mcfn.mc.tree import Tree
-from mcfn.mc.variants import coarsest_cut
+from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.system import MegaContext, refocus
+from mcfn.core.tree import Tree
+from mcfn.core.variants import coarsest_cut
 
 
 class GrowingRows:
@@ -130,11 +130,11 @@ def focused_context(system: MegaContext, stream: StreamingTree, budget: int, ste
     view = stream_view(len(stream), system.layout, budget)
     layout = view.layout
     tree, window = view_tree(stream, view)
-    table = {name: value.to(window.device) for name, value in layout.node_table().items()}
+    nodes = NodeTable.of(layout, window.device)
     cut = coarsest_cut(layout, window.device)[None, None]
     if system.lensnet is not None:
-        cut = refocus(system, tree, window, cut, layout, iterations=steps, node_table=table)
-    wc = assemble(tree, cut, window, layout, table)[0]
+        cut = refocus(system, tree, window, cut, nodes, iterations=steps)
+    wc = assemble(tree, cut, window, nodes)[0]
     keep = wc.valid & (wc.start < view.real)
     m = int(keep.sum())
     wc = wc[:m]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from mcfn.config import RunConfig
-from mcfn.mc.layout import Layout
+from mcfn.core.nodes import Layout
 
 # Dense bf16 peak, FLOP/s, by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {"H100": 989.5e12, "H200": 989.5e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
@@ -35,10 +35,10 @@ def step_flops(cfg: RunConfig, model: nn.Module) -> float:
     flops = _transformer(_matmul_params(model.base), m.n_layer, m.n_embd, B * layout.V, layout.W, causal=True)
     gist = model.gistnet
     blocks = sum(layout.eligible_counts[k] for k in range(1, layout.L + 1))
-    flops += _transformer(_matmul_params(gist), cfg.mc.gist_layers, gist.width, B * blocks, layout.K, causal=False)
+    flops += _transformer(_matmul_params(gist), cfg.mc.gist.layers, gist.width, B * blocks, layout.K, causal=False)
     if model.lensnet is not None:
         flops += _transformer(
-            _matmul_params(model.lensnet), cfg.mc.lens_layers, cfg.lens_width, B * layout.V, layout.W, causal=False
+            _matmul_params(model.lensnet), cfg.mc.lens.layers, cfg.lens_width, B * layout.V, layout.W, causal=False
         )
     return flops
 

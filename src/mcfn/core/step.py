@@ -1,18 +1,19 @@
-"""The plain language-model step and bits-per-byte evaluation, as pure functions of model and batch.
+"""The plain language-model step and the byte-weighted NLL sums of evaluation, as pure functions.
 
-A step returns named tensors: the ``loss_*`` terms, which the caller sums and backpropagates, and metrics,
-which the shell reads only after the step. The same convention carries the MegaContext step.
+A step returns a :class:`~mcfn.core.outputs.StepOutput`, as the MegaContext step does. ``compile_step`` is
+how every step and evaluation function is compiled: one whole graph, fixed shapes.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.model import GPT
+from mcfn.core.model import GPT
+from mcfn.core.outputs import StepOutput
 from mcfn.typecheck import typechecked
 
 
@@ -22,15 +23,15 @@ def split_window(window: Int[Tensor, "b t1"]) -> tuple[Int[Tensor, "b t"], Int[T
     return window[:, :-1], window[:, 1:]
 
 
-def plain_step(model: GPT, window: Tensor) -> dict[str, Tensor]:
+def compile_step(fn: Callable, mode: str) -> Callable:
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def plain_step(model: GPT, window: Tensor) -> StepOutput:
     """Next-token loss of the plain GPT over ``[B, T + 1]`` windows (mean over all ``B·T`` targets)."""
     inputs, targets = split_window(window)
     nll = model.nll(model.token_hidden(inputs), targets)
-    return {"loss_lm": nll.mean()}
-
-
-def total_loss(out: dict[str, Tensor]) -> Tensor:
-    return sum(v for k, v in out.items() if k.startswith("loss_"))
+    return StepOutput({"loss_lm": nll.mean()}, {}, {})
 
 
 @typechecked
@@ -51,18 +52,3 @@ def nll_and_bytes(
     inputs, targets = split_window(window)
     nats, nbytes = byte_sums(model.nll(model.token_hidden(inputs), targets), targets, token_bytes)
     return nats.sum(), nbytes.sum()
-
-
-@torch.no_grad()
-def bits_per_byte(sums_fn, batches: list[Tensor], device: torch.device) -> Tensor:
-    """Bits per byte over fixed validation batches: total nats / (ln 2 · total bytes).
-
-    ``sums_fn(i, batch)`` returns summed NLL (any shape, one bpb per element) and summed bytes for batch ``i``.
-    """
-    total_nll: Tensor | int = 0
-    total_bytes: Tensor | int = 0
-    for i, batch in enumerate(batches):
-        nll, nbytes = sums_fn(i, batch.to(device, non_blocking=True))
-        total_nll = total_nll + nll.double()
-        total_bytes = total_bytes + nbytes
-    return (total_nll / (math.log(2) * total_bytes.clamp(min=1))).cpu()

@@ -23,7 +23,7 @@ from jaxtyping import Bool
 from tensordict import TensorClass
 from torch import Tensor
 
-from mcfn.mc.layout import Layout
+from mcfn.core.nodes import Layout, NodeTable
 from mcfn.typecheck import typechecked
 
 
@@ -49,12 +49,6 @@ def draw_variant_noise(
     )
 
 
-def _level(x: Tensor, layout: Layout, k: int) -> Tensor:
-    """The slice of a ``[..., n_nodes]`` tensor that belongs to level ``k``."""
-    start = layout.level_offsets[k]
-    return x[..., start : start + layout.level_sizes[k]]
-
-
 def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:
     """Per row, the ``count`` candidates with the highest priority (``count`` at most the candidates)."""
     keyed = torch.where(candidates, priority, float("-inf"))
@@ -66,10 +60,10 @@ def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tens
 
 
 @typechecked
-def compressed_cuts(noise: VariantNoise, layout: Layout, spend_min: float = 1.0) -> Bool[Tensor, "b n nodes"]:
+def compressed_cuts(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.0) -> Bool[Tensor, "b n nodes"]:
     """Shown-node masks of the ``N`` compressed variants. Each spends a fraction of the spare budget
     ``W - coarsest`` drawn uniformly from ``[spend_min, 1]`` (all of it when ``spend_min = 1``)."""
-    priority, share = noise.priority, noise.share
+    layout, priority, share = nodes.layout, noise.priority, noise.share
     rows, device = priority.shape[:-1], priority.device
     fraction = spend_min + (1.0 - spend_min) * noise.spend
     slack = (fraction * (layout.W - layout.coarsest_cover)).floor().long()
@@ -78,11 +72,11 @@ def compressed_cuts(noise: VariantNoise, layout: Layout, spend_min: float = 1.0)
     parent_expanded = torch.ones(*rows, layout.level_sizes[layout.L], dtype=torch.bool, device=device)
     shown_levels: dict[int, Tensor] = {}
     for k in range(layout.L, 0, -1):
-        eligible = torch.arange(layout.level_sizes[k], device=device) < layout.eligible_counts[k]
+        eligible = nodes.level(nodes.eligible, k)
         candidates = parent_expanded & eligible
         affordable = torch.minimum(candidates.sum(-1), slack // cost)
         take = affordable if k == 1 else (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
-        chosen = top_by_priority(candidates, _level(priority, layout, k), take)
+        chosen = top_by_priority(candidates, nodes.level(priority, k), take)
         slack = slack - take * cost
         expanded[k] = chosen | (parent_expanded & ~eligible)  # nodes overlapping the tail are always expanded
         shown_levels[k] = parent_expanded & ~expanded[k]
@@ -98,7 +92,7 @@ def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
     noise = VariantNoise(
         priority=zeros, share=zeros[..., : layout.L], spend=zeros[..., 0], explore=zeros[:, :, None], batch_size=[1, 1]
     )
-    return compressed_cuts(noise, tight)[0, 0]
+    return compressed_cuts(noise, NodeTable.of(tight, device))[0, 0]
 
 
 @typechecked
@@ -109,9 +103,9 @@ def recency_cut(layout: Layout, batch: int, device: torch.device) -> Bool[Tensor
 
 
 @typechecked
-def sample_variants(noise: VariantNoise, layout: Layout, spend_min: float = 1.0) -> Bool[Tensor, "b v nodes"]:
+def sample_variants(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.0) -> Bool[Tensor, "b v nodes"]:
     """Shown-node masks ``[B, V, n_nodes]``: the recency baseline, then the ``N`` compressed variants."""
     batch = noise.batch_size[0]
     return torch.cat(
-        [recency_cut(layout, batch, noise.priority.device), compressed_cuts(noise, layout, spend_min)], dim=1
+        [recency_cut(nodes.layout, batch, noise.priority.device), compressed_cuts(noise, nodes, spend_min)], dim=1
     )

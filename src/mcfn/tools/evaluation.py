@@ -13,7 +13,7 @@ truncation that the working context keeps. ``lens_rank_corr`` is the Spearman co
 of a window's random contexts, between LensNet's predicted preference and the measured tail-loss gap.
 LensNet's predicted preference of ``a`` over ``b`` is how much its scores favour turning each into the
 other: ``Σ s·y`` over ``b``'s entries with the I7 targets that move ``b`` towards ``a``, minus the same
-with the roles swapped (:func:`mcfn.mc.preferences.detail_targets`).
+with the roles swapped (:func:`mcfn.core.preferences.detail_targets`).
 
 Everything runs eagerly under ``no_grad``: the evaluation sweeps several budgets, each its own shape.
 """
@@ -33,18 +33,15 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.data.corpus import encode_source
-from mcfn.data.loader import validation_batches
-from mcfn.errors import UserError
-from mcfn.mc.context import assemble
-from mcfn.mc.layout import Layout
-from mcfn.mc.losses import tail_mask
-from mcfn.mc.preferences import detail_targets, pair_slots
-from mcfn.mc.system import MegaContext, entry_nll, refocus
-from mcfn.mc.tree import Tree, build_tree
-from mcfn.mc.variants import compressed_cuts, draw_variant_noise, recency_cut
+from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.losses import tail_mask
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.preferences import detail_targets, pair_slots
+from mcfn.core.step import byte_sums, split_window
+from mcfn.core.system import MegaContext, base_stage, lens_stage, refocus, tree_stage
+from mcfn.core.tree import Tree
+from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut
 from mcfn.seeding import derive_seed
-from mcfn.step import byte_sums
 from mcfn.typecheck import typechecked
 
 CONDITIONS = ("full", "recency", "random", "lens", "oracle")
@@ -77,7 +74,7 @@ def default_budgets(layout: Layout) -> tuple[int, ...]:
 def full_context_sums(system: MegaContext, window: Int[Tensor, "b t1"], token_bytes: Tensor) -> tuple[Tensor, Tensor]:
     """Tail nats and bytes per window with all ``T`` tokens at LOD0."""
     layout, base = system.layout, system.base
-    inputs, targets = window[:, :-1], window[:, 1:]
+    inputs, targets = split_window(window)
     nll = base.nll(base.token_hidden(inputs), targets)
     tail = (torch.arange(layout.T, device=window.device) >= layout.T - layout.H).expand_as(targets)
     return byte_sums(nll, targets, token_bytes, tail)
@@ -85,12 +82,12 @@ def full_context_sums(system: MegaContext, window: Int[Tensor, "b t1"], token_by
 
 @typechecked
 def predicted_preference(
-    scores: Float[Tensor, "r w"], shown: Bool[Tensor, "b m nodes"], wc, layout: Layout, node_table: dict[str, Tensor]
+    scores: Float[Tensor, "r w"], shown: Bool[Tensor, "b m nodes"], wc: WorkingContext, nodes: NodeTable
 ) -> Float[Tensor, "b p"]:
     """LensNet's preference of slot ``i`` over slot ``j`` for every pair ``i < j`` of a window's contexts."""
     i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
-    y_j, _, rows_j = detail_targets(shown, i, j, wc, layout, node_table)  # move j towards i
-    y_i, _, rows_i = detail_targets(shown, j, i, wc, layout, node_table)  # move i towards j
+    y_j, _, rows_j = detail_targets(shown, i, j, wc, nodes)  # move j towards i
+    y_i, _, rows_i = detail_targets(shown, j, i, wc, nodes)  # move i towards j
     return (scores[rows_j] * y_j).sum(-1) - (scores[rows_i] * y_i).sum(-1)
 
 
@@ -108,17 +105,17 @@ def budget_sums(
     same tail bytes, counted once by :func:`full_context_sums`), and the predicted and measured preferences
     of every pair of random contexts."""
     B, M = window.size(0), settings.random_contexts
-    layout = dataclasses.replace(system.layout, W=budget, N=M)
-    noise = draw_variant_noise(layout, B, generator, window.device)
-    random = compressed_cuts(noise, layout)  # [B, M, nodes]
-    shown = torch.cat([recency_cut(layout, B, window.device), random], dim=1)
+    nodes = system.nodes.with_sizes(W=budget, N=M)
+    noise = draw_variant_noise(nodes.layout, B, generator, window.device)
+    random = compressed_cuts(noise, nodes)  # [B, M, nodes]
+    shown = torch.cat([recency_cut(nodes.layout, B, window.device), random], dim=1)
     if system.lensnet is not None:
         start = repeat(system.coarsest, "n -> b 1 n", b=B)
-        shown = torch.cat([shown, refocus(system, tree, window, start, layout, iterations=settings.refocus)], dim=1)
-    packed = dataclasses.replace(layout, N=shown.size(1) - 1)
-    wc = assemble(tree, shown, window, packed, system.node_table)
-    nll = entry_nll(system, wc)
-    nats, _ = byte_sums(nll, wc.target, token_bytes, tail_mask(wc, packed))
+        shown = torch.cat([shown, refocus(system, tree, window, start, nodes, iterations=settings.refocus)], dim=1)
+    # The training step's own stages, at this budget: assembly and the packed base forward.
+    wc = assemble(tree, shown, window, nodes)
+    nll = base_stage(system, wc)
+    nats, _ = byte_sums(nll, wc.target, token_bytes, tail_mask(wc, nodes.layout))
     nats = rearrange(nats, "(b v) -> b v", b=B)
     per_window = {"recency": nats[:, 0], "random": nats[:, 1 : 1 + M].mean(-1), "oracle": nats[:, 1 : 1 + M].amin(-1)}
     predicted = measured = torch.zeros(0, device=window.device)
@@ -126,9 +123,7 @@ def budget_sums(
         per_window["lens"] = nats[:, -1]
         slots = rearrange(torch.arange(B * shown.size(1), device=window.device), "(b v) -> b v", b=B)[:, 1 : 1 + M]
         random_wc = wc[slots.flatten()]
-        scores = system.lensnet(random_wc)
-        layout_m = dataclasses.replace(layout, N=M - 1)
-        predicted = predicted_preference(scores, random, random_wc, layout_m, system.node_table).flatten()
+        predicted = predicted_preference(lens_stage(system, random_wc), random, random_wc, nodes).flatten()
         i, j = pair_slots(M, B, window.device)
         random_nats = nats[:, 1 : 1 + M]
         measured = (random_nats.gather(1, j) - random_nats.gather(1, i)).flatten()  # > 0: the first is better
@@ -168,7 +163,7 @@ def evaluate_mc(
     generator = torch.Generator(device=device)
     for index, batch in enumerate(batches):
         window = batch.to(device)
-        tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
+        tree = tree_stage(system, window)
         nats, nbytes = full_context_sums(system, window, token_bytes)
         full_nats += float(nats.double().sum())
         total_bytes += float(nbytes.double().sum())
@@ -240,7 +235,7 @@ EVAL_JSON, EVAL_MD, EVAL_PNG = "eval.json", "eval.md", "eval_sweep.png"
 
 def write_eval_outputs(report: dict, out_dir: Path) -> str:
     """``eval.json``, ``eval.md`` (the table) and ``eval_sweep.png`` in ``out_dir``; returns the table."""
-    from mcfn.plots import plot_budget_sweep  # matplotlib only when writing files
+    from mcfn.tools.plots import plot_budget_sweep  # matplotlib only when writing files
 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = format_eval_table(report)
@@ -248,61 +243,6 @@ def write_eval_outputs(report: dict, out_dir: Path) -> str:
     (out_dir / EVAL_MD).write_text(f"# Evaluation\n\n{table}\n![budget sweep]({EVAL_PNG})\n")
     plot_budget_sweep(report, out_dir / EVAL_PNG)
     return table
-
-
-def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
-    if text is None:
-        return default_budgets(layout)
-    try:
-        budgets = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UserError(f"--budgets {text!r} must be comma-separated integers") from None
-    for w in budgets:
-        if not layout.coarsest_cover <= w <= layout.T:
-            raise UserError(
-                f"budget {w} is outside [{layout.coarsest_cover}, {layout.T}]: the coarsest full-coverage context "
-                f"needs {layout.coarsest_cover} entries and T={layout.T}"
-            )
-    if not budgets:
-        raise UserError("--budgets is empty")
-    return budgets
-
-
-def evaluate_checkpoint(
-    ckpt: Path,
-    data: str | None = None,
-    out_dir: Path | None = None,
-    batches: int | None = None,
-    budgets: str | None = None,
-    random_contexts: int = 8,
-    refocus: int = 4,
-    device: str = "auto",
-) -> tuple[dict, str]:
-    """``train.eval``: load, evaluate, write the outputs; returns the report and its table."""
-    from mcfn.restore import load_trained
-    from mcfn.trainer import resolve_device
-
-    if random_contexts < 2:
-        raise UserError("--random-contexts must be >= 2 (the rank correlation compares pairs)")
-    if refocus < 1:
-        raise UserError("--refocus must be >= 1")
-    trained = load_trained(ckpt, resolve_device(device))
-    if not isinstance(trained.model, MegaContext):
-        raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
-    cfg, layout = trained.cfg, trained.model.layout
-    split = (
-        trained.corpus.val if data is None else encode_source(data, trained.corpus.tokenizer, cfg.data.min_doc_chars)
-    )
-    n_batches = batches or cfg.train.eval_batches
-    if n_batches < 1:
-        raise UserError("--batches must be >= 1")
-    windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
-    settings = EvalSettings(parse_budgets(budgets, layout), random_contexts, refocus)
-    report = run_evaluation(trained.model, windows, trained.token_bytes, settings)
-    report["checkpoint_step"] = trained.step
-    report["data"] = data or f"{cfg.data.source} (validation split)"
-    table = write_eval_outputs(report, out_dir or (ckpt if ckpt.is_dir() else ckpt.parent))
-    return report, table
 
 
 def run_evaluation(system: MegaContext, windows: list[Tensor], token_bytes: Tensor, settings: EvalSettings) -> dict:

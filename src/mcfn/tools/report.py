@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mcfn.evaluation import EVAL_PNG, format_eval_table
-from mcfn.plots import Series, plot_panels
-from mcfn.tracking import read_metrics
+from mcfn.tools.evaluation import EVAL_PNG, format_eval_table
+from mcfn.tools.plots import Series, plot_panels
 
 REPORT_NAME = "report.md"
 PHASES = ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms")
@@ -19,10 +18,15 @@ def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tupl
 
 
 def write_report(
-    out_dir: Path, summary: dict[str, Any], tokens_per_step: int, eval_report: dict | None, lod_maps: str | None
+    out_dir: Path,
+    records: list[dict[str, Any]],
+    summary: dict[str, Any],
+    tokens_per_step: int,
+    eval_report: dict | None,
+    lod_maps: str | None,
 ) -> Path:
-    """Plots from ``metrics.jsonl`` and the summary, evaluation and latest LOD maps, as Markdown."""
-    records = read_metrics(out_dir)
+    """Plots of the run's metric ``records`` (``metrics.jsonl``), with the summary, evaluation and latest LOD
+    maps, as Markdown."""
     tokens = float(tokens_per_step)
     val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
     plot_panels(

@@ -14,7 +14,7 @@ complete aligned group of ``K`` siblings is in ``c`` and its parent is eligible 
 parent that overlaps the tail is not an action the allocator can take).
 
 Each pair is weighted by how much it teaches, ``w = tanh(|ΔNLL| / τ)``: 0 for variants that score the
-same, approaching 1 for a clear winner; ``τ`` (``mc.lens_temperature``) sets the scale in nats.
+same, approaching 1 for a clear winner; ``τ`` (``mc.lens.temperature``) sets the scale in nats.
 
 Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over samples, pairs or entries):
 
@@ -43,60 +43,48 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.config import MCConfig
-from mcfn.mc.context import WorkingContext
-from mcfn.mc.layout import Layout
+from mcfn.config import LensConfig
+from mcfn.core.context import WorkingContext
+from mcfn.core.nodes import NodeTable
+from mcfn.core.outputs import HIST_BINS, HIST_RANGE, StepOutput
 from mcfn.typecheck import typechecked
 
-HIST_BINS, HIST_RANGE = 32, 4.0  # score histogram: 32 bins over [-4, 4]
 # The preference loss divides by max(Σw, floor), floor = this × samples: 1 for the default 4 samples. Per
 # sample, so that when the floor binds, the mean over processes or micro-batches of their losses is the
 # loss of the whole batch.
 WEIGHT_FLOOR_PER_SAMPLE = 0.25
 
 
-def lens_weight_tensors(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
+def lens_weight_tensors(lens: LensConfig, device: torch.device) -> dict[str, Tensor]:
     """The LensNet loss weights as 0-d tensors, so that changing one never recompiles the step."""
     values = {
-        "lens": mc.lens_weight,
-        "pref": mc.lens_pref_weight,
-        "budget": mc.lens_budget_weight,
-        "rank": mc.lens_rank_weight,
-        "rank_margin": mc.lens_rank_margin,
-        "temperature": mc.lens_temperature,
+        "lens": lens.weight,
+        "pref": lens.pref_weight,
+        "budget": lens.budget_weight,
+        "rank": lens.rank_weight,
+        "rank_margin": lens.rank_margin,
+        "temperature": lens.temperature,
     }
     return {k: torch.tensor(v, device=device) for k, v in values.items()}
 
 
 @typechecked
-def lod_map(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Int[Tensor, "b v t"]:
+def lod_map(shown: Bool[Tensor, "b v nodes"], nodes: NodeTable) -> Int[Tensor, "b v t"]:
     """Per token, the LOD at which a variant shows it; ``L + 1`` where the variant does not cover it."""
+    layout = nodes.layout
     out = torch.full((*shown.shape[:2], layout.T), layout.L + 1, device=shown.device, dtype=torch.int64)
     for k in range(layout.L + 1):
-        lo = layout.level_offsets[k]
-        level = shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
-        out = torch.where(level, k, out)
+        out = torch.where(nodes.level(shown, k).repeat_interleave(layout.K**k, dim=-1), k, out)
     return out
 
 
 @typechecked
-def node_min_lod(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Int[Tensor, "b v nodes"]:
+def node_min_lod(shown: Bool[Tensor, "b v nodes"], nodes: NodeTable) -> Int[Tensor, "b v nodes"]:
     """For every node, the finest LOD a variant shows anywhere inside the node's span."""
-    levels = [lod_map(shown, layout)]
-    for _ in range(layout.L):
-        levels.append(rearrange(levels[-1], "b v (n k) -> b v n k", k=layout.K).amin(-1))
+    levels = [lod_map(shown, nodes)]
+    for _ in range(nodes.layout.L):
+        levels.append(rearrange(levels[-1], "b v (n k) -> b v n k", k=nodes.layout.K).amin(-1))
     return torch.cat(levels, dim=-1)
-
-
-@typechecked
-def complete_groups(shown: Bool[Tensor, "b v nodes"], layout: Layout) -> Bool[Tensor, "b v nodes"]:
-    """For every node, whether a variant shows all ``K`` of its children (False for tokens)."""
-    parts = [torch.zeros_like(shown[..., : layout.T])]
-    for k in range(1, layout.L + 1):
-        lo = layout.level_offsets[k - 1]
-        children = shown[..., lo : lo + layout.level_sizes[k - 1]]
-        parts.append(rearrange(children, "b v (n k) -> b v n k", k=layout.K).all(-1))
-    return torch.cat(parts, dim=-1)
 
 
 def pair_slots(slots: int, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -113,26 +101,24 @@ def detail_targets(
     better: Int[Tensor, "b p"],
     worse: Int[Tensor, "b p"],
     wc: WorkingContext,
-    layout: Layout,
-    node_table: dict[str, Tensor],
+    nodes: NodeTable,
 ) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Int[Tensor, "b p"]]:
     """For pairs of variant slots, the I7 targets on the ``worse`` variant's entries that would move it
     towards ``better``: ``y [B, P, W]`` in {-1, 0, 1}, the ties (valid entries ``better`` shows unchanged)
     and ``rows [B, P]``, the ``worse`` variants' rows in the packed ``[B·V, W]`` batch."""
-    B, V, L = shown.size(0), shown.size(1), layout.L
+    B, V = shown.size(0), shown.size(1)
     rows = torch.arange(B, device=shown.device)[:, None] * V + worse  # [B, P]
     node, lod, valid = wc.node[rows], wc.lod[rows], wc.valid[rows]  # [B, P, W]
-    parent = node_table["parent"][node].clamp(min=0)
-    mins = node_min_lod(shown, layout)  # [B, V, nodes]
+    parent = nodes.parent[node].clamp(min=0)
+    mins = node_min_lod(shown, nodes)  # [B, V, nodes]
     mins_better = mins.gather(1, repeat(better, "b p -> b p n", n=mins.size(-1)))  # [B, P, nodes]
     finest_inside = mins_better.gather(2, node)
     finer_inside = finest_inside < lod
     coarser_over_group = mins_better.gather(2, parent) > lod
-    groups = complete_groups(shown, layout)
-    group_in_worse = groups.gather(1, repeat(worse, "b p -> b p n", n=groups.size(-1))).gather(2, parent)
-    parent_ok = node_table["eligible"][parent]
-    expand = valid & (lod > 0) & finer_inside
-    collapse = valid & (lod < L) & group_in_worse & parent_ok & coarser_over_group
+    collapsible = nodes.collapsible(shown)  # [B, V, nodes]
+    collapsible_in_worse = collapsible.gather(1, repeat(worse, "b p -> b p n", n=collapsible.size(-1)))
+    expand = valid & nodes.legal_expand(node) & finer_inside
+    collapse = valid & nodes.legal_collapse(node, collapsible_in_worse) & coarser_over_group
     return expand.long() - collapse.long(), valid & (finest_inside == lod), rows
 
 
@@ -141,19 +127,31 @@ def preference_targets(
     shown: Bool[Tensor, "b v nodes"],
     tails: Float[Tensor, "b v"],
     wc: WorkingContext,
-    layout: Layout,
-    node_table: dict[str, Tensor],
+    nodes: NodeTable,
     temperature: Tensor,
 ) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
     """Targets on the worse variant's entries for every pair (:func:`detail_targets`, with the better
     variant the one of lower tail NLL) and the pair weights ``w [B, P]``."""
-    i, j = pair_slots(layout.V, shown.size(0), shown.device)
+    i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
     tails = tails.detach()
     ti, tj = tails.gather(1, i), tails.gather(1, j)
     better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
     weight = torch.tanh((ti - tj).abs() / temperature)
-    target, tie, rows = detail_targets(shown, better, worse, wc, layout, node_table)
+    target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
     return target, tie, weight, rows
+
+
+@typechecked
+def budget_term(scores: Float[Tensor, "r w"], shown: Bool[Tensor, "b v nodes"], wc: WorkingContext, nodes: NodeTable):
+    """Mean square over working contexts of the net span (in units of ``T``) the scores push to expand:
+    ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses."""
+    collapsible = rearrange(nodes.collapsible(shown), "b v n -> (b v) n")
+    legal_expand = wc.valid & nodes.legal_expand(wc.node)
+    legal_collapse = wc.valid & nodes.legal_collapse(wc.node, collapsible)
+    push = (F.relu(scores) * legal_expand - F.relu(-scores) * legal_collapse) * wc.span.float() / nodes.layout.T
+    row_id = repeat(torch.arange(scores.size(0), device=scores.device), "r -> (r w)", w=scores.size(1))
+    net = torch.zeros(scores.size(0), device=scores.device).scatter_add(0, row_id, push.flatten())
+    return net.square().mean()
 
 
 @typechecked
@@ -162,13 +160,12 @@ def lens_losses(
     shown: Bool[Tensor, "b v nodes"],
     tails: Float[Tensor, "b v"],
     wc: WorkingContext,
-    layout: Layout,
-    node_table: dict[str, Tensor],
+    nodes: NodeTable,
     weights: dict[str, Tensor],
     use_rank: bool,
-) -> dict[str, Tensor]:
-    """``loss_lens`` (weighted sum of the terms) plus each term and the LensNet metrics."""
-    target, tie, pair_w, rows = preference_targets(shown, tails, wc, layout, node_table, weights["temperature"])
+) -> StepOutput:
+    """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
+    target, tie, pair_w, rows = preference_targets(shown, tails, wc, nodes, weights["temperature"])
     s = scores[rows]  # [B, P, W]
     y = target.float()
     w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target
@@ -178,31 +175,20 @@ def lens_losses(
     w_pref = pair_w[..., None] * labelled
     floor = WEIGHT_FLOOR_PER_SAMPLE * shown.size(0)
     pref = (w_pref * bt).sum() / w_pref.sum().clamp(min=floor)
+    budget = budget_term(scores, shown, wc, nodes)
 
-    valid, lod, span = wc.valid, wc.lod, wc.span.float()
-    groups = complete_groups(shown, layout)  # legal collapse needs the complete group in this row
-    parent = node_table["parent"][wc.node].clamp(min=0)
-    row_groups = rearrange(groups, "b v n -> (b v) n").gather(1, parent)
-    legal_expand = valid & (lod > 0)
-    legal_collapse = valid & (lod < layout.L) & row_groups & node_table["eligible"][parent]
-    push = (F.relu(scores) * legal_expand - F.relu(-scores) * legal_collapse) * span / layout.T
-    row_id = repeat(torch.arange(scores.size(0), device=scores.device), "r -> (r w)", w=scores.size(1))
-    net = torch.zeros(scores.size(0), device=scores.device).scatter_add(0, row_id, push.flatten())
-    budget = net.square().mean()
-
-    out = {"mc/lens_pref": pref, "mc/lens_budget": budget}
+    metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
     total = weights["pref"] * pref + weights["budget"] * budget
     if use_rank:
         rank = (w * F.relu(weights["rank_margin"] - y * s)).sum() / w.sum().clamp(min=floor)
-        out["mc/lens_rank"] = rank
+        metrics["mc/lens_rank"] = rank
         total = total + weights["rank"] * rank
-    out["loss_lens"] = weights["lens"] * total
-    out["mc/lens_loss"] = total
-    out.update(lens_metrics(scores, valid, s, y, w))
-    return out
+    metrics["mc/lens_loss"] = total
+    out = StepOutput({"loss_lens": weights["lens"] * total}, metrics, {})
+    return out.merge(lens_metrics(scores, wc.valid, s, y, w))
 
 
-def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor) -> dict[str, Tensor]:
+def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor) -> StepOutput:
     targeted = y != 0
     n_targets = targeted.sum().clamp(min=1)
     agreement = ((torch.sign(s) == y) & targeted).sum() / n_targets
@@ -215,12 +201,12 @@ def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor)
     row_mean = (scores * valid).sum(-1) / n_valid
     row_std = (((scores - row_mean[:, None]) * valid).square().sum(-1) / n_valid).sqrt()
     hist_input = torch.where(valid, scores.detach(), 2 * HIST_RANGE)  # padding lands outside the range
-    return {
+    metrics = {
         "mc/preference_agreement": agreement,
         "mc/pref_span_corr": corr,
         "mc/policy_score_abs_mean": (scores.abs() * valid).sum() / valid.sum(),
         "mc/policy_score_std_mean": row_std.mean(),
         "mc/preference_pair_count": (targeted.any(-1)).sum().float(),
         "mc/lens_targets_per_pair": targeted.sum(-1).float().mean(),
-        "hist/policy_score": torch.histc(hist_input, HIST_BINS, -HIST_RANGE, HIST_RANGE),
     }
+    return StepOutput({}, metrics, {"hist/policy_score": torch.histc(hist_input, HIST_BINS, -HIST_RANGE, HIST_RANGE)})

@@ -1,0 +1,146 @@
+"""The static shape of MegaContext and the tree's rules: sizes, per-node metadata, levels, groups, collapses.
+
+Nodes are numbered level by level: LOD0 tokens ``0..T-1``, then the ``T/K`` LOD1 gists, then the
+``T/K²`` LOD2 gists, and so on. A LODk node ``j`` covers ``[j·K^k, (j+1)·K^k)`` (I1), and its parent is
+LOD(k+1) node ``j // K``; a parent's **group** is its ``K`` children.
+
+A node is **eligible** when its span ends before the tail ``[T-H, T)``: only eligible gists can be
+shown (I4), so only they are ever computed. At each level the eligible nodes are a prefix.
+
+Every rule about the tree that the variants, the allocator, LensNet's targets and its budget term need
+lives in :class:`NodeTable`, so they cannot drift apart (I6, I8): a collapse needs a complete group of
+``K`` shown siblings whose parent is eligible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from jaxtyping import Bool, Int
+from torch import Tensor
+
+from mcfn.config import RunConfig, coarsest_cover_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    T: int  # tokens of history per sample
+    K: int  # children per gist
+    L: int  # highest level of detail
+    W: int  # working-context capacity
+    H: int  # supervised tail, LOD0 in every variant
+    N: int  # compressed variants per sample
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Layout:
+        mc = cfg.mc
+        return cls(T=cfg.data.seq_len, K=mc.block_size, L=mc.lod_max, W=mc.budget, H=mc.tail, N=mc.variants)
+
+    @property
+    def V(self) -> int:  # variants per sample, the recency baseline first
+        return self.N + 1
+
+    @property
+    def level_sizes(self) -> tuple[int, ...]:
+        return tuple(self.T // self.K**k for k in range(self.L + 1))
+
+    @property
+    def level_offsets(self) -> tuple[int, ...]:
+        offsets = [0]
+        for size in self.level_sizes[:-1]:
+            offsets.append(offsets[-1] + size)
+        return tuple(offsets)
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(self.level_sizes)
+
+    @property
+    def eligible_counts(self) -> tuple[int, ...]:
+        """Eligible nodes per level (a prefix of each level); every token is eligible."""
+        return (self.T,) + tuple((self.T - self.H) // self.K**k for k in range(1, self.L + 1))
+
+    @property
+    def coarsest_cover(self) -> int:
+        return coarsest_cover_size(self.T, self.K, self.L, self.H)
+
+
+@dataclass(frozen=True)
+class NodeTable:
+    """Per-node metadata of a :class:`Layout`, each field ``[n_nodes]``, and the rules of the tree.
+
+    The tensors depend on ``T``, ``K``, ``L`` and ``H`` only; ``layout`` also carries the budget ``W`` and
+    the variant count ``N`` of whoever uses the table (:meth:`with_sizes` changes them).
+    """
+
+    layout: Layout
+    lod: Tensor  # int64
+    start: Tensor  # int64: first token covered
+    span: Tensor  # int64: K**lod
+    parent: Tensor  # int64: the parent's node id; -1 at the top level
+    eligible: Tensor  # bool: a token, or a gist that ends before the tail
+
+    @classmethod
+    def of(cls, layout: Layout, device: torch.device | None = None) -> NodeTable:
+        lod, start, span, parent = [], [], [], []
+        for k, size in enumerate(layout.level_sizes):
+            j = torch.arange(size)
+            lod.append(torch.full((size,), k))
+            start.append(j * layout.K**k)
+            span.append(torch.full((size,), layout.K**k))
+            parent.append(layout.level_offsets[k + 1] + j // layout.K if k < layout.L else torch.full((size,), -1))
+        lod, start, span, parent = (
+            torch.cat(parts).to(device=device, dtype=torch.int64) for parts in (lod, start, span, parent)
+        )
+        eligible = (lod == 0) | (start + span <= layout.T - layout.H)
+        return cls(layout, lod, start, span, parent, eligible)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+
+    def with_sizes(self, **sizes: int) -> NodeTable:
+        """The same tree for another budget ``W`` or variant count ``N``."""
+        return dataclasses.replace(self, layout=dataclasses.replace(self.layout, **sizes))
+
+    def level(self, x: Tensor, k: int) -> Tensor:
+        """The part of a ``[..., n_nodes]`` tensor that belongs to level ``k``."""
+        lo = self.layout.level_offsets[k]
+        return x[..., lo : lo + self.layout.level_sizes[k]]
+
+    def groups(self, x: Tensor, k: int) -> Tensor:
+        """Level ``k`` of a ``[..., n_nodes]`` tensor as ``[..., parents, K]``: each level-``k+1`` node's children."""
+        return rearrange(self.level(x, k), "... (n k) -> ... n k", k=self.layout.K)
+
+    def group_reduce(self, x: Tensor, reduce: str, empty: float | bool = 0) -> Tensor:
+        """``[..., n_nodes]``: per node, ``reduce`` ("mean", "amax", "all") over its ``K`` children; ``empty``
+        for tokens, which have none."""
+        parts = [torch.full_like(self.level(x, 0), empty)]
+        parts += [getattr(self.groups(x, k - 1), reduce)(-1) for k in range(1, self.layout.L + 1)]
+        return torch.cat(parts, dim=-1)
+
+    def children_of(self, chosen: Tensor) -> Tensor:
+        """``[..., n_nodes]``: the children of every chosen node (chosen tokens have none)."""
+        K, L = self.layout.K, self.layout.L
+        parts = [self.level(chosen, k + 1).repeat_interleave(K, dim=-1) for k in range(L)]
+        return torch.cat([*parts, torch.zeros_like(self.level(chosen, L))], dim=-1)
+
+    def complete_groups(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
+        """Per node, whether a cut shows all ``K`` of its children (False for tokens)."""
+        return self.group_reduce(shown, "all", empty=False)
+
+    def collapsible(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
+        """The parents a collapse can restore: all ``K`` children shown, and eligible (never over the tail)."""
+        return self.complete_groups(shown) & self.eligible
+
+    def legal_collapse(self, node: Int[Tensor, "*rows w"], collapsible: Bool[Tensor, "*rows nodes"]) -> Tensor:
+        """Per entry (node ids ``[..., w]``), whether it may take part in a collapse in its row: it is below
+        LODmax, and its parent is ``collapsible`` there (``[..., n_nodes]``, the same leading dimensions)."""
+        parent = self.parent[node].clamp(min=0)
+        return (self.lod[node] < self.layout.L) & collapsible.gather(-1, parent)
+
+    def legal_expand(self, node: Int[Tensor, "*rows w"]) -> Tensor:
+        """Per entry, whether it may be expanded: a gist (a token has no children)."""
+        return self.lod[node] > 0

@@ -1,0 +1,200 @@
+"""The MegaContext model (base GPT, GistNet, LensNet and the static tree) and its training step.
+
+The step is a composition of pure stage functions, compiled as one graph::
+
+    window [B, T+1] ─► tree_stage ─► variants_stage (+ allocator) ─► assemble_stage ─► base_stage ─► loss_stage
+                       Tree          [B, V, nodes]                    WC [B·V, W]       NLL [B·V, W]
+                                                                               └─► lens_stage ─► lens_loss_stage
+
+``process_batch`` trains the base model and GistNet; ``process_batch_lens`` adds LensNet and its
+preference loss. They are separate functions (not one with a flag) so that each compiles to its own
+graph and a run that computes the lens loss every k-th step never recompiles. Both call their stages
+through ``run(name, fn, *args)``: plain calls in training, and in the benchmark a recorder that times
+each stage on its own, so the phase table always times the program that trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from einops import rearrange, repeat
+from jaxtyping import Bool, Float, Int
+from torch import Tensor, nn
+
+from mcfn.config import RunConfig
+from mcfn.core.allocator import allocate, node_scores_of
+from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.gistnet import GistNet
+from mcfn.core.lensnet import LensNet
+from mcfn.core.losses import tail_mask, tail_nll, variant_losses
+from mcfn.core.model import GPT
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.outputs import StepOutput
+from mcfn.core.preferences import lens_losses
+from mcfn.core.step import byte_sums
+from mcfn.core.tree import Tree, build_tree
+from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
+from mcfn.typecheck import typechecked
+
+NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
+
+
+class MegaContext(nn.Module):
+    def __init__(self, cfg: RunConfig):
+        super().__init__()
+        mc = cfg.mc
+        self.layout = Layout.from_config(cfg)
+        self.base = GPT(cfg.model)
+        self.gistnet = GistNet(
+            cfg.model.n_embd, cfg.gist_width, mc.gist.layers, mc.gist.heads, mc.block_size, mc.lod_max
+        )
+        self.lensnet = (
+            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout)
+            if mc.lens.enabled
+            else None
+        )
+        self.alloc_variants = mc.alloc_variants
+        self.alloc_noise = mc.alloc.noise
+        self.use_rank = mc.lens.rank
+        self.spend_min = mc.variant_spend_min
+        # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
+        for name, value in NodeTable.of(self.layout).tensors().items():
+            self.register_buffer(f"node_{name}", value, persistent=False)
+        self.register_buffer("coarsest", coarsest_cut(self.layout, torch.device("cpu")), persistent=False)
+
+    @property
+    def nodes(self) -> NodeTable:
+        return NodeTable(self.layout, *(getattr(self, f"node_{name}") for name in NODE_FIELDS))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+@typechecked
+def refocus(
+    system: MegaContext,
+    tree: Tree,
+    window: Int[Tensor, "b t1"],
+    cut: Bool[Tensor, "b a nodes"],
+    nodes: NodeTable,
+    explore: Tensor | None = None,
+    iterations: int = 1,
+) -> Bool[Tensor, "b a nodes"]:
+    """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: each iteration scores the current
+    context with LensNet, adds ``alloc_noise`` times the exploration noise ``explore [B, A, I, nodes]`` if
+    given (then ``I`` iterations), and reallocates. ``nodes`` may be another layout's (a streaming view)."""
+    B, A = cut.shape[:2]
+    iterations = explore.size(2) if explore is not None else iterations
+    cut = rearrange(cut, "b a n -> (b a) n")
+    with torch.no_grad():
+        for it in range(iterations):
+            wc = assemble(tree, rearrange(cut, "(b a) n -> b a n", b=B), window, nodes)
+            scores = node_scores_of(system.lensnet(wc), wc.node, wc.valid, nodes.layout.n_nodes)
+            if explore is not None:
+                scores = scores + system.alloc_noise * rearrange(explore[:, :, it], "b a n -> (b a) n")
+            cut = allocate(cut, scores, nodes)
+    return rearrange(cut, "(b a) n -> b a n", b=B)
+
+
+@typechecked
+def allocator_cuts(
+    system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
+) -> Bool[Tensor, "b a nodes"]:
+    """The allocator's working contexts, ``A = alloc_variants`` per sample, refocused from the coarsest cut
+    with exploration noise: LensNet thus learns on the contexts it creates."""
+    A, B = system.alloc_variants, window.size(0)
+    start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
+    return refocus(system, tree, window, start, system.nodes, explore=noise.explore[:, -A:])
+
+
+# The stages of the step, in order. Each is a pure function of the system and tensors.
+
+
+def tree_stage(system: MegaContext, window: Int[Tensor, "b t1"]) -> Tree:
+    """Token embeddings and GistNet over every eligible block: the summary tree."""
+    return build_tree(system.gistnet, system.base.embed(window[:, : system.layout.T]), system.layout)
+
+
+@typechecked
+def variants_stage(
+    system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
+) -> Bool[Tensor, "b v nodes"]:
+    """The baseline and the random compressed cuts, the last ``alloc_variants`` of them replaced by the allocator's."""
+    shown = sample_variants(noise, system.nodes, system.spend_min)
+    if not system.alloc_variants:
+        return shown
+    keep = system.layout.V - system.alloc_variants
+    return torch.cat([shown[:, :keep], allocator_cuts(system, tree.detach(), window, noise)], dim=1)
+
+
+def assemble_stage(system: MegaContext, tree: Tree, shown: Tensor, window: Tensor) -> WorkingContext:
+    return assemble(tree, shown, window, system.nodes)
+
+
+def base_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    """One packed base-model forward over every working context: per-entry NLL ``[B·V, W]``."""
+    base = system.base
+    return base.nll(base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
+
+
+def loss_stage(system: MegaContext, nll: Tensor, wc: WorkingContext) -> tuple[Tensor, StepOutput]:
+    """Tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
+    tails = tail_nll(nll, wc, system.layout)
+    return tails, variant_losses(nll, tails, wc, system.layout)
+
+
+def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    return system.lensnet(wc)
+
+
+def lens_loss_stage(
+    system: MegaContext, scores: Tensor, shown: Tensor, tails: Tensor, wc: WorkingContext, weights: dict[str, Tensor]
+) -> StepOutput:
+    return lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_rank)
+
+
+def call(name: str, fn: Callable, *args):
+    """How the step runs a stage by default: just call it (``name`` is for a recorder, such as the benchmark's)."""
+    return fn(*args)
+
+
+def build_contexts(
+    system: MegaContext, window: Tensor, noise: VariantNoise, run: Callable = call
+) -> tuple[WorkingContext, Tensor]:
+    """The working contexts of a batch and the shown-node masks ``[B, V, nodes]`` they come from."""
+    tree = run("tree", tree_stage, system, window)
+    shown = run("variants", variants_stage, system, tree, window, noise)
+    return run("assemble", assemble_stage, system, tree, shown, window), shown
+
+
+def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, run: Callable = call) -> StepOutput:
+    """The MegaContext step without the LensNet loss: ``loss_lm`` and the variant metrics."""
+    wc, _ = build_contexts(system, window, noise, run)
+    nll = run("base", base_stage, system, wc)
+    return run("losses", loss_stage, system, nll, wc)[1]
+
+
+def process_batch_lens(
+    system: MegaContext, window: Tensor, noise: VariantNoise, lens_weights: dict[str, Tensor], run: Callable = call
+) -> StepOutput:
+    """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one base-model forward."""
+    wc, shown = build_contexts(system, window, noise, run)
+    nll = run("base", base_stage, system, wc)
+    tails, out = run("losses", loss_stage, system, nll, wc)
+    scores = run("lens_fwd", lens_stage, system, wc)
+    return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, lens_weights))
+
+
+@torch.no_grad()
+def validation_sums(
+    system: MegaContext, window: Tensor, noise: VariantNoise, token_bytes: Tensor
+) -> tuple[Float[Tensor, " v"], Tensor]:
+    """Validation sums per variant slot: tail NLL ``[V]`` (nats, over byte-bearing targets) and tail bytes.
+
+    Every variant is scored on the same tail targets (I4), so the byte count is the same for all of them.
+    """
+    layout = system.layout
+    wc, _ = build_contexts(system, window, noise)
+    nats, nbytes = byte_sums(base_stage(system, wc), wc.target, token_bytes, tail_mask(wc, layout))
+    return nats.view(-1, layout.V).sum(0), nbytes.view(-1, layout.V)[:, 0].sum()

@@ -1,1 +1,0 @@
-"""MegaContext: the summary tree, working-context variants, and the packed training step."""

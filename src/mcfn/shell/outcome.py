@@ -1,0 +1,110 @@
+"""How a run ends: the held-out evaluation (MC runs), ``summary.json`` and the report.
+
+``summary.json`` names what produced the run: the git commit of the code (``unknown`` outside a git
+checkout) and a hash of the resolved config, so two run directories can be told apart or matched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mcfn.core.system import MegaContext
+from mcfn.data.loader import validation_batches
+from mcfn.shell.session import Progress, Session
+from mcfn.shell.tracking import read_metrics
+from mcfn.tools.evaluation import EvalSettings, default_budgets, run_evaluation, write_eval_outputs
+from mcfn.tools.report import write_report
+
+SUMMARY_NAME = "summary.json"
+LOD_MAPS_NAME = "lod_maps.txt"
+REPO_DIR = Path(__file__).resolve().parents[3]
+
+
+def git_commit(repo: Path = REPO_DIR) -> str:
+    """The checked-out commit of the code (with ``-dirty`` when it has uncommitted changes), or ``unknown``."""
+    try:
+        run = lambda *args: subprocess.run(  # noqa: E731
+            ["git", *args], cwd=repo, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        commit = run("rev-parse", "HEAD")
+        return commit + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def final_evaluation(s: Session) -> dict | None:
+    """An MC run's end-of-run table (full / recency / random / lens / oracle) on held-out windows."""
+    if not (s.cfg.train.final_eval and isinstance(s.model, MegaContext)):
+        return None
+    window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
+    windows = validation_batches(s.corpus.val, window, cfg.final_eval_batches, cfg.batch_size)
+    report = run_evaluation(s.model, windows, s.token_bytes, EvalSettings(default_budgets(s.model.layout)))
+    report["checkpoint_step"] = cfg.steps
+    return report
+
+
+def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict | None) -> dict[str, Any]:
+    median_ms = statistics.median(progress.step_ms) if progress.step_ms else progress.first_step_ms or 0.0
+    tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
+    return {
+        "steps": s.cfg.train.steps,
+        "resumed_from": s.start_step if s.resumed else None,
+        "stopped_at": progress.stopped_at,  # set when a signal stopped the run early (resume with --resume)
+        "skipped_steps": progress.skipped,  # updates skipped for a non-finite loss
+        "micro_batch_size": progress.micro,
+        "mode": s.task.mode,
+        "device": str(s.device),
+        "compiled": s.cfg.train.compile,
+        "params": s.model.num_params(),
+        "git_commit": git_commit(),
+        "config_hash": s.cfg.digest(),
+        "first_val_bpb": progress.first_bpb,
+        "final_val_bpb": progress.last_bpb,
+        "step_ms_median": median_ms,
+        "tokens_per_s": tokens_per_step / (median_ms / 1e3) if median_ms else None,
+        # The first step (and first eval) include compilation; the rest do not.
+        "compile_s": max(0.0, ((progress.first_step_ms or 0.0) - median_ms) / 1e3),
+        "eval_s_total": sum(progress.eval_s),
+        "wall_s": time.perf_counter() - t_start,
+        "eval": None
+        if final_eval is None
+        else {k: final_eval[k] for k in ("W", "bpb", "retained_fraction", "lens_rank_corr")},
+    }
+
+
+def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """Evaluate (unless stopped early), write ``summary.json`` and the report; returns the summary."""
+    if not s.world.is_main:
+        return {"steps": s.cfg.train.steps, "rank": s.world.rank, "stopped_at": progress.stopped_at}
+    final_eval = None if progress.stopped_at is not None else final_evaluation(s)
+    if final_eval is not None:
+        say(f"\n{write_eval_outputs(final_eval, s.out_dir)}")
+    summary = summarise(s, progress, t_start, final_eval)
+    tmp = s.out_dir / f"{SUMMARY_NAME}.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    os.replace(tmp, s.out_dir / SUMMARY_NAME)
+    if progress.stopped_at is not None:
+        say(
+            f"[run] stopped by {progress.stopped_by} after step {progress.stopped_at}; checkpoint written; "
+            f"continue with --resume --out {s.out_dir}"
+        )
+        return summary
+    maps_path = s.out_dir / LOD_MAPS_NAME
+    last_maps = maps_path.read_text().split("step ")[-1] if maps_path.exists() else None
+    tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
+    maps = last_maps and f"step {last_maps}"
+    report = write_report(s.out_dir, read_metrics(s.out_dir), summary, tokens_per_step, final_eval, maps)
+    say(f"[run] report: {report}")
+    say(
+        f"[run] done: val bpb {progress.first_bpb:.4f} -> {progress.last_bpb:.4f}, "
+        f"{summary['tokens_per_s'] or 0:,.0f} tok/s (median step {summary['step_ms_median']:.0f} ms), "
+        f"summary in {s.out_dir / SUMMARY_NAME}"
+    )
+    return summary

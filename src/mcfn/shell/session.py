@@ -1,0 +1,183 @@
+"""Everything a training run holds while it runs, set up once: data, model, optimizers, restored state, log.
+
+A checkpoint is the session's state at a step: the model, the optimizers, the torch RNG, the config and
+the corpus key. Batch ``i`` is a pure function of the seed and ``i``, so the step is the data position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mcfn.config import RunConfig, flatten
+from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.data.loader import WindowSampler, validation_batches
+from mcfn.errors import UserError
+from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from mcfn.shell.devices import autocast_for, padded_vocab
+from mcfn.shell.distributed import World
+from mcfn.shell.optim import build_optimizers
+from mcfn.shell.tasks import MCTask, PlainTask, build_task
+from mcfn.shell.tracking import METRICS_NAME, MetricsLog
+
+CHECKPOINT_FORMAT = 1
+# Config sections that must match a checkpoint for --resume to continue the same run.
+RESUME_MUST_MATCH = ("model", "data", "mc")
+
+
+@dataclass
+class Session:
+    cfg: RunConfig  # with the model's vocabulary set from the tokenizer
+    out_dir: Path
+    device: torch.device
+    world: World
+    rows: slice  # this process's rows of every global batch
+    corpus: Corpus
+    sampler: WindowSampler  # training batch i, a pure function of (seed, i)
+    val_batches: list[Tensor]  # fixed held-out windows
+    token_bytes: Tensor  # [vocab] bytes per token id, on the device
+    task: PlainTask | MCTask
+    optimizers: list[torch.optim.Optimizer]
+    log: MetricsLog
+    start_step: int  # 0, or the step a resumed run continues from
+    resumed: bool
+    autocast: Callable  # bf16 autocast on CUDA, a null context elsewhere
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.task.model
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out_dir / CHECKPOINT_NAME
+
+
+def check_resumable(state: dict[str, Any], cfg: RunConfig, corpus_key: str, path: Path) -> None:
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise UserError(f"checkpoint {path} has format {state.get('format')}, expected {CHECKPOINT_FORMAT}")
+    saved, current = flatten(state["config"]), cfg.flat()
+    for key, value in current.items():
+        if key.split(".")[0] in RESUME_MUST_MATCH and saved.get(key) != value:
+            section = key.split(".")[0]
+            raise UserError(
+                f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {value!r}; it cannot "
+                f"be resumed with a different {section} config"
+            )
+    if state["corpus_key"] != corpus_key:
+        raise UserError(f"checkpoint {path} was trained on a different corpus or tokenizer")
+    if state["step"] > cfg.train.steps:
+        raise UserError(f"checkpoint {path} is at step {state['step']}, beyond train.steps={cfg.train.steps}")
+
+
+def _restore(session: Session, state: dict[str, Any]) -> None:
+    session.model.load_state_dict(state["model"])
+    for opt, opt_state in zip(session.optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(opt_state)
+    torch.set_rng_state(state["rng"]["torch"])
+
+
+def _previous_state(cfg: RunConfig, out_dir: Path, resume: bool, corpus_key: str) -> dict[str, Any] | None:
+    """The checkpoint to continue from (``resume``), after checking it fits; refuses to overwrite a run."""
+    path = out_dir / CHECKPOINT_NAME
+    if resume:
+        state = load_checkpoint(path)
+        check_resumable(state, cfg, corpus_key, path)
+        return state
+    if path.exists() or (out_dir / METRICS_NAME).exists():
+        raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")
+    return None
+
+
+def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.device, world: World) -> Session:
+    """Data, model, optimizers and log for a run in ``out_dir``; a resumed run's state restored."""
+    torch.manual_seed(cfg.train.seed)
+    corpus = prepare_corpus(cfg.data)
+    vocab = padded_vocab(corpus.tokenizer.vocab_size)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    window = cfg.data.seq_len + 1
+    # Windows first: a corpus too short for them is refused before anything is written.
+    sampler = WindowSampler(corpus.train, window, cfg.train.seed)
+    val_batches = validation_batches(corpus.val, window, cfg.train.eval_batches, cfg.train.batch_size)
+    state = _previous_state(cfg, out_dir, resume, corpus.key)
+    if world.size > 1:  # every rank has checked the directory before rank 0 writes to it
+        torch.distributed.barrier()
+    task = build_task(cfg, corpus.tokenizer.token_bytes(vocab).to(device), device)
+    start_step = state["step"] if state is not None else 0
+    if world.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    log = MetricsLog(
+        out_dir,
+        cfg.to_dict(),
+        cfg.train.wandb if world.is_main else "disabled",
+        cfg.train.wandb_project,
+        resume_step=start_step if resume else None,
+        enabled=world.is_main,
+    )
+    session = Session(
+        cfg=cfg,
+        out_dir=out_dir,
+        device=device,
+        world=world,
+        rows=world.rows(cfg.train.batch_size),
+        corpus=corpus,
+        sampler=sampler,
+        val_batches=val_batches,
+        token_bytes=task.token_bytes,
+        task=task,
+        optimizers=build_optimizers(task.model, cfg.optim),
+        log=log,
+        start_step=start_step,
+        resumed=resume,
+        autocast=autocast_for(device),
+    )
+    if state is not None:
+        _restore(session, state)
+    if cfg.train.compile:
+        task.compile(cfg.train.compile_mode)
+    return session
+
+
+def save_state(session: Session, step: int) -> None:
+    """Checkpoint the session as it is before step ``step`` (rank 0 only)."""
+    if not session.world.is_main:
+        return
+    save_checkpoint(
+        session.ckpt_path,
+        {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "data_position": step,  # batch index of the next step: the sampler is a function of it
+            "model": session.model.state_dict(),
+            "optimizers": [opt.state_dict() for opt in session.optimizers],
+            "rng": {"torch": torch.get_rng_state()},
+            "config": session.cfg.to_dict(),
+            "corpus_key": session.corpus.key,
+        },
+    )
+
+
+@dataclass
+class Progress:
+    """What the loop counts as it goes; :func:`~mcfn.shell.outcome.finish` turns it into the summary."""
+
+    micro: int  # rows per forward/backward
+    step_ms: list[float] = field(default_factory=list)  # logged steps after the first
+    first_step_ms: float | None = None  # the first logged step, compilation included
+    eval_s: list[float] = field(default_factory=list)
+    first_bpb: float | None = None
+    last_bpb: float | None = None
+    skipped: int = 0  # updates skipped for a non-finite loss, in all
+    bad_in_a_row: int = 0
+    stopped_at: int | None = None  # set when a signal stopped the run early
+    stopped_by: str | None = None  # that signal's name
+    window_start: float = field(default_factory=time.perf_counter)  # throughput since the last logged step
+    window_steps: int = 0

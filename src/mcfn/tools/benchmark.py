@@ -1,0 +1,319 @@
+"""The MegaContext step against the plain GPT step on the same packed entries, measured in one run.
+
+* **MC step**: ``process_batch`` forward + backward on ``[B, T+1]`` windows with fresh variant noise.
+* **Plain step**: the same base model, forward + backward over ``[B·V, W]`` token entries (the shape of
+  the packed working contexts) with the next-token loss on exactly as many positions as the MC step
+  supervises (its valid entries). ``ratio_mc_over_plain`` is therefore the price of MegaContext
+  around the base model: the tree, the variants, the assembly and the losses.
+
+Both are warmed up first (the first call compiles; ``compile_s`` is its time beyond a normal step),
+then timed alternately, step by step, so drift on a shared machine hits both alike; medians are
+reported. On CUDA each step is timed with CUDA events; on the CPU with ``perf_counter``.
+
+**Phases** are the step's own stages (:mod:`mcfn.core.system`), found by running the step once with a
+recorder in place of its stage calls; each is then compiled on its own (with the same mode) and run
+forward + backward on the inputs the step gave it: ``tree_ms`` (token embedding and GistNet over the
+eligible blocks), ``variants_ms`` (sampling and the allocator, no gradient), ``assemble_ms`` (gather into
+``[B·V, W]``), ``base_ms`` (base model over the packed entries, per-entry NLL), ``losses_ms`` (variant
+losses and metrics from the NLL), and with LensNet ``lens_fwd_ms`` and ``lens_loss_ms``. A stage added to
+the step is timed without a change here. Inside the whole compiled step the phases fuse, so their sum
+can differ from ``mc_step_ms``; ``glue_frac`` = (variants + assemble + losses) / MC step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch._dynamo
+from tensordict import TensorDictBase, is_tensorclass
+from torch import Tensor
+
+from mcfn.config import RunConfig
+from mcfn.core.model import GPT
+from mcfn.core.outputs import StepOutput
+from mcfn.core.preferences import lens_weight_tensors
+from mcfn.core.step import compile_step
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
+from mcfn.core.variants import draw_variant_noise
+from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate_mc
+from mcfn.typecheck import checks
+
+
+class Timer:
+    """Milliseconds of a callable, synchronised properly for the device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn(*args)
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _compiled_frames() -> int:
+    return torch._dynamo.utils.counters["frames"]["ok"]
+
+
+def run_benchmark(
+    cfg: RunConfig,
+    vocab: int,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    compile_mode: str | None,
+    phase_steps: int = 5,
+) -> dict[str, Any]:
+    """Measure as described in the module docstring; ``compile_mode=None`` runs eagerly."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    torch.manual_seed(cfg.train.seed)
+    system = MegaContext(cfg).to(device)
+    layout, B = system.layout, cfg.train.batch_size
+    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    compile_fn = partial(compile_step, mode=compile_mode) if compile_mode else (lambda f: f)
+
+    def mc_inputs():
+        window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
+        return window, draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
+
+    with torch.no_grad():
+        supervised = build_contexts(system, *mc_inputs())[0].valid  # [B·V, W]: the positions the MC step trains on
+
+    def plain_inputs():
+        tokens = torch.randint(0, vocab, (B * layout.V, layout.W + 1), device=device, generator=gen)
+        return tokens[:, :-1], torch.where(supervised, tokens[:, 1:], -1)  # -1: no target
+
+    plain_fn = compile_fn(plain_entries_step)
+    lens_weights = lens_weight_tensors(cfg.mc.lens, device)
+    if system.lensnet is not None:
+        mc_fn = partial(compile_fn(process_batch_lens), lens_weights=lens_weights)
+    else:
+        mc_fn = compile_fn(process_batch)
+
+    def mc_step(inputs):
+        with autocast:
+            out = mc_fn(system, *inputs)
+        out.total().backward()
+        system.zero_grad(set_to_none=True)
+
+    def plain_step_(inputs):
+        with autocast:
+            out = plain_fn(system.base, *inputs)
+        out.total().backward()
+        system.zero_grad(set_to_none=True)
+
+    timer = Timer(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
+    step = partial(process_batch_lens, lens_weights=lens_weights) if system.lensnet is not None else process_batch
+    phases = time_phases(partial(step, system, *mc_inputs()), system, compile_fn, timer, autocast, warmup, phase_steps)
+    shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
+              "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
+              "gist_width": cfg.gist_width}  # fmt: skip
+    return benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
+
+
+def time_alternately(mc_step, mc_inputs, plain_step, plain_inputs, timer: Timer, warmup: int, steps: int) -> dict:
+    """Both steps warmed up (the first call compiles), then timed in turn, step by step, so drift on a shared
+    machine hits both alike; the recompiles counted after warm-up."""
+    first_mc = timer(mc_step, mc_inputs())
+    first_plain = timer(plain_step, plain_inputs())
+    for _ in range(warmup - 1):
+        mc_step(mc_inputs())
+        plain_step(plain_inputs())
+    frames_after_warmup = _compiled_frames()
+    mc_ms, plain_ms = [], []
+    for _ in range(steps):
+        inputs, tokens = mc_inputs(), plain_inputs()
+        mc_ms.append(timer(mc_step, inputs))
+        plain_ms.append(timer(plain_step, tokens))
+    return {
+        "mc_ms": statistics.median(mc_ms),
+        "plain_ms": statistics.median(plain_ms),
+        "first_ms": first_mc + first_plain,
+        "recompiles": _compiled_frames() - frames_after_warmup,
+        "steps": steps,
+    }
+
+
+def benchmark_result(
+    timed: dict, phases: dict, shapes: dict, device: torch.device, compile_mode: str | None, supervised: int
+) -> dict[str, Any]:
+    mc_med, plain_med = timed["mc_ms"], timed["plain_ms"]
+    glue = phases["variants_ms"] + phases["assemble_ms"] + phases["losses_ms"]
+    cuda = device.type == "cuda"
+    # Peak memory in MB: the CUDA allocator's, or the process's resident set on the CPU.
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)",
+        "compiled": compile_mode is not None,
+        "compile_mode": compile_mode,
+        "shapes": shapes,
+        "steps_timed": timed["steps"],
+        "mc_step_ms": mc_med,
+        "plain_step_ms": plain_med,
+        "ratio_mc_over_plain": mc_med / plain_med,
+        "phases": phases,
+        "glue_ms": glue,
+        "glue_frac": glue / mc_med,
+        "supervised_entries": supervised,
+        # The first call of each step compiles; eager runs have nothing to report here.
+        "compile_s": max(0.0, (timed["first_ms"] - mc_med - plain_med) / 1e3) if compile_mode else None,
+        "graph_breaks": _graph_breaks(),
+        "recompiles": timed["recompiles"],
+        "peak_mem_mb": peak,
+        "tokens_per_s": shapes["B"] * shapes["T"] / (mc_med / 1e3),
+        "entries_per_s": shapes["B"] * shapes["V"] * shapes["W"] / (mc_med / 1e3),
+    }
+
+
+def plain_entries_step(model: GPT, tokens: Tensor, targets: Tensor) -> StepOutput:
+    """The plain GPT's next-token loss, averaged over the positions with a target (``targets >= 0``)."""
+    nll = model.nll(model.token_hidden(tokens), targets)
+    return StepOutput({"loss_lm": nll.sum() / (targets >= 0).sum()}, {}, {})
+
+
+class StageRecorder:
+    """Stands in for the step's ``run``: calls each stage and records its name, function and inputs."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Callable, tuple]] = []
+
+    def __call__(self, name: str, fn: Callable, *args: Any) -> Any:
+        self.calls.append((name, fn, args))
+        return fn(*args)
+
+
+def _leaf(x: Any) -> Any:
+    """An input cut off from the step that made it; what carried a gradient there carries one here."""
+    if isinstance(x, Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    if is_tensorclass(x) or isinstance(x, TensorDictBase):
+        return x.apply(lambda t: t.detach().requires_grad_(t.requires_grad))
+    return x
+
+
+def _backward_scalar(out: Any) -> Tensor | None:
+    """A scalar to backpropagate from a stage's output: the loss of a StepOutput, the mean square of any
+    tensor that carries a gradient; None when nothing does (the variants)."""
+    if isinstance(out, StepOutput):
+        return out.total()
+    if isinstance(out, tuple):
+        parts = [p for p in map(_backward_scalar, out) if p is not None]
+        return sum(parts) if parts else None
+    if is_tensorclass(out) or isinstance(out, TensorDictBase):
+        return _backward_scalar(tuple(out.to_tensordict().values()))
+    if isinstance(out, Tensor) and out.requires_grad:
+        return out.float().square().mean()
+    return None
+
+
+def time_phases(
+    step: Callable, system: MegaContext, compile_fn, timer: Timer, autocast, warmup: int, steps: int
+) -> dict[str, float]:
+    """Median forward + backward milliseconds of each stage of ``step`` (a step with its inputs bound)."""
+    recorder = StageRecorder()
+    with autocast:
+        step(run=recorder)
+    system.zero_grad(set_to_none=True)
+    phases = {}
+    for name, fn, args in recorder.calls:
+        compiled, leaves = compile_fn(fn), tuple(_leaf(a) for a in args)
+
+        def run_stage(compiled=compiled, leaves=leaves):
+            with autocast:
+                out = compiled(*leaves)
+            loss = _backward_scalar(out)
+            if loss is not None:
+                loss.backward()
+
+        for _ in range(warmup):
+            run_stage()
+        phases[f"{name}_ms"] = statistics.median(timer(run_stage) for _ in range(steps))
+        system.zero_grad(set_to_none=True)
+    return phases
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a (eager)" if value is None else f"{value:.1f} s"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    s = result["shapes"]
+    lines = [
+        f"device {result['device']}  compiled {result['compiled']} ({result['compile_mode']})  "
+        f"B={s['B']} T={s['T']} K={s['K']} LODmax={s['LODmax']} W={s['W']} H={s['H']} N={s['N']} "
+        f"D={s['n_embd']} layers={s['n_layer']} vocab={s['vocab']}",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+        f"| MC step (fwd+bwd) | {result['mc_step_ms']:.1f} ms |",
+        f"| plain step, same [B·V, W] entries | {result['plain_step_ms']:.1f} ms |",
+        f"| **ratio MC / plain** | **{result['ratio_mc_over_plain']:.3f}** |",
+    ]
+    lines += [f"| phase {k.removesuffix('_ms')} | {v:.1f} ms |" for k, v in result["phases"].items()]
+    lines += [
+        f"| glue (variants + assemble + losses) | {result['glue_ms']:.1f} ms "
+        f"= {100 * result['glue_frac']:.1f}% of MC step |",
+        f"| compile | {_seconds(result['compile_s'])} |",
+        f"| graph breaks / recompiles | {result['graph_breaks']} / {result['recompiles']} |",
+        f"| peak memory | {result['peak_mem_mb']:.0f} MB |",
+        f"| tokens/s (history) | {result['tokens_per_s']:,.0f} |",
+    ]
+    return "\n".join(lines)
+
+
+def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int) -> dict[str, float]:
+    """What the eager runtime shape checks cost: an eager training step (forward + backward, LensNet live) and
+    the held-out evaluation of one batch, each timed with the checks on and off in turn, medians of ``steps``."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    torch.manual_seed(cfg.train.seed)
+    system = MegaContext(cfg).to(device)
+    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    layout, B = system.layout, cfg.train.batch_size
+    window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
+    noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
+    weights = lens_weight_tensors(cfg.mc.lens, device)
+    token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
+    settings = EvalSettings(default_budgets(layout))
+
+    def step() -> None:
+        process_batch_lens(system, window, noise, weights).total().backward()
+        system.zero_grad(set_to_none=True)
+
+    def evaluation() -> None:
+        evaluate_mc(system, [window], token_bytes, settings)
+
+    timer, out = Timer(device), {}
+    for name, fn in (("step", step), ("eval", evaluation)):
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(steps + 1):  # the first pair warms up
+            for enabled in (True, False):
+                with checks(enabled):
+                    times[enabled].append(timer(fn))
+        on, off = (statistics.median(times[e][1:]) for e in (True, False))
+        out |= {f"{name}_ms_checked": on, f"{name}_ms_unchecked": off, f"{name}_overhead": on / off - 1}
+    return out
