@@ -9,15 +9,9 @@ import pytest
 import torch
 from test_mc import VOCAB, decisive, make_system
 
-from mcfn.tools.evaluation import (
-    CONDITIONS,
-    EvalSettings,
-    default_budgets,
-    evaluate_mc,
-    format_eval_table,
-    retained_fraction,
-    spearman,
-)
+from mcfn.tools.attention import attention_mass
+from mcfn.tools.eval_report import format_eval_table, retained_with_interval, run_evaluation, spearman
+from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 
@@ -26,8 +20,15 @@ def test_spearman_and_retained_fraction():
     x = torch.randn(50, generator=torch.Generator().manual_seed(0))
     assert spearman(x, x.exp()) == pytest.approx(1.0)  # any increasing map
     assert spearman(x, -(x**3)) == pytest.approx(-1.0)
-    assert retained_fraction({"recency": 2.0, "full": 1.5, "lens": 1.75}) == pytest.approx(0.5)
-    assert math.isnan(retained_fraction({"recency": 2.0, "full": 2.0, "lens": 1.9}))
+    nbytes = torch.full((200,), 10.0, dtype=torch.float64)
+    noise = 0.01 * torch.randn(200, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    nats = {"recency": 20.0 + noise, "full": 15.0 + noise, "lens": 17.5 + noise}
+    point, (lo, hi) = retained_with_interval(nats, nbytes)
+    assert point == pytest.approx(0.5) and lo <= 0.5 <= hi and hi - lo < 0.05
+    # No gain from full context, or one inside the noise: n/a, never a number.
+    assert retained_with_interval({**nats, "full": nats["recency"] + 0.1}, nbytes) == (None, None)
+    wide = {**nats, "full": nats["recency"] - 0.001 + 3 * torch.randn(200, dtype=torch.float64)}
+    assert retained_with_interval(wide, nbytes) == (None, None)
 
 
 def test_default_budgets_start_with_the_runs_own():
@@ -42,17 +43,19 @@ def report():
     system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
-    return evaluate_mc(system, windows, token_bytes, EvalSettings(budgets=(W, T), random_contexts=4, refocus=2))
+    settings = EvalSettings(budgets=(W, T), random_contexts=4, refocus=2, tasks=("corpus",))
+    return run_evaluation(system, windows, token_bytes, None, settings)
 
 
 def test_report_has_every_condition_and_the_headline(report):
     assert report["T"] == T and report["W"] == W and report["n_windows"] == 6
     assert set(report["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in report["bpb"].values())
     assert [row["W"] for row in report["sweep"]] == [W, T]
-    assert math.isfinite(report["retained_fraction"]) and -1.0 <= report["lens_rank_corr"] <= 1.0
+    assert -1.0 <= report["lens_rank_corr"] <= 1.0
+    assert report["tasks"]["corpus"]["bpb"] == report["bpb"] and "longrange" in report["tasks"]["corpus"]
     json.dumps(report)  # the CLI writes it as JSON
     table = format_eval_table(report)
-    assert table.count("\n| ") == 3 and "retained_fraction" in table
+    assert table.count("\n| ") == 3 and "retained [95% CI]" in table
 
 
 def test_oracle_is_the_best_random_context(report):
@@ -87,3 +90,58 @@ def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
     assert "| 16 |" in capsys.readouterr().out
     assert eval_main(["--ckpt", str(tmp_path / "nowhere")]) == 2
     assert eval_main(["--ckpt", str(run), "--budgets", "3"]) == 2
+
+
+def test_attention_mass_is_the_models_attention_from_the_queries():
+    """Each query spreads one unit of attention per layer and head over the entries up to itself."""
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=2))
+    window = torch.randint(0, VOCAB, (2, T + 1), generator=torch.Generator().manual_seed(0))
+    from mcfn.core.system import build_contexts
+    from mcfn.core.variants import draw_variant_noise
+
+    noise = draw_variant_noise(system.layout, 2, torch.Generator().manual_seed(0), torch.device("cpu"))
+    with torch.no_grad():
+        wc, _ = build_contexts(system, window, noise)
+    queries = wc.valid & (wc.start >= T - H)
+    mass = attention_mass(system.base, wc, queries)
+    heads = system.base.cfg.n_layer * system.base.cfg.n_head
+    torch.testing.assert_close(mass.sum(-1), queries.sum(-1).float() * heads)
+    assert (mass[~wc.valid] == 0).all() and (mass >= 0).all()
+    last = (wc.valid.sum(-1) - 1)[:, None]
+    later = torch.arange(wc.valid.size(1)) > last  # nothing attends past the last query (causal)
+    assert (mass[later] == 0).all()
+
+
+def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
+    """``--task`` and ``--reference`` end to end; a reference with another T or corpus is refused (exit 2)."""
+    from conftest import tiny_sections, write_profile
+
+    from train.eval import main as eval_main
+    from train.run import main as run_main
+
+    bigger = {"data": {"seq_len": 256}, "mc": {"block_size": 4, "budget": 128, "tail": 96}, "train": {"steps": 3}}
+    sections = tiny_sections(f"text:{text_dir}")
+    for name, values in bigger.items():
+        sections[name].update(values)
+    profile = write_profile(tmp_path / "p.toml", sections)
+    mc, plain, short = tmp_path / "mc", tmp_path / "plain", tmp_path / "short"
+    assert run_main(["--profile", str(profile), "--out", str(mc), "--set", "train.final_eval=false"]) == 0
+    assert run_main(["--profile", str(profile), "--out", str(plain), "--no-mc"]) == 0
+    assert run_main(["--profile", str(profile), "--out", str(short), "--no-mc", "--set", "data.seq_len=128"]) == 0
+    args = ["--ckpt", str(mc), "--batches", "1", "--out", str(tmp_path / "e"), "--json", str(tmp_path / "e.json")]
+    assert eval_main([*args, "--task", "passkey", "--reference", str(plain)]) == 0
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert list(report["tasks"]) == ["corpus", "passkey"] and report["reference"] == str(plain)
+    passkey = report["tasks"]["passkey"]
+    assert {"full", "full_plain", "recency", "random", "attn", "lens", "oracle"} <= passkey["accuracy"].keys()
+    assert all(0.0 <= v <= 1.0 for v in passkey["accuracy"].values()) and len(passkey["sweep"]) >= 1
+    assert {"retained_fraction", "retained_ci", "lens_rank_corr", "bpb"} <= passkey.keys()
+    assert (tmp_path / "e" / "eval_depth_passkey.png").stat().st_size > 1000
+    assert eval_main([*args, "--reference", str(short)]) == 2
+    other = write_profile(
+        tmp_path / "o.toml", {**sections, "data": {**sections["data"], "source": f"jsonl:{jsonl_file}"}}
+    )
+    elsewhere = tmp_path / "elsewhere"
+    assert run_main(["--profile", str(other), "--out", str(elsewhere), "--no-mc"]) == 0
+    assert eval_main([*args, "--reference", str(elsewhere)]) == 2
+    assert eval_main([*args, "--task", "needle"]) == 2

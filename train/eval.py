@@ -28,6 +28,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, oracle)")
     p.add_argument("--refocus", type=int, default=4, help="allocator iterations for the lens condition")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--task",
+        action="append",
+        dest="tasks",
+        metavar="NAME",
+        help="corpus | passkey | kv-recall | copy (repeatable; default: every task; corpus always runs)",
+    )
+    p.add_argument("--reference", type=Path, help="a --no-mc run on the same data: scored as full_plain")
     return p.parse_args(argv)
 
 
@@ -43,6 +51,8 @@ def run(args: argparse.Namespace) -> None:
         random_contexts=args.random_contexts,
         refocus=args.refocus,
         device=args.device,
+        tasks=args.tasks,
+        reference=args.reference,
     )
     print(table)
     if args.json:

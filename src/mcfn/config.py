@@ -214,6 +214,8 @@ class TrainConfig:
     max_bad_steps: int = 3  # non-finite losses in a row that stop the run (each one skips its update)
     final_eval: bool = True  # MC runs end with train.eval's table (full/recency/random/lens/oracle) and plot
     final_eval_batches: int = 32  # validation batches for it: more than eval_batches, the differences are small
+    # Of those, how many also carry each long-range probe (passkey, kv-recall, copy); 0: the corpus task only.
+    final_eval_probe_batches: int = 8
 
     def __post_init__(self) -> None:
         for name in (
@@ -229,6 +231,7 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
         _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
+        _require(self.final_eval_probe_batches >= 0, "train.final_eval_probe_batches", "must be >= 0")
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")
         _require(

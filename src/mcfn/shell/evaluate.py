@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import encode_source
 from mcfn.data.loader import validation_batches
+from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
-from mcfn.shell.restore import load_trained
-from mcfn.tools.evaluation import EvalSettings, default_budgets, run_evaluation, write_eval_outputs
+from mcfn.shell.devices import resolve_device
+from mcfn.shell.restore import Trained, load_trained
+from mcfn.tools.eval_report import run_evaluation, write_eval_outputs
+from mcfn.tools.evaluation import EvalSettings, default_budgets
 
 
 def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
@@ -31,6 +37,30 @@ def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
     return budgets
 
 
+def parse_tasks(names: list[str] | None) -> tuple[str, ...]:
+    """The tasks to score, ``corpus`` first: the report's headline figures come from it."""
+    chosen = list(dict.fromkeys(names or PROBES))
+    unknown = [n for n in chosen if n not in PROBES]
+    if unknown:
+        raise UserError(f"unknown --task {unknown[0]!r} (known: {', '.join(PROBES)})")
+    return ("corpus", *(n for n in chosen if n != "corpus"))
+
+
+def load_reference(path: Path, trained: Trained, device: torch.device) -> GPT:
+    """The plain model a user would pick instead: a ``--no-mc`` run on the same tokenizer and ``T``."""
+    reference = load_trained(path, device)
+    if isinstance(reference.model, MegaContext):
+        raise UserError(f"--reference {path} is a MegaContext run; it must be a plain GPT (--no-mc) run")
+    if reference.corpus.key != trained.corpus.key:
+        raise UserError(f"--reference {path} was trained on a different corpus or tokenizer than the checkpoint")
+    if reference.cfg.data.seq_len != trained.cfg.data.seq_len:
+        raise UserError(
+            f"--reference {path} was trained at data.seq_len={reference.cfg.data.seq_len}, the checkpoint at "
+            f"{trained.cfg.data.seq_len}: full attention must see the same T"
+        )
+    return reference.model
+
+
 def evaluate_checkpoint(
     ckpt: Path,
     data: str | None = None,
@@ -40,28 +70,32 @@ def evaluate_checkpoint(
     random_contexts: int = 8,
     refocus: int = 4,
     device: str = "auto",
+    tasks: list[str] | None = None,
+    reference: Path | None = None,
 ) -> tuple[dict, str]:
     """``train.eval``: load, evaluate, write the outputs; returns the report and its table."""
-    from mcfn.shell.loop import resolve_device
-
     if random_contexts < 2:
         raise UserError("--random-contexts must be >= 2 (the rank correlation compares pairs)")
     if refocus < 1:
         raise UserError("--refocus must be >= 1")
+    chosen = parse_tasks(tasks)
     trained = load_trained(ckpt, resolve_device(device))
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
-    cfg, layout = trained.cfg, trained.model.layout
-    split = (
-        trained.corpus.val if data is None else encode_source(data, trained.corpus.tokenizer, cfg.data.min_doc_chars)
-    )
+    cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
+    for name in tasks or ():  # a task asked for by name must fit; the default set skips what does not
+        if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
+            raise UserError(f"--task {name}: {reason}")
+    plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
+    split = trained.corpus.val if data is None else encode_source(data, tok, cfg.data.min_doc_chars)
     n_batches = batches or cfg.train.eval_batches
     if n_batches < 1:
         raise UserError("--batches must be >= 1")
     windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
-    settings = EvalSettings(parse_budgets(budgets, layout), random_contexts, refocus)
-    report = run_evaluation(trained.model, windows, trained.token_bytes, settings)
+    settings = EvalSettings(parse_budgets(budgets, layout), random_contexts, refocus, chosen)
+    report = run_evaluation(trained.model, windows, trained.token_bytes, tok, settings, plain)
     report["checkpoint_step"] = trained.step
     report["data"] = data or f"{cfg.data.source} (validation split)"
+    report["reference"] = None if reference is None else str(reference)
     table = write_eval_outputs(report, out_dir or (ckpt if ckpt.is_dir() else ckpt.parent))
     return report, table

@@ -17,9 +17,11 @@ from typing import Any
 
 from mcfn.core.system import MegaContext
 from mcfn.data.loader import validation_batches
+from mcfn.data.probes import PROBES
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
-from mcfn.tools.evaluation import EvalSettings, default_budgets, run_evaluation, write_eval_outputs
+from mcfn.tools.eval_report import run_evaluation, write_eval_outputs
+from mcfn.tools.evaluation import EvalSettings, default_budgets
 from mcfn.tools.report import write_report
 
 SUMMARY_NAME = "summary.json"
@@ -45,7 +47,10 @@ def final_evaluation(s: Session) -> dict | None:
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     windows = validation_batches(s.corpus.val, window, cfg.final_eval_batches, cfg.batch_size)
-    report = run_evaluation(s.model, windows, s.token_bytes, EvalSettings(default_budgets(s.model.layout)))
+    probes = cfg.final_eval_probe_batches
+    tasks = PROBES if probes else ("corpus",)
+    settings = EvalSettings(default_budgets(s.model.layout), tasks=tasks, probe_batches=probes)
+    report = run_evaluation(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings)
     report["checkpoint_step"] = cfg.steps
     return report
 

@@ -42,7 +42,8 @@ from mcfn.core.preferences import lens_weight_tensors
 from mcfn.core.step import compile_step
 from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
 from mcfn.core.variants import draw_variant_noise
-from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate_mc
+from mcfn.tools.eval_report import evaluate_tasks
+from mcfn.tools.evaluation import EvalSettings, default_budgets
 from mcfn.typecheck import checks
 
 
@@ -298,14 +299,14 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
     weights = lens_weight_tensors(cfg.mc.lens, device)
     token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
-    settings = EvalSettings(default_budgets(layout))
+    settings = EvalSettings(default_budgets(layout), tasks=("corpus",))
 
     def step() -> None:
         process_batch_lens(system, window, noise, weights).total().backward()
         system.zero_grad(set_to_none=True)
 
     def evaluation() -> None:
-        evaluate_mc(system, [window], token_bytes, settings)
+        evaluate_tasks(system, [window], token_bytes, None, settings)
 
     timer, out = Timer(device), {}
     for name, fn in (("step", step), ("eval", evaluation)):

@@ -1,66 +1,81 @@
-"""Held-out evaluation of a MegaContext model (DESIGN §7): does the working context beat truncation?
+"""Held-out evaluation of a MegaContext model (DESIGN §7): does the working context keep what matters?
 
-For every window, the bits per byte of its last ``H`` tokens, predicted at the same budget ``W`` under:
+Every window is scored on its last ``H`` target positions, the part each working context shows at LOD0 (I4),
+under these conditions at the same budget ``W``:
 
 * ``full``: all ``T`` tokens at LOD0, the upper bound (no budget);
 * ``recency``: the last ``W`` tokens at LOD0, nothing older;
 * ``random``: a random compressed working context (the mean over ``M`` of them);
+* ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
 * ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context;
-* ``oracle``: per window, the best of the same ``M`` random contexts by measured tail loss.
+* ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
+* ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
 
-``retained_fraction = (recency − lens) / (recency − full)`` is the share of full context's gain over
-truncation that the working context keeps. ``lens_rank_corr`` is the Spearman correlation, over all pairs
-of a window's random contexts, between LensNet's predicted preference and the measured tail-loss gap.
-LensNet's predicted preference of ``a`` over ``b`` is how much its scores favour turning each into the
-other: ``Σ s·y`` over ``b``'s entries with the I7 targets that move ``b`` towards ``a``, minus the same
+What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
+tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**: tail
+tokens that ``full`` predicts better than ``recency`` at the run's ``W`` by more than ``LONG_RANGE_MARGIN``
+nats (in the spirit of LongPPL). A probe window counts as answered when every answer token is the greedy
+argmax.
+
+``lens_rank_corr`` is the Spearman correlation, over all pairs of a window's random contexts, between
+LensNet's predicted preference and the measured gap in scored nats. LensNet's predicted preference of ``a``
+over ``b`` is ``Σ s·y`` over ``b``'s entries with the I7 targets that move ``b`` towards ``a``, minus the same
 with the roles swapped (:func:`mcfn.core.preferences.detail_targets`).
 
-Everything runs eagerly under ``no_grad``: the evaluation sweeps several budgets, each its own shape.
+Everything runs eagerly under ``no_grad``: the evaluation sweeps several budgets, each its own shape. The
+working contexts go through the training step's own stages (tree, assembly, the base model's forward).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import sys
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
-from tqdm import tqdm
 
 from mcfn.core.context import WorkingContext, assemble
-from mcfn.core.losses import tail_mask
+from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.preferences import detail_targets, pair_slots
-from mcfn.core.step import byte_sums, split_window
-from mcfn.core.system import MegaContext, base_stage, lens_stage, refocus, tree_stage
+from mcfn.core.step import split_window
+from mcfn.core.system import MegaContext, lens_stage, refocus, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut
+from mcfn.data.probes import PROBES, ProbeBatch
 from mcfn.seeding import derive_seed
+from mcfn.tools.attention import attention_focus
 from mcfn.typecheck import typechecked
 
-CONDITIONS = ("full", "recency", "random", "lens", "oracle")
+CONDITIONS = ("full", "recency", "random", "attn", "lens", "oracle")
+LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     budgets: tuple[int, ...]  # W per sweep row; the first is the headline
     random_contexts: int = 8  # M: random compressed contexts per window (random and oracle)
-    refocus: int = 4  # allocator iterations for the lens condition
+    refocus: int = 4  # allocator iterations for the attn and lens conditions
+    tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
+    probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
 
 
 @dataclass
-class BudgetTotals:
-    """Running sums for one budget: tail nats per condition, tail bytes, and the rank-correlation pairs."""
+class Scores:
+    """Per-window sums for one task at one budget, appended batch by batch: scored nats per condition,
+    scored bytes, whether every answer token was the argmax, the probes' depths, and LensNet's rank pairs."""
 
-    nats: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(CONDITIONS, 0.0))
-    predicted: list[Tensor] = dataclasses.field(default_factory=list)
-    measured: list[Tensor] = dataclasses.field(default_factory=list)
+    nats: dict[str, list[Tensor]] = field(default_factory=dict)
+    correct: dict[str, list[Tensor]] = field(default_factory=dict)
+    nbytes: list[Tensor] = field(default_factory=list)
+    depth: list[Tensor] = field(default_factory=list)
+    predicted: list[Tensor] = field(default_factory=list)
+    measured: list[Tensor] = field(default_factory=list)
+
+    def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
+        self.nats.setdefault(name, []).append(nats.double().cpu())
+        self.correct.setdefault(name, []).append(correct.double().cpu())
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -70,14 +85,33 @@ def default_budgets(layout: Layout) -> tuple[int, ...]:
     return tuple(dict.fromkeys(fits))
 
 
-@torch.no_grad()
-def full_context_sums(system: MegaContext, window: Int[Tensor, "b t1"], token_bytes: Tensor) -> tuple[Tensor, Tensor]:
-    """Tail nats and bytes per window with all ``T`` tokens at LOD0."""
-    layout, base = system.layout, system.base
+@typechecked
+def tail_predictions(
+    base: GPT, hidden: Float[Tensor, "r n d"], first: Int[Tensor, " r"], targets: Int[Tensor, "r h"]
+) -> tuple[Float[Tensor, "r h"], Bool[Tensor, "r h"]]:
+    """NLL and whether the argmax is right for the ``H`` entries of each row from ``first`` on (the tail)."""
+    index = first[:, None] + torch.arange(targets.size(1), device=first.device)
+    h = hidden.gather(1, repeat(index, "r h -> r h d", d=hidden.size(-1)))
+    return base.nll(h, targets), base.logits(h).argmax(-1) == targets
+
+
+def context_predictions(
+    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable
+) -> tuple[Tensor, Tensor, WorkingContext]:
+    """Tail NLL and argmax hits ``[B, S, H]`` of the ``S`` working contexts ``shown [B, S, nodes]`` per window."""
+    layout, base = nodes.layout, system.base
+    wc = assemble(tree, shown, window, nodes)
+    first = wc.valid.sum(-1) - layout.H  # the tail is the last H valid entries (I4)
+    targets = repeat(split_window(window)[1][:, layout.T - layout.H :], "b h -> (b s) h", s=shown.size(1))
+    nll, hit = tail_predictions(base, base.hidden(wc.emb, wc.position, wc.span.float()), first, targets)
+    return *(rearrange(x, "(b s) h -> b s h", b=window.size(0)) for x in (nll, hit)), wc
+
+
+def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tensor]:
+    """Tail NLL and argmax hits ``[B, H]`` with all ``T`` tokens at LOD0."""
     inputs, targets = split_window(window)
-    nll = base.nll(base.token_hidden(inputs), targets)
-    tail = (torch.arange(layout.T, device=window.device) >= layout.T - layout.H).expand_as(targets)
-    return byte_sums(nll, targets, token_bytes, tail)
+    first = torch.full((window.size(0),), inputs.size(1) - tail, device=window.device)
+    return tail_predictions(base, base.token_hidden(inputs), first, targets[:, -tail:])
 
 
 @typechecked
@@ -91,161 +125,104 @@ def predicted_preference(
     return (scores[rows_j] * y_j).sum(-1) - (scores[rows_i] * y_i).sum(-1)
 
 
-@torch.no_grad()
-def budget_sums(
-    system: MegaContext,
-    tree: Tree,
-    window: Int[Tensor, "b t1"],
-    token_bytes: Tensor,
-    budget: int,
-    settings: EvalSettings,
-    generator: torch.Generator,
-) -> tuple[dict[str, Tensor], Tensor, Tensor]:
-    """Tail nats per window and condition at budget ``budget`` (``full`` excepted; every condition scores the
-    same tail bytes, counted once by :func:`full_context_sums`), and the predicted and measured preferences
-    of every pair of random contexts."""
-    B, M = window.size(0), settings.random_contexts
-    nodes = system.nodes.with_sizes(W=budget, N=M)
-    noise = draw_variant_noise(nodes.layout, B, generator, window.device)
-    random = compressed_cuts(noise, nodes)  # [B, M, nodes]
-    shown = torch.cat([recency_cut(nodes.layout, B, window.device), random], dim=1)
-    if system.lensnet is not None:
-        start = repeat(system.coarsest, "n -> b 1 n", b=B)
-        shown = torch.cat([shown, refocus(system, tree, window, start, nodes, iterations=settings.refocus)], dim=1)
-    # The training step's own stages, at this budget: assembly and the packed base forward.
-    wc = assemble(tree, shown, window, nodes)
-    nll = base_stage(system, wc)
-    nats, _ = byte_sums(nll, wc.target, token_bytes, tail_mask(wc, nodes.layout))
-    nats = rearrange(nats, "(b v) -> b v", b=B)
-    per_window = {"recency": nats[:, 0], "random": nats[:, 1 : 1 + M].mean(-1), "oracle": nats[:, 1 : 1 + M].amin(-1)}
-    predicted = measured = torch.zeros(0, device=window.device)
-    if system.lensnet is not None:
-        per_window["lens"] = nats[:, -1]
-        slots = rearrange(torch.arange(B * shown.size(1), device=window.device), "(b v) -> b v", b=B)[:, 1 : 1 + M]
-        random_wc = wc[slots.flatten()]
-        predicted = predicted_preference(lens_stage(system, random_wc), random, random_wc, nodes).flatten()
-        i, j = pair_slots(M, B, window.device)
-        random_nats = nats[:, 1 : 1 + M]
-        measured = (random_nats.gather(1, j) - random_nats.gather(1, i)).flatten()  # > 0: the first is better
-    return per_window, predicted, measured
-
-
-def spearman(x: Tensor, y: Tensor) -> float:
-    """Spearman rank correlation (Pearson over ranks; ties are broken by order, rare for float losses)."""
-    if x.numel() < 3:
-        return float("nan")
-    rx = torch.argsort(torch.argsort(x)).double()
-    ry = torch.argsort(torch.argsort(y)).double()
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    return float((rx * ry).sum() / (rx.norm() * ry.norm()).clamp(min=1e-12))
-
-
-def bpb(nats: float, nbytes: float) -> float:
-    return nats / (math.log(2) * max(nbytes, 1.0))
-
-
-def retained_fraction(row: dict[str, float]) -> float:
-    gap = row["recency"] - row["full"]
-    return (row["recency"] - row["lens"]) / gap if abs(gap) > 1e-12 else float("nan")
-
-
-@torch.no_grad()
-def evaluate_mc(
-    system: MegaContext, batches: list[Tensor], token_bytes: Tensor, settings: EvalSettings, progress=None
-) -> dict:
-    """The evaluation report: headline row at ``settings.budgets[0]`` plus the sweep (see the module doc)."""
-    was_training = system.training
-    system.eval()
-    device = token_bytes.device
-    layout = system.layout
-    totals = {w: BudgetTotals() for w in settings.budgets}
-    full_nats = total_bytes = 0.0
-    generator = torch.Generator(device=device)
-    for index, batch in enumerate(batches):
-        window = batch.to(device)
-        tree = tree_stage(system, window)
-        nats, nbytes = full_context_sums(system, window, token_bytes)
-        full_nats += float(nats.double().sum())
-        total_bytes += float(nbytes.double().sum())
-        for w, acc in totals.items():
-            # The same random contexts for every checkpoint evaluated on these windows at this budget.
-            generator.manual_seed(derive_seed(w, "eval_contexts", index))
-            per_window, predicted, measured = budget_sums(system, tree, window, token_bytes, w, settings, generator)
-            for name, value in per_window.items():
-                acc.nats[name] += float(value.double().sum())
-            acc.predicted.append(predicted.cpu())
-            acc.measured.append(measured.cpu())
-        if progress is not None:
-            progress(index + 1, len(batches))
-    system.train(was_training)
-
-    has_lens = system.lensnet is not None
-    sweep = []
-    for w, acc in totals.items():
-        row = {"W": w, "compression": layout.T / w, "full": bpb(full_nats, total_bytes)}
-        row.update({name: bpb(acc.nats[name], total_bytes) for name in CONDITIONS if name != "full"})
-        if has_lens:
-            row["retained_fraction"] = retained_fraction(row)
-            row["lens_rank_corr"] = spearman(torch.cat(acc.predicted), torch.cat(acc.measured))
-        else:
-            row["lens"] = row["retained_fraction"] = row["lens_rank_corr"] = float("nan")
-        sweep.append(row)
-    head = sweep[0]
-    return {
-        "T": layout.T,
-        "W": head["W"],
-        "H": layout.H,
-        "bpb": {name: head[name] for name in CONDITIONS},
-        "retained_fraction": head["retained_fraction"],
-        "lens_rank_corr": head["lens_rank_corr"],
-        "sweep": sweep,
-        "n_windows": sum(b.size(0) for b in batches),
-        "random_contexts": settings.random_contexts,
-        "refocus": settings.refocus,
+def budget_contexts(
+    system: MegaContext, tree: Tree, window: Tensor, nodes: NodeTable, settings: EvalSettings, generator
+) -> tuple[Tensor, dict[str, slice]]:
+    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots."""
+    B, M, device = window.size(0), settings.random_contexts, window.device
+    noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
+    start = repeat(system.coarsest, "n -> b 1 n", b=B)
+    tail_start = nodes.layout.T - nodes.layout.H
+    parts = {
+        "recency": recency_cut(nodes.layout, B, device),
+        "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
+        "attn": attention_focus(system.base, tree, window, start, nodes, tail_start, settings.refocus),
     }
+    if system.lensnet is not None:
+        parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus)
+    slots, at = {}, 0
+    for name, cut in parts.items():
+        slots[name] = slice(at, at + cut.size(1))
+        at += cut.size(1)
+    return torch.cat(list(parts.values()), dim=1), slots
 
 
-def _cell(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.4f}"
+@dataclass
+class Predictions:
+    """Every working context's tail predictions for one batch at one budget."""
+
+    nll: Tensor  # [B, S, H]
+    hit: Tensor  # [B, S, H] bool: the argmax is the target
+    slots: dict[str, slice]  # each condition's contexts among the S
+    preference: Tensor | None  # [B, P]: LensNet's preference between every pair of the random contexts
 
 
-def format_eval_table(report: dict) -> str:
-    """The sweep as a Markdown table, one row per budget, headline first, then the headline figures."""
-    lines = [
-        f"Tail bits per byte (last H={report['H']} tokens of {report['n_windows']} held-out windows, T={report['T']}):",
-        "",
-        "| W | T/W | " + " | ".join(CONDITIONS) + " | retained | lens_rank_corr |",
-        "|---:|---:|" + "---:|" * (len(CONDITIONS) + 2),
-    ]
-    for row in report["sweep"]:
-        cells = [str(row["W"]), f"{row['compression']:.0f}", *(_cell(row[c]) for c in CONDITIONS)]
-        cells += [_cell(row["retained_fraction"]), _cell(row["lens_rank_corr"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        f"At W={report['W']}: retained_fraction = {_cell(report['retained_fraction'])}, "
-        f"lens_rank_corr = {_cell(report['lens_rank_corr'])} "
-        f"(random/oracle over {report['random_contexts']} contexts, lens with {report['refocus']} refocus steps).",
-    ]
-    return "\n".join(lines) + "\n"
+def predict_budget(
+    system: MegaContext, tree: Tree, window: Tensor, budget: int, settings: EvalSettings, generator
+) -> Predictions:
+    nodes = system.nodes.with_sizes(W=budget)
+    shown, slots = budget_contexts(system, tree, window, nodes, settings, generator)
+    nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
+    preference = None
+    if system.lensnet is not None:
+        B, S = shown.shape[:2]
+        rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
+        random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
+        preference = predicted_preference(lens_stage(system, random_wc), random, random_wc, nodes)
+    return Predictions(nll, hit, slots, preference)
 
 
-EVAL_JSON, EVAL_MD, EVAL_PNG = "eval.json", "eval.md", "eval_sweep.png"
+def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth) -> None:
+    """Append one batch's per-window scores to ``out``: ``scored [B, H]`` holds the bytes of each tail target
+    that counts (0: not scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``."""
+    mask = scored > 0
+    for name, (nll, hit) in references.items():
+        out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
+    nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
+    correct = (pred.hit | ~mask[:, None]).all(-1)
+    for name in ("recency", "attn", "lens"):
+        if name in pred.slots:
+            out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
+    random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
+    out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
+    best = random_nats.argmin(-1, keepdim=True)
+    out.add("oracle", random_nats.gather(1, best)[:, 0], random_correct.gather(1, best)[:, 0])
+    out.nbytes.append(scored.sum(-1).double().cpu())
+    out.depth.append(depth.double().cpu())
+    if pred.preference is not None:
+        i, j = pair_slots(random_nats.size(1), random_nats.size(0), random_nats.device)
+        out.predicted.append(pred.preference.flatten().cpu())
+        out.measured.append((random_nats.gather(1, j) - random_nats.gather(1, i)).flatten().cpu())  # > 0: i better
 
 
-def write_eval_outputs(report: dict, out_dir: Path) -> str:
-    """``eval.json``, ``eval.md`` (the table) and ``eval_sweep.png`` in ``out_dir``; returns the table."""
-    from mcfn.tools.plots import plot_budget_sweep  # matplotlib only when writing files
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = format_eval_table(report)
-    (out_dir / EVAL_JSON).write_text(json.dumps(report, indent=2))
-    (out_dir / EVAL_MD).write_text(f"# Evaluation\n\n{table}\n![budget sweep]({EVAL_PNG})\n")
-    plot_budget_sweep(report, out_dir / EVAL_PNG)
-    return table
-
-
-def run_evaluation(system: MegaContext, windows: list[Tensor], token_bytes: Tensor, settings: EvalSettings) -> dict:
-    """:func:`evaluate_mc` with a progress bar on stderr."""
-    with tqdm(total=len(windows), desc="eval", unit="batch", file=sys.stderr, dynamic_ncols=True) as bar:
-        return evaluate_mc(system, windows, token_bytes, settings, progress=lambda done, total: bar.update(1))
+@torch.no_grad()
+def score_batch(
+    system: MegaContext,
+    probe: ProbeBatch,
+    token_bytes: Tensor,
+    settings: EvalSettings,
+    index: int,
+    scores: dict[int, Scores],
+    longrange: dict[int, Scores] | None = None,
+    reference: GPT | None = None,
+) -> None:
+    """Score one batch of a task at every budget, appending to ``scores`` (and for ``corpus`` the long-range
+    tokens' scores to ``longrange``). The same random contexts for every checkpoint on these windows."""
+    layout, window = system.layout, probe.window
+    tree = tree_stage(system, window)
+    targets = split_window(window)[1][:, layout.T - layout.H :]
+    scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
+    references = {"full": full_predictions(system.base, window, layout.H)}
+    if reference is not None:
+        references["full_plain"] = full_predictions(reference, window, layout.H)
+    generator = torch.Generator(device=window.device)
+    long_range = None
+    for budget in settings.budgets:
+        generator.manual_seed(derive_seed(budget, "eval_contexts", index))
+        pred = predict_budget(system, tree, window, budget, settings, generator)
+        record(scores[budget], pred, references, scored, probe.depth)
+        if longrange is not None:
+            if long_range is None:  # defined at the headline budget: what full context predicts much better
+                gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
+                long_range = scored * (gain > LONG_RANGE_MARGIN)
+            record(longrange[budget], pred, references, long_range, probe.depth)

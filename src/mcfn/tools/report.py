@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mcfn.tools.evaluation import EVAL_PNG, format_eval_table
+from mcfn.tools.eval_report import EVAL_PNG, format_eval_table
 from mcfn.tools.plots import Series, plot_panels
 
 REPORT_NAME = "report.md"
@@ -81,6 +81,11 @@ def write_report(
         ]
     if eval_report is not None:
         sections += ["", "## Evaluation", "", format_eval_table(eval_report), f"![budget sweep]({EVAL_PNG})"]
+        sections += [
+            f"![{task}: accuracy by depth and budget](eval_depth_{task}.png)"
+            for task, result in eval_report["tasks"].items()
+            if "depth_accuracy" in result
+        ]
     if lod_maps:
         sections += ["", "## Working contexts at the last map", "", "```", lod_maps.rstrip(), "```"]
     path = out_dir / REPORT_NAME
