@@ -7,7 +7,7 @@ import torch._dynamo
 from einops import rearrange
 from hypothesis import given
 from hypothesis import strategies as st
-from test_mc import VOCAB, layouts, make_system
+from test_mc import VOCAB, decisive, layouts, make_system
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mcfn.config import LensConfig, coarsest_cover_size
@@ -101,19 +101,22 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
     assert (y_same == 0).all()
 
 
-@given(cases)
-def test_property_I7_a_gradient_step_moves_every_score_toward_its_target(case):
-    shape, batch, seed = case
-    system, wc, shown, tails = random_setup(shape, batch, seed)
-    layout, table = system.layout, system.nodes
-    scores = torch.randn(wc.batch_size[0], layout.W, generator=torch.Generator().manual_seed(seed)).requires_grad_()
-    weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
-    lens_losses(scores, shown, tails, wc, table, weights, use_rank=False).losses["loss_lens"].backward()
-    y, _, _, rows = preference_targets(shown, tails, wc, table, weights["temperature"])
-    step = -scores.grad[rows]  # gradient descent direction on the worse variants' entries
-    targeted = y != 0
-    if (tails[:, :, None] - tails[:, None, :]).abs().min() > 0 or not targeted.any():
-        assert ((step * y)[targeted] > 0).all()
+def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> None:
+    """Only legal actions (I6, I8): every node that appeared is a child of a gist that was shown and is gone
+    (an expansion), or a parent that was hidden, whose complete group of K children was shown and is all gone
+    (a collapse); and every node that disappeared is accounted for by one of those two."""
+    explained = torch.zeros_like(before)
+    for r, n in (after & ~before).nonzero().tolist():
+        parent = int(table.parent[n])
+        children = table.parent == n
+        if parent >= 0 and before[r, parent] and not after[r, parent]:
+            explained[r, parent] = True  # expanded: its children appear
+        else:
+            assert int(children.sum()) == K and before[r, children].all() and not after[r, children].any(), (
+                "a node appeared that is neither an expanded gist's child nor a collapsed complete group's parent"
+            )
+            explained[r, children] = True
+    assert torch.equal(before & ~after, explained), "a node disappeared without a legal action"
 
 
 adversarial = st.sampled_from(["normal", "huge", "tiny", "equal", "negative", "positive"])
@@ -148,17 +151,7 @@ def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, 
         before = cut
         cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), table)
         check_cut(cut, layout)
-        # Only legal actions: whatever disappeared was an expanded gist (LOD >= 1) or a collapsed group's
-        # tokens/gists below LODmax, and whatever appeared is a child of one or a collapsed parent.
-        gone = before & ~cut
-        lods_gone = table.lod[gone.nonzero()[:, 1]]
-        appeared = cut & ~before
-        for r, n in appeared.nonzero().tolist():
-            parent = int(table.parent[n])
-            via_expand = parent >= 0 and bool(before[r, parent]) and not bool(cut[r, parent])
-            via_collapse = bool((before[r] & (table.parent == n)).any())
-            assert via_expand or via_collapse
-        assert (lods_gone <= layout.L).all()
+        check_actions(before, cut, table, layout.K)
     # As fully as the tree allows: no room for one more expansion, or nothing left to expand.
     free = layout.W - cut.sum(-1)
     gists_left = (cut & (table.lod > 0)).sum(-1)
@@ -233,8 +226,11 @@ def test_lensnet_learns_where_detail_pays():
 
 
 def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):
-    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
-    counter = CompileCounterWithBackend("aot_eager")
+    """Compiled for real (inductor, the backend training uses), on one fixed shape, against eager. The model
+    tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick the pairs'
+    winners, so the targets, differently in each backend."""
+    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2))
+    counter = CompileCounterWithBackend("inductor")
     step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(3)
     for i in range(21):

@@ -67,13 +67,16 @@ def decisive(system: MegaContext) -> MegaContext:
 
 @st.composite
 def layouts(draw) -> dict:
-    K = draw(st.integers(2, 4))
-    L = draw(st.integers(1, 3 if K == 2 else 2))
-    T = K**L * draw(st.integers(1, 3))
-    while T < 8:  # the smallest T a config accepts
+    """Tree shapes from K=2 to the default K=16, with the edges drawn on purpose: the smallest budget (the
+    coarsest cover), the largest (W = T) and the longest tail (H = T - K)."""
+    K = draw(st.sampled_from([2, 3, 4, 8, 16]))
+    L = draw(st.integers(1, {2: 3, 3: 2, 4: 2, 8: 2, 16: 2}[K]))
+    T = K**L * draw(st.integers(1, 3 if K**L <= 64 else 1))
+    while T < max(8, 2 * K):  # the smallest T a config accepts, and room for a tail of at least K before it
         T *= 2
-    H = K * draw(st.integers(1, T // K - 1))
-    W = draw(st.integers(max(H, coarsest_cover_size(T, K, L, H)), T))
+    H = K * draw(st.one_of(st.just(T // K - 1), st.integers(1, T // K - 1)))
+    low = max(H, coarsest_cover_size(T, K, L, H))
+    W = draw(st.one_of(st.just(low), st.just(T), st.integers(low, T)))
     return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": draw(st.integers(1, 3))}
 
 
@@ -162,13 +165,14 @@ def test_property_I5_every_entry_predicts_the_token_after_its_span(case):
     shape, batch, seed = case
     system = make_system(**shape, seed=seed)
     T = shape["T"]
-    window = torch.arange(T + 1).expand(batch, T + 1) % VOCAB  # token id = position (T < VOCAB)
+    window = torch.arange(T + 1).expand(batch, T + 1) % VOCAB  # token id = position, modulo the vocabulary
     noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     with torch.no_grad():
         wc, _ = build_contexts(system, window, noise)
     v = wc.valid
-    assert torch.equal(wc.target[v], (wc.start + wc.span)[v])
-    assert not (wc.target[v] == wc.start[v]).any(), "never the entry's own (first) input token"
+    assert torch.equal(wc.target[v], ((wc.start + wc.span) % VOCAB)[v])
+    assert (wc.span[v] % VOCAB != 0).all()  # so the next check can tell a target from the entry's own token
+    assert not (wc.target[v] == wc.start[v] % VOCAB).any(), "never the entry's own (first) input token"
 
 
 @given(cases)

@@ -110,3 +110,17 @@ def test_the_scorer_counts_a_window_answered_only_when_every_answer_token_is_the
     out = Scores()
     record(out, scored_predictions(half), {"full": full}, scored, torch.zeros(2))
     assert torch.cat(out.correct["lens"]).tolist() == [1.0, 0.0]
+
+
+def test_the_measured_gap_is_positive_when_the_first_random_context_is_better():
+    """``lens_rank_corr`` pairs LensNet's preference of random context i over j with ``nats[j] - nats[i]``."""
+    hit = torch.ones(1, 4, 8, dtype=torch.bool)
+    nll = torch.ones(1, 4, 8)
+    nll[0, 1] = 0.5  # the first random context (slot 1) predicts better than the second (slot 2)
+    slots = {"recency": slice(0, 1), "random": slice(1, 3), "lens": slice(3, 4)}
+    out = Scores()
+    scored = torch.ones(1, 8, dtype=torch.int64)
+    full = (torch.ones(1, 8), torch.ones(1, 8, dtype=torch.bool))
+    record(out, Predictions(nll, hit, slots, torch.tensor([[1.0]])), {"full": full}, scored, torch.zeros(1))
+    assert torch.cat(out.measured).tolist() == [4.0] and torch.cat(out.predicted).tolist() == [1.0]
+    assert float(torch.cat(out.nats["oracle"])[0]) == 4.0  # the oracle is the better random context

@@ -79,3 +79,24 @@ def test_property_split_depends_only_on_document_id(doc_id, fraction):
 def test_split_fraction_is_roughly_honoured():
     share = sum(is_validation(f"doc{i}", 0.1) for i in range(5000)) / 5000
     assert 0.08 < share < 0.12
+
+
+def test_text_dirs_take_suffix_less_text_and_skip_binary_files(tmp_path, capsys):
+    """The two input holes: random bytes became a training document, and extension-less license texts were
+    refused. Now text is taken by what it is, and what is not text is skipped and counted."""
+    root = tmp_path / "licenses"
+    root.mkdir()
+    (root / "LICENSE").write_text("Permission is hereby granted, free of charge. " * 20)
+    (root / "COPYING").write_text("This program is free software; you can redistribute it. " * 20)
+    (root / "notes.txt").write_text("Plain notes. " * 50)
+    (root / "random.txt").write_bytes(bytes(range(256)) * 40)  # a text suffix, but not text
+    (root / "blob").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" + bytes(200))  # no suffix, not text
+    (root / ".hidden").write_text("editor state")
+    source = open_source(f"text:{root}")
+    assert [f.name for f in source.files] == ["COPYING", "LICENSE", "notes.txt"]
+    assert "2 file(s) under" in capsys.readouterr().err
+    assert all("\ufffd" not in text for _, text in iter_documents(source))
+    (tmp_path / "binary-only").mkdir()
+    (tmp_path / "binary-only" / "x.txt").write_bytes(b"\xff\xfe\x00\x01" * 10)
+    with pytest.raises(UserError, match="no UTF-8 text files"):
+        open_source(f"text:{tmp_path / 'binary-only'}")

@@ -4,7 +4,9 @@ A source spec is one of
 
 * ``stdlib`` — the Python standard library's ``.py`` files of the running interpreter (the embedded
   default: ~30 MB of long, structured documents, no download);
-* ``text:DIR`` — text files under a directory (``.txt``, ``.md``, ``.py``, ``.rst``, ...), recursively;
+* ``text:DIR`` — text files under a directory, recursively: files with a text suffix (``.txt``, ``.md``,
+  ``.py``, ``.rst``, ...) and files with no suffix at all (``LICENSE``, ``README``); a file that does not
+  decode as UTF-8 is skipped, and the skips are counted on stderr;
 * ``jsonl:PATH`` — a ``.jsonl`` file, or a directory of them, one JSON object with a ``text`` field per line;
 * ``parquet:PATH`` — a ``.parquet`` file, or a directory of shards, with a ``text`` column (the layout of
   nanochat's FineWeb-Edu shards), read a record batch at a time;
@@ -16,9 +18,11 @@ decides its split: a hash of the id, not its position, so adding files does not 
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from mcfn.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".tex", ".c", ".h", ".js", ".ts", ".rs", ".go", ".java", ".html")
 KINDS = ("stdlib", "text", "jsonl", "parquet")
+SNIFF_BYTES = 1 << 16  # how much of a text candidate must decode as UTF-8
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,33 @@ def _files_with(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(suffixes))
 
 
+def is_text(path: Path) -> bool:
+    """Whether the file's first ``SNIFF_BYTES`` decode as UTF-8 without a NUL byte (a sequence cut at the end
+    of the sample is fine)."""
+    try:
+        with path.open("rb") as f:
+            sample = f.read(SNIFF_BYTES)
+        codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return b"\x00" not in sample
+
+
+def _text_files(root: Path) -> tuple[list[Path], int]:
+    """Text documents under ``root``: text suffixes and suffix-less names (hidden files aside), kept when they
+    decode as text; returns them and how many candidates were skipped for not being text."""
+    if root.is_file():
+        candidates = [root]
+    else:
+        candidates = sorted(
+            p
+            for p in root.rglob("*")
+            if p.is_file() and (p.name.endswith(TEXT_SUFFIXES) or (not p.suffix and not p.name.startswith(".")))
+        )
+    files = [p for p in candidates if is_text(p)]
+    return files, len(candidates) - len(files)
+
+
 def _guess_kind(path: Path) -> str:
     if path.is_file():
         if path.name.endswith(".jsonl"):
@@ -87,10 +119,19 @@ def open_source(spec: str) -> Source:
     if not path.exists():
         raise UserError(f"data source {spec!r}: {path} does not exist")
     kind = kind or _guess_kind(path)
-    suffixes = {"text": TEXT_SUFFIXES, "jsonl": (".jsonl",), "parquet": (".parquet",)}[kind]
-    files = _files_with(path, suffixes)
-    if not files:
-        raise UserError(f"data source {spec!r}: no {'/'.join(suffixes)} files under {path}")
+    if kind == "text":
+        files, skipped = _text_files(path)
+        if skipped:
+            print(f"[data] {skipped} file(s) under {path} skipped: not UTF-8 text", file=sys.stderr, flush=True)
+        if not files:
+            raise UserError(
+                f"data source {spec!r}: no UTF-8 text files (suffix-less or {'/'.join(TEXT_SUFFIXES)}) under {path}"
+            )
+    else:
+        suffixes = {"jsonl": (".jsonl",), "parquet": (".parquet",)}[kind]
+        files = _files_with(path, suffixes)
+        if not files:
+            raise UserError(f"data source {spec!r}: no {'/'.join(suffixes)} files under {path}")
     root = path if path.is_dir() else path.parent
     return Source(kind, root, tuple(files))
 
