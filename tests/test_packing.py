@@ -121,3 +121,55 @@ def test_delta_nll_and_lod_metrics_match_a_hand_computation():
     assert float(out["mc/lod_loss/1"]) == 3.0 and float(out["mc/lod_loss/0"]) == 1.0
     assert float(out["mc/lod_count/1"]) == 6 / 6  # three gists in each sample's three rows: 6 over 6 rows
     assert float(out["mc/tail_loss_baseline"]) == 1.5 and float(out["mc/tail_loss_compressed"]) == 1.625
+
+
+def test_lens_weights_map_each_setting_to_its_term():
+    from mcfn.config import LensConfig
+    from mcfn.core.preferences import lens_weight_tensors
+
+    lens = LensConfig(
+        weight=2.0, pref_weight=3.0, budget_weight=5.0, rank_weight=7.0, rank_margin=11.0, temperature=13.0
+    )
+    weights = lens_weight_tensors(lens, torch.device("cpu"))
+    expected = {"lens": 2.0, "pref": 3.0, "budget": 5.0, "rank": 7.0, "rank_margin": 11.0, "temperature": 13.0}
+    assert {k: float(v) for k, v in weights.items()} == expected
+    assert all(v.ndim == 0 for v in weights.values())
+
+
+def test_lens_metrics_match_a_hand_computation():
+    """Three contexts of 4 slots (padded to 3, 2 and 1 entries); three pairs on the first: one with three
+    targets, one with a single target, one with none. The numbers are chosen so that no metric comes out
+    right by accident (the targeted scores do not sum to zero, P differs from W, ...)."""
+    from mcfn.core.preferences import lens_metrics
+
+    scores = torch.tensor([[1.0, -2.0, 0.75, 0.0], [3.0, -1.0, 9.0, 9.0], [2.0, 0.0, 0.0, 0.0]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, False], [True, False, False, False]])
+    s = scores[:1].expand(3, 4)[None]  # [B=1, P=3, W=4]: every pair's worse context is row 0
+    y = torch.tensor([[[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    w = torch.tensor([[[0.05, 0.025, 0.1, 0.0], [0.0, 0.0, 0.05, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    out = lens_metrics(scores, valid, s, y, w)
+    m = {k: float(v) for k, v in out.metrics.items()}
+    assert m["mc/preference_agreement"] == 0.75  # the score's sign matches 3 of the 4 targets (not -2.0)
+    assert m["mc/preference_pair_count"] == 2.0 and abs(m["mc/lens_targets_per_pair"] - 4 / 3) < 1e-6
+    assert abs(m["mc/policy_score_abs_mean"] - (1 + 2 + 0.75 + 3 + 1 + 2) / 6) < 1e-6
+    rows = [torch.tensor([1.0, -2.0, 0.75]), torch.tensor([3.0, -1.0]), torch.tensor([2.0])]
+    assert abs(m["mc/policy_score_std_mean"] - float(sum(r.std(correction=0) for r in rows) / 3)) < 1e-6
+    targeted_s, signed = torch.tensor([1.0, -2.0, 0.75, 0.75]), torch.tensor([0.05, 0.025, 0.1, 0.05])
+    assert abs(m["mc/pref_span_corr"] - float(torch.corrcoef(torch.stack([targeted_s, signed]))[0, 1])) < 1e-5
+    counts = out.histograms["hist/policy_score"]
+    # Bins of width 0.25 from -4: -2.0 in bin 8, -1.0 in 12, 0.75 in 19, 1.0 in 20, 2.0 in 24, 3.0 in 28;
+    # the padding (9.0 and the zeros) is not counted.
+    assert counts.nonzero().flatten().tolist() == [8, 12, 19, 20, 24, 28] and float(counts.sum()) == 6
+    one = lens_metrics(scores, valid, s[:, :1], torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), w[:, :1])
+    assert float(one.metrics["mc/preference_agreement"]) == 1.0  # a single target, and it agrees
+
+
+def test_one_entry_at_a_level_is_its_own_mean():
+    wc, layout = constructed_context()
+    lod = wc.lod.clone()
+    lod[:] = 0
+    lod[2, 0] = 1  # a single gist in the whole batch
+    wc.lod = lod
+    nll = torch.where(lod == 1, 5.0, 1.0) * wc.valid
+    out = variant_losses(nll, torch.zeros(2, 3), wc, layout).metrics
+    assert float(out["mc/lod_loss/1"]) == 5.0 and float(out["mc/lod_delta/1"]) == 4.0
