@@ -246,3 +246,48 @@ def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo
         if i == 0:
             torch.compiler.set_stance("fail_on_recompile")
     assert counter.frame_count == 1
+
+
+def lod2_cut(layout, expanded: list[int]) -> torch.Tensor:
+    """The coarsest cut with the given LOD2 gists (by index within their level) expanded into their LOD1 children."""
+    nodes = NodeTable.of(layout)
+    cut = coarsest_cut(layout, torch.device("cpu"))[None].clone()
+    for j in expanded:
+        node = layout.level_offsets[2] + j
+        cut[0, node] = False
+        cut[0] |= nodes.parent == node
+    return cut
+
+
+def test_allocator_pays_for_positive_expansions_beyond_the_free_budget_by_collapses():
+    """Room for one expansion, two positive gists, one negative complete group: both gists expand, the group
+    collapses, and the budget ends full."""
+    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [0])  # 16 entries: free 3, one expansion's worth
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, lod2 + 1], scores[0, lod2 + 2] = 0.5, 0.25  # positive, if only just
+    scores[0, nodes.parent == lod2] = -5.0  # the complete group of LOD2 gist 0's children
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [1, 2]))
+
+
+def test_allocator_without_a_positive_score_swaps_nothing_when_the_budget_is_full():
+    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [1, 2])  # 19 entries: the budget is full
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, nodes.parent == lod2 + 1] = -5.0  # a negative complete group, but no expansion wants the room
+    assert torch.equal(allocate(cut, scores, nodes), cut)
+
+
+def test_allocator_swaps_exactly_the_positive_expansions_the_free_budget_cannot_hold():
+    """Room for one expansion, three positive gists, three negative complete groups: three expansions, paid for
+    by collapsing the two most negative groups, not all three."""
+    layout = make_system(T=128, K=4, L=2, W=29, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [0, 1, 2])  # 17 + 3 * 3 = 26 entries: free 3
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, lod2 + 3 : lod2 + 6] = torch.tensor([0.5, 0.4, 0.3])
+    for j, value in enumerate((-5.0, -4.0, -3.0)):
+        scores[0, nodes.parent == lod2 + j] = value
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [2, 3, 4, 5]))
