@@ -11,7 +11,7 @@ from test_mc import VOCAB, decisive, layouts, make_system
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mcfn.config import LensConfig, coarsest_cover_size
-from mcfn.core.allocator import allocate
+from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import lens_losses, lens_weight_tensors, lod_map, preference_targets
@@ -267,7 +267,7 @@ def test_allocator_pays_for_positive_expansions_beyond_the_free_budget_by_collap
     cut = lod2_cut(layout, [0])  # 16 entries: free 3, one expansion's worth
     scores = torch.zeros(1, layout.n_nodes)
     scores[0, lod2 + 1], scores[0, lod2 + 2] = 0.5, 0.25  # positive, if only just
-    scores[0, nodes.parent == lod2] = -5.0  # the complete group of LOD2 gist 0's children
+    scores[0, nodes.parent == lod2] = -0.5  # the complete group of LOD2 gist 0's children: negative, if only just
     assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [1, 2]))
 
 
@@ -291,3 +291,11 @@ def test_allocator_swaps_exactly_the_positive_expansions_the_free_budget_cannot_
     for j, value in enumerate((-5.0, -4.0, -3.0)):
         scores[0, nodes.parent == lod2 + j] = value
     assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [2, 3, 4, 5]))
+
+
+def test_node_scores_land_on_their_nodes_and_padding_is_dropped():
+    scores = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    node = torch.tensor([[5, 1, 0], [2, 3, 0]])
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    expected = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 4.0, 0.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(node_scores_of(scores, node, valid, 7), expected)  # an odd node count (K=3 trees have them)
