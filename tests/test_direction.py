@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_lens import WEIGHTS
+from test_lens import WEIGHTS, expanded
 from test_mc import VOCAB, layouts, make_system
 
 from mcfn.config import coarsest_cover_size
@@ -33,9 +33,7 @@ def coarse_and_fine(shape: dict, pick: int, seed: int):
     coarse = coarsest_cut(system.layout, torch.device("cpu"))
     gists = (coarse & (nodes.lod > 0)).nonzero().flatten()
     gist = int(gists[pick % gists.numel()])
-    fine = coarse.clone()
-    fine[gist] = False
-    fine |= nodes.children_of(torch.nn.functional.one_hot(torch.tensor(gist), coarse.numel()).bool())
+    fine = expanded(coarse, gist, nodes)
     shown = torch.stack([coarse, fine])[None]  # [1, 2, nodes]
     window = torch.randint(0, VOCAB, (1, shape["T"] + 1), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

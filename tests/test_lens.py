@@ -248,14 +248,18 @@ def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo
     assert counter.frame_count == 1
 
 
-def lod2_cut(layout, expanded: list[int]) -> torch.Tensor:
+def expanded(cut: torch.Tensor, node: int, nodes: NodeTable) -> torch.Tensor:
+    """``cut [..., n_nodes]`` with the shown gist ``node`` replaced by its children."""
+    out = cut.clone()
+    out[..., node] = False
+    return out | (nodes.parent == node)
+
+
+def lod2_cut(layout, gists: list[int]) -> torch.Tensor:
     """The coarsest cut with the given LOD2 gists (by index within their level) expanded into their LOD1 children."""
-    nodes = NodeTable.of(layout)
-    cut = coarsest_cut(layout, torch.device("cpu"))[None].clone()
-    for j in expanded:
-        node = layout.level_offsets[2] + j
-        cut[0, node] = False
-        cut[0] |= nodes.parent == node
+    nodes, cut = NodeTable.of(layout), coarsest_cut(layout, torch.device("cpu"))[None]
+    for j in gists:
+        cut = expanded(cut, layout.level_offsets[2] + j, nodes)
     return cut
 
 

@@ -80,17 +80,20 @@ def refocus(
     nodes: NodeTable,
     explore: Tensor | None = None,
     iterations: int = 1,
+    scorer: Callable[[WorkingContext], Tensor] | None = None,
 ) -> Bool[Tensor, "b a nodes"]:
     """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: each iteration scores the current
-    context with LensNet, adds ``alloc_noise`` times the exploration noise ``explore [B, A, I, nodes]`` if
-    given (then ``I`` iterations), and reallocates. ``nodes`` may be another layout's (a streaming view)."""
+    context with ``scorer`` (LensNet by default; signed scores per entry ``[R, W]``), adds ``alloc_noise``
+    times the exploration noise ``explore [B, A, I, nodes]`` if given (then ``I`` iterations), and
+    reallocates. ``nodes`` may be another layout's (a streaming view)."""
+    scorer = system.lensnet if scorer is None else scorer
     B, A = cut.shape[:2]
     iterations = explore.size(2) if explore is not None else iterations
     cut = rearrange(cut, "b a n -> (b a) n")
     with torch.no_grad():
         for it in range(iterations):
             wc = assemble(tree, rearrange(cut, "(b a) n -> b a n", b=B), window, nodes)
-            scores = node_scores_of(system.lensnet(wc), wc.node, wc.valid, nodes.layout.n_nodes)
+            scores = node_scores_of(scorer(wc), wc.node, wc.valid, nodes.layout.n_nodes)
             if explore is not None:
                 scores = scores + system.alloc_noise * rearrange(explore[:, :, it], "b a n -> (b a) n")
             cut = allocate(cut, scores, nodes)

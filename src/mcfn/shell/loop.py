@@ -69,7 +69,7 @@ def run_loop(s: Session) -> Progress:
     """Evaluate, checkpoint, train, log, stop: one global step at a time until ``train.steps``."""
     cfg = s.cfg.train
     announce(s)
-    progress = Progress(micro=choose_micro_batch(s))
+    progress = Progress(micro=choose_micro_batch(s), peak_step_s=peak_step_seconds(s))
     prefetch = Prefetcher(s.sampler, cfg.batch_size, s.start_step, s.device, rows=s.rows)
     bar = tqdm(total=cfg.steps, initial=s.start_step, desc="train", unit="step", dynamic_ncols=True,
                mininterval=0.5, file=sys.stderr, disable=not s.world.is_main)  # fmt: skip
@@ -116,6 +116,13 @@ def announce(s: Session) -> None:
         f"T={cfg.data.seq_len}, B={cfg.train.batch_size}{processes}, {cfg.train.steps} steps on {s.device}"
         f"{compiled} -> {s.out_dir}"
     )
+
+
+def peak_step_seconds(s: Session) -> float | None:
+    """How long a step would take at the peak FLOP/s of every device (MFU = this / the step time); None off a known
+    GPU. Computed once per run."""
+    peak = peak_flops(torch.cuda.get_device_name(s.device)) if s.device.type == "cuda" else None
+    return step_flops(s.cfg, s.model) / (peak * s.world.size) if peak else None
 
 
 def choose_micro_batch(s: Session) -> int:
@@ -229,7 +236,6 @@ def step_record(s: Session, result: StepResult, progress: Progress, step: int, b
     tok_s = progress.window_steps * tokens_per_step / (now - progress.window_start)
     progress.window_start, progress.window_steps = time.perf_counter(), 0
     mult = result.lr_mult
-    peak = peak_flops(torch.cuda.get_device_name(s.device)) if s.device.type == "cuda" else None
     bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
     return {
         "time/data_ms": (t_data - t0) * 1e3,
@@ -241,7 +247,7 @@ def step_record(s: Session, result: StepResult, progress: Progress, step: int, b
         "time/step_ms": step_ms,
         "train/tokens_per_s": tok_s,
         # Model FLOPs utilisation on a known GPU: FLOPs per step over the step's duration, per device.
-        **({"train/mfu": step_flops(s.cfg, s.model) / (step_ms / 1e3) / (peak * s.world.size)} if peak else {}),
+        **({"train/mfu": progress.peak_step_s / (step_ms / 1e3)} if progress.peak_step_s else {}),
         "train/lr_mult": mult,
         # Loss terms and the grad norm go under train/; metrics keep their own names (mc/..., train/...).
         **{k if "/" in k else f"train/{k}": v for k, v in values.items() if k != "loss"},

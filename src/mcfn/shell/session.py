@@ -43,7 +43,6 @@ class Session:
     corpus: Corpus
     sampler: WindowSampler  # training batch i, a pure function of (seed, i)
     val_batches: list[Tensor]  # fixed held-out windows
-    token_bytes: Tensor  # [vocab] bytes per token id, on the device
     task: PlainTask | MCTask
     optimizers: list[torch.optim.Optimizer]
     log: MetricsLog
@@ -54,6 +53,11 @@ class Session:
     @property
     def model(self) -> torch.nn.Module:
         return self.task.model
+
+    @property
+    def token_bytes(self) -> Tensor:
+        """``[vocab]`` bytes per token id, on the device."""
+        return self.task.token_bytes
 
     @property
     def ckpt_path(self) -> Path:
@@ -131,7 +135,6 @@ def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.devi
         corpus=corpus,
         sampler=sampler,
         val_batches=val_batches,
-        token_bytes=task.token_bytes,
         task=task,
         optimizers=build_optimizers(task.model, cfg.optim),
         log=log,
@@ -170,6 +173,7 @@ class Progress:
     """What the loop counts as it goes; :func:`~mcfn.shell.outcome.finish` turns it into the summary."""
 
     micro: int  # rows per forward/backward
+    peak_step_s: float | None = None  # a step's FLOPs at the devices' peak rate, in seconds (known GPUs only)
     step_ms: list[float] = field(default_factory=list)  # logged steps after the first
     first_step_ms: float | None = None  # the first logged step, compilation included
     eval_s: list[float] = field(default_factory=list)

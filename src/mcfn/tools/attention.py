@@ -2,9 +2,9 @@
 
 The bar a learned policy must clear. From the coarsest full-coverage context, the base model is run once
 with its attention probabilities written out; each entry's score is the attention mass the tail's tokens
-give it (summed over layers and heads), less the mean over the context's entries, and the focus allocator
-expands the entries with the most mass and collapses the groups with the least, exactly as it does with
-LensNet's scores.
+give it (summed over layers and heads), less the mean over the context's entries. With these scores in
+LensNet's place, :func:`~mcfn.core.system.refocus` and the focus allocator expand the entries with the most
+mass and collapse the groups with the least.
 """
 
 from __future__ import annotations
@@ -12,15 +12,11 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import rearrange
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Float
 from torch import Tensor
 
-from mcfn.core.allocator import allocate, node_scores_of
-from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.context import WorkingContext
 from mcfn.core.model import GPT, rms_norm, rotary_tables
-from mcfn.core.nodes import NodeTable
-from mcfn.core.tree import Tree
 from mcfn.typecheck import typechecked
 
 
@@ -44,21 +40,9 @@ def attention_mass(base: GPT, wc: WorkingContext, queries: Bool[Tensor, "r w"]) 
 
 
 @typechecked
-def attention_focus(
-    base: GPT,
-    tree: Tree,
-    window: Int[Tensor, "b t1"],
-    cut: Bool[Tensor, "b 1 nodes"],
-    nodes: NodeTable,
-    tail_start: int,
-    iterations: int,
-) -> Bool[Tensor, "b 1 nodes"]:
-    """Refocus ``cut`` within ``nodes.layout.W`` by attention mass from the tokens at ``tail_start`` and after."""
-    cut = cut[:, 0]
-    for _ in range(iterations):
-        wc = assemble(tree, cut[:, None], window, nodes)
-        mass = attention_mass(base, wc, wc.valid & (wc.start >= tail_start))
-        mean = mass.sum(-1, keepdim=True) / wc.valid.sum(-1, keepdim=True)
-        scores = node_scores_of(torch.where(wc.valid, mass - mean, 0.0), wc.node, wc.valid, nodes.layout.n_nodes)
-        cut = allocate(cut, scores, nodes)
-    return rearrange(cut, "b n -> b 1 n")
+def attention_scores(base: GPT, tail_start: int, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    """A training-free scorer for :func:`mcfn.core.system.refocus`: each entry's attention mass from the tokens
+    at ``tail_start`` and after, less the context's mean (bind ``base`` and ``tail_start`` with ``partial``)."""
+    mass = attention_mass(base, wc, wc.valid & (wc.start >= tail_start))
+    mean = mass.sum(-1, keepdim=True) / wc.valid.sum(-1, keepdim=True)
+    return torch.where(wc.valid, mass - mean, 0.0)

@@ -29,6 +29,7 @@ working contexts go through the training step's own stages (tree, assembly, the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from einops import rearrange, repeat
@@ -45,7 +46,7 @@ from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut
 from mcfn.data.probes import PROBES, ProbeBatch
 from mcfn.seeding import derive_seed
-from mcfn.tools.attention import attention_focus
+from mcfn.tools.attention import attention_scores
 from mcfn.typecheck import typechecked
 
 CONDITIONS = ("full", "recency", "random", "attn", "lens", "oracle")
@@ -136,7 +137,15 @@ def budget_contexts(
     parts = {
         "recency": recency_cut(nodes.layout, B, device),
         "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
-        "attn": attention_focus(system.base, tree, window, start, nodes, tail_start, settings.refocus),
+        "attn": refocus(
+            system,
+            tree,
+            window,
+            start,
+            nodes,
+            iterations=settings.refocus,
+            scorer=partial(attention_scores, system.base, tail_start),
+        ),  # fmt: skip
     }
     if system.lensnet is not None:
         parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus)
