@@ -68,6 +68,19 @@ def test_recency_with_the_whole_window_is_full_context(report):
     row = next(r for r in report["sweep"] if r["W"] == T)
     assert row["recency"] == pytest.approx(row["full"], rel=1e-5)
     assert row["lens"] == pytest.approx(row["full"], rel=1e-5)  # the allocator expands everything it can
+    assert row["lens_nogist"] == pytest.approx(row["lens"], rel=1e-5), "no gist there to zero"
+
+
+def test_the_gist_ablation_and_the_paired_gains(report):
+    """Where the lens context holds gists, zeroing them changes its predictions; each gain is the difference of
+    its two columns, with a standard error above zero (the windows differ)."""
+    corpus = report["tasks"]["corpus"]
+    assert corpus["bpb"]["lens_nogist"] != pytest.approx(corpus["bpb"]["lens"], rel=1e-4)
+    for name, (worse, better) in (("lens_gain", ("recency", "lens")), ("gist_worth", ("lens_nogist", "lens"))):
+        gain = corpus[name]
+        assert gain["bpb"] == pytest.approx(corpus["bpb"][worse] - corpus["bpb"][better], abs=1e-9)
+        assert gain["se"] > 0
+    assert "gist_worth" in format_eval_table(report)
 
 
 def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):

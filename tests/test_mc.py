@@ -11,18 +11,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mcfn.config import LensConfig, OptimConfig, coarsest_cover_size
+from mcfn.config import LensConfig, MCConfig, OptimConfig, coarsest_cover_size
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lens_weight_tensors
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, step_weights
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.profile import build_config
 from mcfn.shell.optim import build_optimizers
 
 VOCAB = 128
+STEP_WEIGHTS = step_weights(MCConfig(), torch.device("cpu"))
 
 
 def flat(out: StepOutput) -> dict[str, torch.Tensor]:
@@ -30,7 +31,9 @@ def flat(out: StepOutput) -> dict[str, torch.Tensor]:
     return {**out.losses, **out.metrics, **out.histograms}
 
 
-def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, lens_width: int = 8) -> MegaContext:
+def make_system(
+    T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, lens_width: int = 8, teacher: dict | None = None
+) -> MegaContext:
     cfg = build_config(
         {
             "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
@@ -43,6 +46,7 @@ def make_system(T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, l
                 "variants": N,
                 "gist": {"layers": 1, "width": 8, "heads": 2},
                 "lens": {"width": lens_width},
+                "teacher": teacher or {},
             },
         }
     )
@@ -184,7 +188,7 @@ def test_property_I9_same_seed_same_variants_and_losses(case):
     def run(noise_seed: int):
         noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(noise_seed), torch.device("cpu"))
         with torch.no_grad():
-            return sample_variants(noise, system.nodes), process_batch(system, window, noise)
+            return sample_variants(noise, system.nodes), process_batch(system, window, noise, STEP_WEIGHTS)
 
     (shown_a, out_a), (shown_b, out_b) = run(seed), run(seed)
     assert torch.equal(shown_a, shown_b)
@@ -250,7 +254,7 @@ def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(process_batch, backend=counter, fullgraph=True, dynamic=False)
     for i, (window, noise) in enumerate(_batches(system, 24)):
-        step(system, window, noise).total().backward()
+        step(system, window, noise, STEP_WEIGHTS).total().backward()
         if i == 0:
             torch.compiler.set_stance("fail_on_recompile")
     assert counter.frame_count == 1

@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb", choices=["offline", "online", "disabled"], help="wandb mode (default offline)")
     p.add_argument("--no-mc", action="store_true", help="train the plain GPT on the same data instead of MegaContext")
     p.add_argument(
+        "--init-from", metavar="RUN_DIR", help="start the base model from this run's weights (train.init_from)"
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -46,6 +49,7 @@ def run(args: argparse.Namespace) -> None:
         ("train", "wandb"): args.wandb,
         ("train", "compile"): True if args.compile else None,
         ("mc", "enabled"): False if args.no_mc else None,
+        ("train", "init_from"): args.init_from,
     }
     overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
     cfg = resolve(args.profile, overrides)

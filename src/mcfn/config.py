@@ -53,6 +53,10 @@ class DataConfig:
     val_fraction: float = 0.05  # share of documents (by path hash) held out for validation
     tokenizer_train_chars: int = 20_000_000  # characters of the training split the BPE is trained on
     cache_dir: str = ""  # tokenizer and token caches; empty means $MCFN_CACHE or ~/.cache/mcfn
+    # Share of training windows rewritten by the long-range generators (facts written into the real text, the
+    # question at the end, in the scored tail), drawn on a stream of their own; 0: natural text only.
+    mix: float = 0.0
+    mix_tasks: str = "passkey,kv-recall"  # comma-separated: which generators share the mixed windows
 
     def __post_init__(self) -> None:
         _require(bool(self.source.strip()), "data.source", "must not be empty")
@@ -61,6 +65,12 @@ class DataConfig:
         _require(self.min_doc_chars >= 0, "data.min_doc_chars", "must be >= 0")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
         _require(self.tokenizer_train_chars > 0, "data.tokenizer_train_chars", "must be > 0")
+        _require(0.0 <= self.mix <= 1.0, "data.mix", "must lie in [0, 1]")
+        _require(bool(self.mix_task_names), "data.mix_tasks", "must name at least one task")
+
+    @property
+    def mix_task_names(self) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.mix_tasks.split(",") if name.strip())
 
 
 @dataclass(frozen=True)
@@ -156,6 +166,22 @@ class AllocConfig:
 
 
 @dataclass(frozen=True)
+class TeacherConfig:
+    """The full-window teacher (:mod:`mcfn.core.teacher`): one extra base forward over all ``T`` tokens."""
+
+    full_weight: float = 0.0  # next-token loss over the whole window at LOD0 (keeps ``full`` an upper bound)
+    distill_weight: float = 0.0  # KL from the full window's tail predictions to each compressed variant's
+
+    def __post_init__(self) -> None:
+        for name in ("full_weight", "distill_weight"):
+            _require(getattr(self, name) >= 0, f"mc.teacher.{name}", "must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return self.full_weight > 0 or self.distill_weight > 0
+
+
+@dataclass(frozen=True)
 class MCConfig:
     enabled: bool = True  # MegaContext training; --no-mc trains the plain GPT on the same data
     block_size: int = 16  # K: children per gist
@@ -170,6 +196,7 @@ class MCConfig:
     gist: GistConfig = field(default_factory=GistConfig)  # [mc.gist]
     lens: LensConfig = field(default_factory=LensConfig)  # [mc.lens]
     alloc: AllocConfig = field(default_factory=AllocConfig)  # [mc.alloc]
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)  # [mc.teacher]
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 2, "mc.block_size", "must be >= 2")
@@ -216,6 +243,12 @@ class TrainConfig:
     final_eval_batches: int = 32  # validation batches for it: more than eval_batches, the differences are small
     # Of those, how many also carry each long-range probe (passkey, kv-recall, copy); 0: the corpus task only.
     final_eval_probe_batches: int = 8
+    # A run directory (or checkpoint) whose trained base model this run starts from (two-stage training); the
+    # rest (GistNet, LensNet, optimizers, step) starts afresh. Empty: from scratch.
+    init_from: str = ""
+    # MegaContext runs: the first this many steps train the base model alone, as a plain GPT over whole windows
+    # (a plain phase at length T, where it learns to read long contexts), then the MegaContext step takes over.
+    plain_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -231,6 +264,7 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
         _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
+        _require(0 <= self.plain_steps < self.steps, "train.plain_steps", "must lie in [0, train.steps)")
         _require(self.final_eval_probe_batches >= 0, "train.final_eval_probe_batches", "must be >= 0")
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")

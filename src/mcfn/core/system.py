@@ -3,12 +3,14 @@
 The step is a composition of pure stage functions, compiled as one graph::
 
     window [B, T+1] ─► tree_stage ─► variants_stage (+ allocator) ─► assemble_stage ─► base_stage ─► loss_stage
-                       Tree          [B, V, nodes]                    WC [B·V, W]       NLL [B·V, W]
-                                                                               └─► lens_stage ─► lens_loss_stage
+                       Tree          [B, V, nodes]                    WC [B·V, W]       hidden [B·V, W, D]
+                                                                               ├─► lens_stage ─► lens_loss_stage
+                                                                               └─► teacher_stage (optional)
 
 ``process_batch`` trains the base model and GistNet; ``process_batch_lens`` adds LensNet and its
 preference loss. They are separate functions (not one with a flag) so that each compiles to its own
-graph and a run that computes the lens loss every k-th step never recompiles. Both call their stages
+graph and a run that computes the lens loss every k-th step never recompiles. Both add the full-window
+teacher's terms (:mod:`mcfn.core.teacher`) when ``[mc.teacher]`` turns them on, a static choice. Both call their stages
 through ``run(name, fn, *args)``: plain calls in training, and in the benchmark a recorder that times
 each stage on its own, so the phase table always times the program that trains.
 """
@@ -22,7 +24,7 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from mcfn.config import RunConfig
+from mcfn.config import MCConfig, RunConfig
 from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.gistnet import GistNet
@@ -31,8 +33,9 @@ from mcfn.core.losses import tail_mask, tail_nll, variant_losses
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
-from mcfn.core.preferences import lens_losses
+from mcfn.core.preferences import lens_losses, lens_weight_tensors
 from mcfn.core.step import byte_sums
+from mcfn.core.teacher import teacher_losses, teacher_weight_tensors
 from mcfn.core.tree import Tree, build_tree
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.typecheck import typechecked
@@ -58,6 +61,7 @@ class MegaContext(nn.Module):
         self.alloc_noise = mc.alloc.noise
         self.use_rank = mc.lens.rank
         self.spend_min = mc.variant_spend_min
+        self.use_teacher = mc.teacher.enabled
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -135,16 +139,22 @@ def assemble_stage(system: MegaContext, tree: Tree, shown: Tensor, window: Tenso
     return assemble(tree, shown, window, system.nodes)
 
 
-def base_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
-    """One packed base-model forward over every working context: per-entry NLL ``[B·V, W]``."""
-    base = system.base
-    return base.nll(base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
+def base_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w d"]:
+    """One packed base-model forward over every working context: final hidden states ``[B·V, W, D]``."""
+    return system.base.hidden(wc.emb, wc.position, wc.span.float())
 
 
-def loss_stage(system: MegaContext, nll: Tensor, wc: WorkingContext) -> tuple[Tensor, StepOutput]:
+def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple[Tensor, StepOutput]:
     """Tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
+    nll = system.base.nll(hidden, wc.target)
     tails = tail_nll(nll, wc, system.layout)
     return tails, variant_losses(nll, tails, wc, system.layout)
+
+
+def teacher_stage(
+    system: MegaContext, window: Tensor, hidden: Tensor, wc: WorkingContext, weights: dict[str, Tensor]
+) -> StepOutput:
+    return teacher_losses(system.base, window, hidden, wc, system.layout, weights)
 
 
 def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
@@ -155,6 +165,11 @@ def lens_loss_stage(
     system: MegaContext, scores: Tensor, shown: Tensor, tails: Tensor, wc: WorkingContext, weights: dict[str, Tensor]
 ) -> StepOutput:
     return lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_rank)
+
+
+def step_weights(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
+    """Every loss weight of the step (LensNet's and the teacher's) as a 0-d tensor: changing one never recompiles."""
+    return {**lens_weight_tensors(mc.lens, device), **teacher_weight_tensors(mc.teacher, device)}
 
 
 def call(name: str, fn: Callable, *args):
@@ -171,22 +186,33 @@ def build_contexts(
     return run("assemble", assemble_stage, system, tree, shown, window), shown
 
 
-def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, run: Callable = call) -> StepOutput:
-    """The MegaContext step without the LensNet loss: ``loss_lm`` and the variant metrics."""
+def language_model_terms(
+    system: MegaContext, window: Tensor, wc: WorkingContext, weights: dict[str, Tensor], run: Callable
+) -> tuple[Tensor, StepOutput]:
+    """The packed base forward's tail NLL ``[B, V]`` and loss terms, with the teacher's when it is on."""
+    hidden = run("base", base_stage, system, wc)
+    tails, out = run("losses", loss_stage, system, hidden, wc)
+    if system.use_teacher:  # a config constant: static under compile
+        out = out.merge(run("teacher", teacher_stage, system, window, hidden, wc, weights))
+    return tails, out
+
+
+def process_batch(
+    system: MegaContext, window: Tensor, noise: VariantNoise, weights: dict[str, Tensor], run: Callable = call
+) -> StepOutput:
+    """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's terms) and the metrics."""
     wc, _ = build_contexts(system, window, noise, run)
-    nll = run("base", base_stage, system, wc)
-    return run("losses", loss_stage, system, nll, wc)[1]
+    return language_model_terms(system, window, wc, weights, run)[1]
 
 
 def process_batch_lens(
-    system: MegaContext, window: Tensor, noise: VariantNoise, lens_weights: dict[str, Tensor], run: Callable = call
+    system: MegaContext, window: Tensor, noise: VariantNoise, weights: dict[str, Tensor], run: Callable = call
 ) -> StepOutput:
-    """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one base-model forward."""
+    """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
     wc, shown = build_contexts(system, window, noise, run)
-    nll = run("base", base_stage, system, wc)
-    tails, out = run("losses", loss_stage, system, nll, wc)
+    tails, out = language_model_terms(system, window, wc, weights, run)
     scores = run("lens_fwd", lens_stage, system, wc)
-    return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, lens_weights))
+    return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, weights))
 
 
 @torch.no_grad()
@@ -199,5 +225,6 @@ def validation_sums(
     """
     layout = system.layout
     wc, _ = build_contexts(system, window, noise)
-    nats, nbytes = byte_sums(base_stage(system, wc), wc.target, token_bytes, tail_mask(wc, layout))
+    nll = system.base.nll(base_stage(system, wc), wc.target)
+    nats, nbytes = byte_sums(nll, wc.target, token_bytes, tail_mask(wc, layout))
     return nats.view(-1, layout.V).sum(0), nbytes.view(-1, layout.V)[:, 0].sum()

@@ -116,6 +116,10 @@ def announce(s: Session) -> None:
         f"T={cfg.data.seq_len}, B={cfg.train.batch_size}{processes}, {cfg.train.steps} steps on {s.device}"
         f"{compiled} -> {s.out_dir}"
     )
+    if s.task.mode == "mc" and cfg.train.plain_steps:
+        say(f"[run] plain phase: steps 0-{cfg.train.plain_steps - 1} train the base model alone on whole windows")
+    if cfg.train.init_from and not s.resumed:
+        say(f"[run] base model initialised from {cfg.train.init_from}")
 
 
 def peak_step_seconds(s: Session) -> float | None:

@@ -20,10 +20,12 @@ from torch import Tensor
 from mcfn.config import RunConfig, flatten
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.data.loader import WindowSampler, validation_batches
+from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
 from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from mcfn.shell.devices import autocast_for, padded_vocab
 from mcfn.shell.distributed import World
+from mcfn.shell.init_from import init_base_from
 from mcfn.shell.optim import build_optimizers
 from mcfn.shell.tasks import MCTask, PlainTask, build_task
 from mcfn.shell.tracking import METRICS_NAME, MetricsLog
@@ -41,7 +43,7 @@ class Session:
     world: World
     rows: slice  # this process's rows of every global batch
     corpus: Corpus
-    sampler: WindowSampler  # training batch i, a pure function of (seed, i)
+    sampler: WindowSampler | MixedSampler  # training batch i, a pure function of (seed, i)
     val_batches: list[Tensor]  # fixed held-out windows
     task: PlainTask | MCTask
     optimizers: list[torch.optim.Optimizer]
@@ -108,12 +110,17 @@ def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.devi
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     window = cfg.data.seq_len + 1
     # Windows first: a corpus too short for them is refused before anything is written.
-    sampler = WindowSampler(corpus.train, window, cfg.train.seed)
+    sampler: WindowSampler | MixedSampler = WindowSampler(corpus.train, window, cfg.train.seed)
+    if cfg.data.mix > 0:
+        d = cfg.data
+        sampler = MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed)
     val_batches = validation_batches(corpus.val, window, cfg.train.eval_batches, cfg.train.batch_size)
     state = _previous_state(cfg, out_dir, resume, corpus.key)
     if world.size > 1:  # every rank has checked the directory before rank 0 writes to it
         torch.distributed.barrier()
     task = build_task(cfg, corpus.tokenizer.token_bytes(vocab).to(device), device)
+    if state is None and cfg.train.init_from:  # checked and loaded before anything is written
+        init_base_from(task.model, cfg, corpus.key, Path(cfg.train.init_from))
     start_step = state["step"] if state is not None else 0
     if world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)

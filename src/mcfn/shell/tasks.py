@@ -17,9 +17,15 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
-from mcfn.core.preferences import lens_weight_tensors
 from mcfn.core.step import compile_step, nll_and_bytes, plain_step
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, validation_sums
+from mcfn.core.system import (
+    MegaContext,
+    build_contexts,
+    process_batch,
+    process_batch_lens,
+    step_weights,
+    validation_sums,
+)
 from mcfn.core.variants import draw_variant_noise
 from mcfn.data.loader import VAL_SEED
 from mcfn.inference.render import lod_string
@@ -64,7 +70,8 @@ class PlainTask:
 
 
 class MCTask:
-    """MegaContext: variants of each window packed into one forward (DESIGN §4).
+    """MegaContext: variants of each window packed into one forward (DESIGN §4), after ``train.plain_steps``
+    steps of the plain step on the base model alone.
 
     Validation reports bits per byte on the last ``H`` tokens of each window: ``val/bpb`` under the
     compressed variants (the full history in at most ``W`` entries) and ``val/bpb_recency`` under the
@@ -83,14 +90,16 @@ class MCTask:
         self.generator = torch.Generator(device=device)
         self.lens_every = mc.lens.every if mc.lens.enabled else 0
         # Loss weights are tensors: changing one during training never recompiles the step.
-        self.lens_weights = lens_weight_tensors(mc.lens, device)
+        self.weights = step_weights(mc, device)
+        self.plain_steps = cfg.train.plain_steps
+        self._plain: Callable = plain_step
         self._step: Callable = process_batch
         self._step_lens: Callable = process_batch_lens
         self._eval: Callable = validation_sums
 
     def compile(self, mode: str) -> None:
-        self._step, self._step_lens, self._eval = (
-            compile_step(f, mode) for f in (self._step, self._step_lens, self._eval)
+        self._plain, self._step, self._step_lens, self._eval = (
+            compile_step(f, mode) for f in (self._plain, self._step, self._step_lens, self._eval)
         )
 
     def noise(self, batch: int, seed: int):
@@ -101,12 +110,14 @@ class MCTask:
         """The step on ``window``, rows ``rows`` of the global batch (None: ``window`` is the whole batch).
         Variant noise is drawn for the global batch and sliced, so a sample gets the same variants however
         the batch is split (processes, micro-batches)."""
+        if step < self.plain_steps:  # the plain phase: the base model alone over whole windows
+            return self._plain(self.model.base, window)
         if rows is None:
             rows = slice(0, window.size(0))
         noise = self.noise(max(self.global_batch, rows.stop), derive_seed(self.seed, "train_noise", step))[rows]
         if self.lens_every and step % self.lens_every == 0:
-            return self._step_lens(self.model, window, noise, self.lens_weights)
-        return self._step(self.model, window, noise)
+            return self._step_lens(self.model, window, noise, self.weights)
+        return self._step(self.model, window, noise, self.weights)
 
     @torch.no_grad()
     def lod_maps(self, window: Tensor, step: int) -> list[tuple[str, str]]:

@@ -38,9 +38,8 @@ from torch import Tensor
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
-from mcfn.core.preferences import lens_weight_tensors
 from mcfn.core.step import compile_step
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, step_weights
 from mcfn.core.variants import draw_variant_noise
 from mcfn.tools.eval_report import evaluate_tasks
 from mcfn.tools.evaluation import EvalSettings, default_budgets
@@ -106,11 +105,9 @@ def run_benchmark(
         return tokens[:, :-1], torch.where(supervised, tokens[:, 1:], -1)  # -1: no target
 
     plain_fn = compile_fn(plain_entries_step)
-    lens_weights = lens_weight_tensors(cfg.mc.lens, device)
-    if system.lensnet is not None:
-        mc_fn = partial(compile_fn(process_batch_lens), lens_weights=lens_weights)
-    else:
-        mc_fn = compile_fn(process_batch)
+    weights = step_weights(cfg.mc, device)
+    step = process_batch_lens if system.lensnet is not None else process_batch
+    mc_fn = partial(compile_fn(step), weights=weights)
 
     def mc_step(inputs):
         with autocast:
@@ -128,8 +125,7 @@ def run_benchmark(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
-    step = partial(process_batch_lens, lens_weights=lens_weights) if system.lensnet is not None else process_batch
-    phases = time_phases(partial(step, system, *mc_inputs()), system, compile_fn, timer, autocast, warmup, phase_steps)
+    phases = time_phases(partial(step, system, *mc_inputs(), weights), system, compile_fn, timer, autocast, warmup, phase_steps)
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
@@ -297,7 +293,7 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     layout, B = system.layout, cfg.train.batch_size
     window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
     noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
-    weights = lens_weight_tensors(cfg.mc.lens, device)
+    weights = step_weights(cfg.mc, device)
     token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
     settings = EvalSettings(default_budgets(layout), tasks=("corpus",))
 

@@ -60,6 +60,20 @@ def retained_with_interval(nats: dict[str, Tensor], nbytes: Tensor) -> tuple[flo
     return point, [float(fraction.quantile(0.025)), float(fraction.quantile(0.975))]
 
 
+def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str) -> dict[str, float] | None:
+    """``bpb(worse) − bpb(better)`` on the same windows, and its standard error by bootstrap over windows."""
+    if worse not in nats or better not in nats or nbytes.sum() <= 0:
+        return None
+    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
+    picks = torch.randint(0, nbytes.numel(), (BOOTSTRAP, nbytes.numel()), generator=g)
+    resampled = bits_per_byte(nats[worse][picks] - nats[better][picks], nbytes[picks])
+    return {"bpb": float(bits_per_byte(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
+
+
+# Paired differences every sweep row reports: LensNet's gain over truncation, and what its gists are worth.
+GAINS = {"lens_gain": ("recency", "lens"), "gist_worth": ("lens_nogist", "lens")}
+
+
 def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
     """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the rank correlation."""
     nats = {name: torch.cat(parts) for name, parts in scores.nats.items()}
@@ -71,6 +85,7 @@ def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
         "bpb": {name: float(bits_per_byte(value, nbytes)) for name, value in nats.items()},
         "retained_fraction": retained,
         "retained_ci": interval,
+        **{name: paired_gain(nats, nbytes, *pair) for name, pair in GAINS.items()},
     }
     if task != "corpus":
         row["accuracy"] = {name: float(torch.cat(parts).mean()) for name, parts in scores.correct.items()}
@@ -205,6 +220,9 @@ def format_eval_table(report: dict) -> str:
             lines.append(
                 f"| {row['W']} | " + " | ".join(cells) + f" | {retained} | {_cell(row.get('lens_rank_corr'))} |"
             )
+        gains = [f"{name} {g['bpb']:+.4f} ± {g['se']:.4f}" for name in GAINS if (g := result.get(name))]
+        if gains:
+            lines += ["", f"At W={report['W']} (bpb, ± a bootstrap standard error): " + ", ".join(gains) + "."]
         if "longrange" in result:
             lr = result["longrange"]
             shown = ", ".join(f"{c} {_cell(lr['bpb'][c])}" for c in names if c in lr["bpb"])

@@ -8,6 +8,8 @@ under these conditions at the same budget ``W``:
 * ``random``: a random compressed working context (the mean over ``M`` of them);
 * ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
 * ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context;
+* ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
+  lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
 * ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
 * ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
 
@@ -49,7 +51,7 @@ from mcfn.seeding import derive_seed
 from mcfn.tools.attention import attention_scores
 from mcfn.typecheck import typechecked
 
-CONDITIONS = ("full", "recency", "random", "attn", "lens", "oracle")
+CONDITIONS = ("full", "recency", "random", "attn", "lens", "lens_nogist", "oracle")
 LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
@@ -174,6 +176,10 @@ def predict_budget(
     nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
     preference = None
     if system.lensnet is not None:
+        nogist = Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
+        ablated = context_predictions(system, nogist, shown[:, slots["lens"]], window, nodes)
+        slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
+        nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
         B, S = shown.shape[:2]
         rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
         random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
@@ -189,7 +195,7 @@ def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, T
         out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
     nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
     correct = (pred.hit | ~mask[:, None]).all(-1)
-    for name in ("recency", "attn", "lens"):
+    for name in ("recency", "attn", "lens", "lens_nogist"):
         if name in pred.slots:
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]

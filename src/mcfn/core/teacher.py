@@ -1,0 +1,79 @@
+"""The full-window teacher: the base model over all ``T`` tokens at LOD0, beside the packed variants.
+
+Two loss terms come from this one extra forward (both off unless their weight in ``[mc.teacher]`` is > 0):
+
+* ``loss_full``: next-token NLL over every position of the whole window. MC training alone never shows the
+  base model more than ``W`` entries, so ``T`` tokens at LOD0 is out of distribution for it and ``full``
+  ends up the *worst* evaluation column. With this term the base keeps reading long contexts, and
+  ``full`` is the upper bound it should be.
+* ``loss_distill``: context distillation into the gists. For every compressed variant, the KL divergence
+  ``KL(p_full ‖ p_variant)`` over the tail's next-token distributions, with the full window's
+  prediction as the (detached) target. The variant differs from the full window only where it shows
+  gists instead of tokens, so the only way for GistNet (and the base reading gists) to close the gap is
+  to carry what the hidden tokens told the base about the tail: a dense signal (a whole distribution per
+  tail token) where next-token loss gives one index. The recency baseline is not distilled: it drops the
+  far past instead of summarising it, and no gist can help it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from mcfn.config import TeacherConfig
+from mcfn.core.context import WorkingContext
+from mcfn.core.model import GPT
+from mcfn.core.nodes import Layout
+from mcfn.core.outputs import StepOutput
+from mcfn.core.step import split_window
+from mcfn.typecheck import typechecked
+
+
+def teacher_weight_tensors(teacher: TeacherConfig, device: torch.device) -> dict[str, Tensor]:
+    """The teacher's loss weights as 0-d tensors, so that changing one never recompiles the step."""
+    return {k: torch.tensor(getattr(teacher, f"{k}_weight"), device=device) for k in ("full", "distill")}
+
+
+@typechecked
+def variant_tail_logprobs(
+    base: GPT, hidden: Float[Tensor, "r w d"], wc: WorkingContext, layout: Layout
+) -> Float[Tensor, "b v h c"]:
+    """Log-probabilities of every variant's tail targets: the tail is the last ``H`` valid entries (I4)."""
+    first = wc.valid.sum(-1) - layout.H  # [R]
+    index = first[:, None] + torch.arange(layout.H, device=hidden.device)
+    tail = hidden.gather(1, repeat(index, "r h -> r h d", d=hidden.size(-1)))
+    return rearrange(F.log_softmax(base.logits(tail), -1), "(b v) h c -> b v h c", v=layout.V)
+
+
+@typechecked
+def distill_kl(
+    teacher: Float[Tensor, "b h c"], student: Float[Tensor, "b n h c"]
+) -> Float[Tensor, "b n h"]:
+    """``KL(teacher ‖ student)`` per student and tail position, in nats; no gradient reaches the teacher."""
+    target = teacher.detach()[:, None]
+    return (target.exp() * (target - student)).sum(-1)
+
+
+@typechecked
+def teacher_losses(
+    base: GPT,
+    window: Int[Tensor, "b t1"],
+    hidden: Float[Tensor, "r w d"],
+    wc: WorkingContext,
+    layout: Layout,
+    weights: dict[str, Tensor],
+) -> StepOutput:
+    """``loss_full`` and ``loss_distill`` (weighted), with their unweighted values as metrics."""
+    inputs, targets = split_window(window)
+    full_hidden = base.token_hidden(inputs)
+    full_nll = base.nll(full_hidden, targets).mean()
+    teacher = F.log_softmax(base.logits(full_hidden[:, layout.T - layout.H :]), -1)
+    kl = distill_kl(teacher, variant_tail_logprobs(base, hidden, wc, layout)[:, 1:]).mean()
+    return StepOutput(
+        {"loss_full": weights["full"] * full_nll, "loss_distill": weights["distill"] * kl},
+        {"train/loss_full": full_nll, "mc/distill_kl": kl},
+        {},
+    )

@@ -1,0 +1,67 @@
+"""The training mixture: a share of training windows carry long-range facts and questions (``data.mix``).
+
+Natural text gives a tiny model little reason to read far back. A mixed window is a natural training window
+rewritten by one of the long-range generators of :mod:`mcfn.data.probes` (``passkey``, ``kv-recall``,
+``copy``): facts written into the real text at random depths and a question at the very end, whose answer
+lies in the scored tail, so the step's tail loss rewards whoever kept the fact. One generator is for training
+only, ``repeat``: the window ends with a copy of ``2·H`` tokens of its own earlier text. Every token of the copy
+after its first is predictable from far back (the tail entirely so), a dense signal for the induction
+(find the earlier occurrence, copy what followed) that every probe's answer needs.
+
+Which rows are mixed, with which generator, and what they write is a pure function of ``(seed, batch
+index)`` on the ``train_mix`` stream: a resumed run sees the same batches, and no training window's facts
+come from the evaluation's ``eval_probes`` stream. Validation windows never pass through here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import Tensor
+
+from mcfn.data.loader import WindowSampler
+from mcfn.data.probes import PROBES, make_probe, misfit
+from mcfn.data.tokenizer import Tokenizer
+from mcfn.errors import UserError
+from mcfn.seeding import derive_seed
+
+
+REPEAT = "repeat"
+MIX_TASKS = (REPEAT, *PROBES[1:])
+
+
+def write_repeat(window: Tensor, tail: int, rng: random.Random) -> Tensor:
+    """``window [T + 1]`` ending with a copy of ``2·tail`` tokens (at most a quarter of it) from earlier in it."""
+    span = min(2 * tail, window.numel() // 4)
+    source = rng.randint(0, window.numel() - 2 * span)
+    out = window.clone()
+    out[-span:] = window[source : source + span]
+    return out
+
+
+class MixedSampler:
+    """A :class:`WindowSampler` whose batches have a share ``mix`` of rows rewritten by ``tasks``."""
+
+    def __init__(self, sampler: WindowSampler, tok: Tokenizer, tail: int, mix: float, tasks: tuple[str, ...], seed: int):
+        for name in tasks:
+            if name not in MIX_TASKS:
+                raise UserError(f"unknown data.mix_tasks entry {name!r} (known: {', '.join(MIX_TASKS)})")
+            why = None if name == REPEAT else misfit(name, tok, sampler.window - 1, tail)
+            if why is not None:
+                raise UserError(f"data.mix_tasks cannot use {name}: {why}")
+        self.sampler, self.tok, self.tail, self.mix, self.tasks, self.seed = sampler, tok, tail, mix, tasks, seed
+        self.window = sampler.window
+
+    def batch(self, index: int, batch_size: int) -> Tensor:
+        """``[batch_size, T + 1]`` windows for batch ``index``: the sampler's, a share of them rewritten."""
+        windows = self.sampler.batch(index, batch_size)
+        rng = random.Random(derive_seed(self.seed, "train_mix", index))
+        chosen = [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.mix]
+        for row, name in chosen:
+            if name == REPEAT:
+                windows[row] = write_repeat(windows[row], self.tail, rng)
+                continue
+            probe = make_probe(name, windows[row : row + 1], self.tok, self.tail, seed=rng.getrandbits(63))
+            windows[row] = probe.window[0]
+        return windows

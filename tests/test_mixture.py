@@ -1,0 +1,93 @@
+"""The training mixture (``data.mix``): a share of training windows carries long-range facts, on its own stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_documents
+
+from mcfn.data.corpus import Split
+from mcfn.data.loader import WindowSampler, validation_batches
+from mcfn.data.mixture import MixedSampler, write_repeat
+from mcfn.data.probes import make_probe
+from mcfn.data.tokenizer import Tokenizer
+from mcfn.errors import UserError
+from mcfn.seeding import derive_seed
+
+T, H = 512, 64
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.train(make_documents(40), vocab_size=320)
+
+
+@pytest.fixture(scope="module")
+def split(tok) -> Split:
+    docs = [tok.encode(d) for d in make_documents(12, seed=3, sentences=120)]
+    offsets = np.cumsum([0] + [len(d) for d in docs])
+    return Split(tokens=np.concatenate(docs).astype(np.uint16), doc_offsets=offsets)
+
+
+def mixed(split, tok, mix: float, tasks=("passkey", "kv-recall"), seed: int = 5) -> MixedSampler:
+    return MixedSampler(WindowSampler(split, T + 1, seed), tok, H, mix, tasks, seed)
+
+
+def test_a_share_of_rows_is_rewritten_and_the_rest_left_alone(split, tok):
+    plain, sampler = WindowSampler(split, T + 1, 5), mixed(split, tok, 0.5)
+    changed, asked = 0, 0
+    for index in range(40):
+        natural, batch = plain.batch(index, 8), sampler.batch(index, 8)
+        assert torch.equal(batch, sampler.batch(index, 8)), "a pure function of (seed, index)"
+        for row in range(8):
+            if torch.equal(batch[row], natural[row]):
+                continue
+            changed += 1
+            ending = tok.decode(batch[row, -H:].tolist())
+            asked += "What is the pass key?" in ending or "Recall:" in ending
+    assert changed == asked, "every rewritten row ends with a question"
+    assert 0.35 < changed / 320 < 0.65, changed
+    assert all(torch.equal(mixed(split, tok, 0.0).batch(i, 8), plain.batch(i, 8)) for i in range(5))
+
+
+def test_the_mixture_never_touches_the_validation_windows(split, tok):
+    """Validation windows come from their own sampler, whatever the mixture; the run's session builds them so."""
+    before = validation_batches(split, T + 1, 3, 4)
+    mixed(split, tok, 1.0).batch(0, 4)
+    assert all(torch.equal(a, b) for a, b in zip(before, validation_batches(split, T + 1, 3, 4), strict=True))
+
+
+def test_the_mixture_stream_is_not_the_evaluations(split, tok):
+    """No training window's facts are drawn from the evaluation's probe stream: the stream tags differ, so no
+    seed is shared, and the pass keys the mixture writes are not the ones the evaluation asks for."""
+    train_seeds = {derive_seed(1337, "train_mix", i) for i in range(10_000)}
+    eval_seeds = {derive_seed(task, "eval_probes", i) for task in range(4) for i in range(10_000)}
+    assert not train_seeds & eval_seeds
+    sampler = mixed(split, tok, 1.0, tasks=("passkey",), seed=1)
+    windows = WindowSampler(split, T + 1, 1).batch(0, 8)
+    evaluated = make_probe("passkey", windows, tok, H, derive_seed(1, "eval_probes", 0))
+    assert not torch.equal(sampler.batch(0, 8)[:, -H:], evaluated.window[:, -H:])
+
+
+def test_unknown_or_unfitting_tasks_are_refused(split, tok):
+    with pytest.raises(UserError, match="unknown data.mix_tasks entry 'needle'"):
+        mixed(split, tok, 0.5, tasks=("needle",))
+    with pytest.raises(UserError, match="data.mix_tasks cannot use passkey"):
+        MixedSampler(WindowSampler(split, T + 1, 5), tok, 8, 0.5, ("passkey",), 5)
+
+
+def test_repeat_ends_the_window_with_a_copy_of_its_own_earlier_text(split, tok):
+    """The last 2·H tokens are a span found earlier, ending before the copy begins; nothing else changes."""
+    import random
+
+    windows = WindowSampler(split, T + 1, 2).batch(0, 6)
+    for row in range(6):
+        out = write_repeat(windows[row], H, random.Random(row))
+        assert torch.equal(out[: -2 * H], windows[row, : -2 * H])
+        copy = out[-2 * H :]
+        sources = [a for a in range(T + 1 - 4 * H + 1) if torch.equal(windows[row, a : a + 2 * H], copy)]
+        assert sources, "the copy is of earlier text"
+    sampler = mixed(split, tok, 1.0, tasks=("repeat",))
+    batch, natural = sampler.batch(3, 4), WindowSampler(split, T + 1, 5).batch(3, 4)
+    assert torch.equal(batch[:, : -2 * H], natural[:, : -2 * H]) and not torch.equal(batch, natural)
