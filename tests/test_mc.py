@@ -32,7 +32,16 @@ def flat(out: StepOutput) -> dict[str, torch.Tensor]:
 
 
 def make_system(
-    T: int, K: int, L: int, W: int, H: int, N: int, seed: int = 0, lens_width: int = 8, teacher: dict | None = None
+    T: int,
+    K: int,
+    L: int,
+    W: int,
+    H: int,
+    N: int,
+    seed: int = 0,
+    lens_width: int = 8,
+    teacher: dict | None = None,
+    lens: dict | None = None,
 ) -> MegaContext:
     cfg = build_config(
         {
@@ -45,7 +54,7 @@ def make_system(
                 "tail": H,
                 "variants": N,
                 "gist": {"layers": 1, "width": 8, "heads": 2},
-                "lens": {"width": lens_width},
+                "lens": {"width": lens_width, **(lens or {})},
                 "teacher": teacher or {},
             },
         }

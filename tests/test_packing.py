@@ -48,7 +48,7 @@ def test_property_I3_valid_entries_ignore_padding_in_lensnet_and_the_base_model(
     noisy.lod = torch.where(pad, torch.randint(0, shape["L"] + 1, wc.lod.shape, generator=g), wc.lod)
     with torch.no_grad():
         scores, scores_noisy = system.lensnet(wc), system.lensnet(noisy)
-        nll, nll_noisy = base_stage(system, wc), base_stage(system, noisy)
+        nll, nll_noisy = (system.base.nll(base_stage(system, x), x.target) for x in (wc, noisy))
     torch.testing.assert_close(scores[wc.valid], scores_noisy[wc.valid])
     assert (scores_noisy[pad] == 0).all()
     torch.testing.assert_close(nll[wc.valid], nll_noisy[wc.valid])
@@ -83,7 +83,7 @@ def test_property_gists_sit_at_their_span_centre_and_the_packed_forward_reads_th
     torch.testing.assert_close(wc.position[valid], (wc.start + (wc.span - 1) / 2).float()[valid])
     base = system.base
     with torch.no_grad():
-        packed = base_stage(system, wc)
+        packed = base.nll(base_stage(system, wc), wc.target)
         for r in range(wc.batch_size[0]):
             n = int(valid[r].sum())
             position = (wc.start[r, :n] + (wc.span[r, :n] - 1) / 2).float()[None]
@@ -128,10 +128,24 @@ def test_lens_weights_map_each_setting_to_its_term():
     from mcfn.core.preferences import lens_weight_tensors
 
     lens = LensConfig(
-        weight=2.0, pref_weight=3.0, budget_weight=5.0, rank_weight=7.0, rank_margin=11.0, temperature=13.0
+        weight=2.0,
+        pref_weight=3.0,
+        budget_weight=5.0,
+        rank_weight=7.0,
+        rank_margin=11.0,
+        temperature=13.0,
+        attention_weight=17.0,
     )
     weights = lens_weight_tensors(lens, torch.device("cpu"))
-    expected = {"lens": 2.0, "pref": 3.0, "budget": 5.0, "rank": 7.0, "rank_margin": 11.0, "temperature": 13.0}
+    expected = {
+        "lens": 2.0,
+        "pref": 3.0,
+        "budget": 5.0,
+        "rank": 7.0,
+        "rank_margin": 11.0,
+        "temperature": 13.0,
+        "attention": 17.0,
+    }
     assert {k: float(v) for k, v in weights.items()} == expected
     assert all(v.ndim == 0 for v in weights.values())
 

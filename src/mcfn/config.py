@@ -141,13 +141,16 @@ class LensConfig:
     rank_weight: float = 0.1
     rank_margin: float = 1.0
     temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
+    # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
+    # (mcfn.core.attention); needs [mc.teacher].
+    attention_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("weight", "pref_weight", "budget_weight", "rank_weight"):
+        for name in ("weight", "pref_weight", "budget_weight", "rank_weight", "attention_weight"):
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
         _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
         _require(self.every >= 1, "mc.lens.every", "must be >= 1")
@@ -209,6 +212,11 @@ class MCConfig:
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
+        _require(
+            self.lens.attention_weight == 0 or self.teacher.enabled,
+            "mc.lens.attention_weight",
+            "needs the full-window teacher: set mc.teacher.full_weight or distill_weight > 0",
+        )
 
     @property
     def alloc_variants(self) -> int:

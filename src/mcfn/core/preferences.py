@@ -64,6 +64,7 @@ def lens_weight_tensors(lens: LensConfig, device: torch.device) -> dict[str, Ten
         "rank": lens.rank_weight,
         "rank_margin": lens.rank_margin,
         "temperature": lens.temperature,
+        "attention": lens.attention_weight,
     }
     return {k: torch.tensor(v, device=device) for k, v in values.items()}
 

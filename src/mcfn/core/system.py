@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from mcfn.config import MCConfig, RunConfig
 from mcfn.core.allocator import allocate, node_scores_of
+from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
@@ -62,6 +63,7 @@ class MegaContext(nn.Module):
         self.use_rank = mc.lens.rank
         self.spend_min = mc.variant_spend_min
         self.use_teacher = mc.teacher.enabled
+        self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -153,8 +155,8 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
 
 def teacher_stage(
     system: MegaContext, window: Tensor, hidden: Tensor, wc: WorkingContext, weights: dict[str, Tensor]
-) -> StepOutput:
-    return teacher_losses(system.base, window, hidden, wc, system.layout, weights)
+) -> tuple[StepOutput, Tensor | None]:
+    return teacher_losses(system.base, window, hidden, wc, system.layout, weights, system.use_lens_attention)
 
 
 def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
@@ -162,9 +164,19 @@ def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
 
 
 def lens_loss_stage(
-    system: MegaContext, scores: Tensor, shown: Tensor, tails: Tensor, wc: WorkingContext, weights: dict[str, Tensor]
+    system: MegaContext,
+    scores: Tensor,
+    shown: Tensor,
+    tails: Tensor,
+    wc: WorkingContext,
+    weights: dict[str, Tensor],
+    mass: Tensor | None,
 ) -> StepOutput:
-    return lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_rank)
+    """The preference loss, and with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target."""
+    out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_rank)
+    if mass is None:
+        return out
+    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights["attention"]))
 
 
 def step_weights(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
@@ -188,13 +200,15 @@ def build_contexts(
 
 def language_model_terms(
     system: MegaContext, window: Tensor, wc: WorkingContext, weights: dict[str, Tensor], run: Callable
-) -> tuple[Tensor, StepOutput]:
-    """The packed base forward's tail NLL ``[B, V]`` and loss terms, with the teacher's when it is on."""
+) -> tuple[Tensor, StepOutput, Tensor | None]:
+    """The packed base forward's tail NLL ``[B, V]`` and loss terms, with the teacher's when it is on, and the
+    teacher's attention mass per node ``[B, nodes]`` when LensNet learns from it (else ``None``)."""
     hidden = run("base", base_stage, system, wc)
     tails, out = run("losses", loss_stage, system, hidden, wc)
-    if system.use_teacher:  # a config constant: static under compile
-        out = out.merge(run("teacher", teacher_stage, system, window, hidden, wc, weights))
-    return tails, out
+    if not system.use_teacher:  # a config constant: static under compile
+        return tails, out, None
+    teacher, mass = run("teacher", teacher_stage, system, window, hidden, wc, weights)
+    return tails, out.merge(teacher), mass
 
 
 def process_batch(
@@ -210,9 +224,9 @@ def process_batch_lens(
 ) -> StepOutput:
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
     wc, shown = build_contexts(system, window, noise, run)
-    tails, out = language_model_terms(system, window, wc, weights, run)
+    tails, out, mass = language_model_terms(system, window, wc, weights, run)
     scores = run("lens_fwd", lens_stage, system, wc)
-    return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, weights))
+    return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, weights, mass))
 
 
 @torch.no_grad()

@@ -13,6 +13,9 @@ Two loss terms come from this one extra forward (both off unless their weight in
   to carry what the hidden tokens told the base about the tail: a dense signal (a whole distribution per
   tail token) where next-token loss gives one index. The recency baseline is not distilled: it drops the
   far past instead of summarising it, and no gist can help it.
+
+The same forward can also write out where the tail's attention goes, per tree node
+(:mod:`mcfn.core.attention`): LensNet's auxiliary target.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.config import TeacherConfig
+from mcfn.core.attention import hidden_and_tail_attention, long_range_mass, node_mass
 from mcfn.core.context import WorkingContext
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
@@ -65,15 +69,32 @@ def teacher_losses(
     wc: WorkingContext,
     layout: Layout,
     weights: dict[str, Tensor],
-) -> StepOutput:
-    """``loss_full`` and ``loss_distill`` (weighted), with their unweighted values as metrics."""
+    with_mass: bool = False,
+) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
+    """``loss_full`` and ``loss_distill`` (weighted), with their unweighted values as metrics; and with
+    ``with_mass``, the tail's long-range attention mass under every tree node ``[B, nodes]`` (else ``None``)."""
     inputs, targets = split_window(window)
-    full_hidden = base.token_hidden(inputs)
-    full_nll = base.nll(full_hidden, targets).mean()
-    teacher = F.log_softmax(base.logits(full_hidden[:, layout.T - layout.H :]), -1)
-    kl = distill_kl(teacher, variant_tail_logprobs(base, hidden, wc, layout)[:, 1:]).mean()
-    return StepOutput(
+    tail_start = layout.T - layout.H
+    if with_mass:  # a config constant: static under compile
+        positions = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
+        first = torch.full((window.size(0),), tail_start, device=window.device)
+        full_hidden, attention = hidden_and_tail_attention(
+            base, base.embed(inputs), positions, torch.ones_like(positions), first, layout.H
+        )
+    else:
+        full_hidden = base.token_hidden(inputs)
+    nll = base.nll(full_hidden, targets)  # [B, T]
+    teacher = F.log_softmax(base.logits(full_hidden[:, tail_start:]), -1)
+    student = variant_tail_logprobs(base, hidden, wc, layout)
+    kl = distill_kl(teacher, student[:, 1:]).mean()
+    mass = None
+    if with_mass:
+        recency_nll = -student[:, 0].gather(-1, targets[:, tail_start:, None])[..., 0]
+        mass = node_mass(long_range_mass(attention, recency_nll, nll[:, tail_start:]), layout)
+    full_nll = nll.mean()
+    out = StepOutput(
         {"loss_full": weights["full"] * full_nll, "loss_distill": weights["distill"] * kl},
         {"train/loss_full": full_nll, "mc/distill_kl": kl},
         {},
     )
+    return out, mass

@@ -9,40 +9,30 @@ mass and collapse the groups with the least.
 
 from __future__ import annotations
 
-import math
-
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import Tensor
 
+from mcfn.core.attention import hidden_and_tail_attention
 from mcfn.core.context import WorkingContext
-from mcfn.core.model import GPT, rms_norm, rotary_tables
+from mcfn.core.model import GPT
 from mcfn.typecheck import typechecked
 
 
-@typechecked
 @torch.no_grad()
-def attention_mass(base: GPT, wc: WorkingContext, queries: Bool[Tensor, "r w"]) -> Float[Tensor, "r w"]:
-    """Per entry, the causal attention probability mass it receives from the ``queries`` entries, summed over
-    layers and heads: the base model's forward written out, since fused attention keeps its weights."""
-    cos, sin = rotary_tables(wc.position, wc.span.float(), base.cfg.head_dim, base.cfg.rope_base)
-    n = wc.valid.size(1)
-    causal = torch.ones(n, n, dtype=torch.bool, device=wc.valid.device).tril()
-    mass = torch.zeros_like(wc.position)
-    x = rms_norm(wc.emb)
-    for block in base.blocks:
-        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
-        probs = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~causal, -torch.inf), -1)
-        mass += torch.einsum("rhqk,rq->rk", probs, queries.float())
-        x = x + block.attn.project(probs @ v)
-        x = x + block.mlp(rms_norm(x))
-    return mass * wc.valid
+@typechecked
+def attention_mass(base: GPT, wc: WorkingContext, tail: int) -> Float[Tensor, "r w"]:
+    """Per entry, the causal attention probability mass it receives from the last ``tail`` valid entries (the
+    tail, I4), summed over queries, layers and heads (:func:`mcfn.core.attention.hidden_and_tail_attention`)."""
+    first = wc.valid.sum(-1) - tail
+    attention = hidden_and_tail_attention(base, wc.emb, wc.position, wc.span.float(), first, tail)[1]
+    return attention.sum(1) * wc.valid
 
 
 @typechecked
-def attention_scores(base: GPT, tail_start: int, wc: WorkingContext) -> Float[Tensor, "r w"]:
-    """A training-free scorer for :func:`mcfn.core.system.refocus`: each entry's attention mass from the tokens
-    at ``tail_start`` and after, less the context's mean (bind ``base`` and ``tail_start`` with ``partial``)."""
-    mass = attention_mass(base, wc, wc.valid & (wc.start >= tail_start))
+def attention_scores(base: GPT, tail: int, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    """A training-free scorer for :func:`mcfn.core.system.refocus`: each entry's attention mass from the last
+    ``tail`` entries, less the context's mean (bind ``base`` and ``tail`` with ``partial``)."""
+    mass = attention_mass(base, wc, tail)
     mean = mass.sum(-1, keepdim=True) / wc.valid.sum(-1, keepdim=True)
     return torch.where(wc.valid, mass - mean, 0.0)

@@ -135,7 +135,6 @@ def budget_contexts(
     B, M, device = window.size(0), settings.random_contexts, window.device
     noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
     start = repeat(system.coarsest, "n -> b 1 n", b=B)
-    tail_start = nodes.layout.T - nodes.layout.H
     parts = {
         "recency": recency_cut(nodes.layout, B, device),
         "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
@@ -146,7 +145,7 @@ def budget_contexts(
             start,
             nodes,
             iterations=settings.refocus,
-            scorer=partial(attention_scores, system.base, tail_start),
+            scorer=partial(attention_scores, system.base, nodes.layout.H),
         ),  # fmt: skip
     }
     if system.lensnet is not None:

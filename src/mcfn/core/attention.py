@@ -1,0 +1,104 @@
+"""Where the base model's attention goes: a target for LensNet, and the training-free ``attn`` focus.
+
+The base model's forward with, beside its hidden states, the **attention** of the tail's entries: each tail
+query's probabilities over the entries, summed over layers and heads. The hidden states come from the
+fused attention as in :meth:`mcfn.core.model.GPT.hidden`; the probabilities are the same attention written
+out for the tail's rows only, detached.
+
+``loss_lens_attn`` (weight ``mc.lens.attention_weight``) turns the full window's attention into a dense
+auxiliary signal for LensNet. The pairwise preferences tell LensNet which of two working contexts predicted
+the tail better, a few bits per pair that mostly say "recent text matters"; the teacher's forward over all
+``T`` tokens tells it, for every node of the tree, how much the tail reads the text under it. Most tail
+tokens are predicted from recent text, so a plain sum over the tail's queries drowns the few that fetch
+from far back (a pass key's answer among 64 tail tokens). Each query is therefore weighted by what the far
+past is worth to it (as LongPPL picks its key tokens): the recency baseline's NLL on its target less the
+full window's, floored at ``LONG_RANGE_FLOOR`` nats so a window without any long-range token still gives
+a (recency-like) target. Per working context, LensNet's scores over the entries outside the tail, through
+a softmax, are fitted to the share of that weighted mass under each entry's span (a cross-entropy,
+reported as the KL divergence): a listwise, shift-invariant target, so it ranks the entries and leaves the
+scores' offset to the preference loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from mcfn.core.context import WorkingContext
+from mcfn.core.model import GPT, rms_norm, rotary_tables
+from mcfn.core.nodes import Layout
+from mcfn.core.outputs import StepOutput
+from mcfn.typecheck import typechecked
+
+LONG_RANGE_FLOOR = 0.1  # nats: a tail query's weight in the attention target when the far past does not help it
+
+
+@typechecked
+def long_range_mass(
+    attention: Float[Tensor, "b h t"], recency_nll: Float[Tensor, "b h"], full_nll: Float[Tensor, "b h"]
+) -> Float[Tensor, "b t"]:
+    """The tail's attention over the window, each query weighted by how much the far past lowers its NLL."""
+    weight = (recency_nll - full_nll).detach().clamp(min=0) + LONG_RANGE_FLOOR
+    return torch.einsum("bh,bht->bt", weight, attention)
+
+
+@typechecked
+def hidden_and_tail_attention(
+    base: GPT,
+    emb: Float[Tensor, "r n d"],
+    positions: Float[Tensor, "#r n"],
+    spans: Float[Tensor, "#r n"],
+    first: Int[Tensor, " r"],
+    tail: int,
+) -> tuple[Float[Tensor, "r n d"], Float[Tensor, "r h n"]]:
+    """Final hidden states (normed, with gradient) and, for each of the ``tail`` query entries from ``first``
+    on, its causal attention probabilities over the entries, summed over layers and heads (detached)."""
+    cos, sin = rotary_tables(positions, spans, base.cfg.head_dim, base.cfg.rope_base)
+    query = first[:, None] + torch.arange(tail, device=emb.device)  # [r, h]
+    future = torch.arange(emb.size(1), device=emb.device)[None, None, :] > query[:, :, None]  # [r, h, n]
+    pick = rearrange(query, "r h -> r 1 h 1")
+    attention = emb.new_zeros(emb.size(0), tail, emb.size(1))
+    x = rms_norm(emb)
+    for block in base.blocks:
+        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
+        q_tail = q.detach().gather(2, pick.expand(-1, q.size(1), -1, q.size(-1)))  # [r, heads, h, e]
+        logits = (q_tail @ k.detach().transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(future[:, None], -torch.inf)
+        attention = attention + torch.softmax(logits, -1).sum(1)
+        x = x + block.attn.project(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        x = x + block.mlp(rms_norm(x))
+    return rms_norm(x), attention
+
+
+@typechecked
+def node_mass(token_mass: Float[Tensor, "b t"], layout: Layout) -> Float[Tensor, "b nodes"]:
+    """Every tree node's share of the mass: the sum over the tokens of its span, level after level."""
+    levels = [token_mass]
+    for _ in range(layout.L):
+        levels.append(rearrange(levels[-1], "b (n k) -> b n k", k=layout.K).sum(-1))
+    return torch.cat(levels, dim=-1)
+
+
+@typechecked
+def attention_target_loss(
+    scores: Float[Tensor, "r w"],
+    wc: WorkingContext,
+    mass: Float[Tensor, "b nodes"],
+    layout: Layout,
+    weight: Float[Tensor, ""],
+) -> StepOutput:
+    """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention share under each
+    entry outside the tail to the softmax of LensNet's scores over those entries, averaged over contexts;
+    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does)."""
+    candidates = wc.valid & (wc.start < layout.T - layout.H)
+    per_row = rearrange(mass, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)  # [B·V, nodes]
+    entry_mass = torch.where(candidates, per_row.gather(1, wc.node.clamp(min=0)), 0.0)
+    target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)
+    log_q = torch.log_softmax(scores.masked_fill(~candidates, -torch.inf), -1)
+    cross = -(target * torch.where(candidates, log_q, 0.0)).sum(-1)
+    entropy = -(target * torch.log(target.clamp(min=1e-12))).sum(-1)
+    return StepOutput({"loss_lens_attn": weight * cross.mean()}, {"mc/lens_attn_kl": (cross - entropy).mean()}, {})

@@ -1,0 +1,157 @@
+"""The tail's attention mass as LensNet's auxiliary target: the mass is the model's own attention, each node
+holds the mass under its span, and ``loss_lens_attn`` pulls LensNet's ranking towards it (not away)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_mc import VOCAB, decisive, make_system
+from test_teacher import batch
+
+from mcfn.config import LensConfig, MCConfig, TeacherConfig
+from mcfn.core.attention import (
+    LONG_RANGE_FLOOR,
+    attention_target_loss,
+    hidden_and_tail_attention,
+    long_range_mass,
+    node_mass,
+)
+from mcfn.core.nodes import Layout
+from mcfn.core.system import build_contexts, process_batch_lens, step_weights
+from mcfn.errors import UserError
+from mcfn.profile import build_config
+
+SHAPE = dict(T=32, K=4, L=2, W=16, H=8, N=2)
+WITH_ATTENTION = dict(teacher={"full_weight": 1.0}, lens={"attention_weight": 1.0})
+
+
+def system_configs() -> dict:
+    return {"teacher": TeacherConfig(full_weight=1.0), "lens": LensConfig(attention_weight=1.0)}
+
+
+def test_hidden_states_are_the_models_and_each_tail_query_spreads_one_unit_per_layer_and_head_causally():
+    system = decisive(make_system(**SHAPE))
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(32, dtype=torch.float32)[None]
+    first = torch.tensor([24, 20])
+    hidden, attention = hidden_and_tail_attention(
+        system.base, system.base.embed(tokens), positions, torch.ones_like(positions), first, 8
+    )
+    torch.testing.assert_close(hidden, system.base.token_hidden(tokens), atol=1e-5, rtol=1e-5)
+    heads = system.base.cfg.n_layer * system.base.cfg.n_head
+    torch.testing.assert_close(attention.sum(-1), torch.full((2, 8), float(heads)))
+    query = first[:, None] + torch.arange(8)
+    assert (attention[torch.arange(32)[None, None] > query[..., None]] == 0).all()  # causal
+    assert attention[0, 0, :25].min() > 0 and attention.grad_fn is None
+
+
+def test_each_query_weighs_by_what_the_far_past_is_worth_to_it():
+    attention = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])  # query 0 reads entry 0, query 1 entry 1
+    recency = torch.tensor([[3.0, 1.0]], requires_grad=True)
+    full = torch.tensor([[1.0, 2.0]])  # the far past helps query 0 by 2 nats and hurts query 1
+    mass = long_range_mass(attention, recency, full)
+    torch.testing.assert_close(mass, torch.tensor([[2.0 + LONG_RANGE_FLOOR, LONG_RANGE_FLOOR, 0.0]]))
+    assert mass.grad_fn is None
+
+
+def test_the_teachers_mass_covers_the_window_once_per_level():
+    """Each level of the tree splits the same (weighted) mass: every token's under exactly one node a level."""
+    from mcfn.core.teacher import teacher_losses
+
+    system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
+    window, noise = batch(system)
+    with torch.no_grad():
+        wc, _ = build_contexts(system, window, noise)
+        hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
+        weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
+        _, mass = teacher_losses(system.base, window, hidden, wc, system.layout, weights, with_mass=True)
+    layout = system.layout
+    totals = [mass[:, o : o + n].sum(-1) for o, n in zip(layout.level_offsets, layout.level_sizes, strict=True)]
+    for total in totals[1:]:
+        torch.testing.assert_close(total, totals[0])
+    heads = system.base.cfg.n_layer * system.base.cfg.n_head
+    assert (totals[0] >= heads * layout.H * LONG_RANGE_FLOOR - 1e-4).all()
+
+
+def test_a_node_holds_the_mass_of_the_tokens_under_its_span():
+    layout = Layout(T=16, K=4, L=2, W=8, H=4, N=1)
+    token_mass = torch.arange(16.0)[None]
+    nodes = node_mass(token_mass, layout)
+    assert nodes.shape == (1, layout.n_nodes)
+    torch.testing.assert_close(nodes[0, 16:20], torch.tensor([6.0, 22.0, 38.0, 54.0]))  # LOD1: sums of 4 tokens
+    torch.testing.assert_close(nodes[0, 20], torch.tensor(120.0))  # LOD2: the whole window
+
+
+def constructed_case(system, seed: int = 0):
+    window, noise = batch(system, seed=seed)
+    with torch.no_grad():
+        wc, _ = build_contexts(system, window, noise)
+    mass = torch.rand(window.size(0), system.layout.n_nodes, generator=torch.Generator().manual_seed(seed)) + 0.1
+    return wc, mass
+
+
+def test_scores_ranked_as_the_attention_beat_scores_ranked_against_it():
+    """The KL is 0 exactly when the softmax of the scores is the attention share; reversing the ranking costs."""
+    system = make_system(**SHAPE)
+    wc, mass = constructed_case(system)
+    layout = system.layout
+    entry_mass = mass.repeat_interleave(layout.V, 0).gather(1, wc.node.clamp(min=0))
+    candidates = wc.valid & (wc.start < layout.T - layout.H)
+    aligned = torch.where(candidates, entry_mass.log(), 0.0)
+    one = torch.tensor(1.0)
+    best = attention_target_loss(aligned, wc, mass, layout, one)
+    reversed_ = attention_target_loss(-aligned, wc, mass, layout, one)
+    assert float(best.metrics["mc/lens_attn_kl"]) == pytest.approx(0.0, abs=1e-5)
+    assert float(reversed_.metrics["mc/lens_attn_kl"]) > 0.1
+    assert float(reversed_.losses["loss_lens_attn"]) > float(best.losses["loss_lens_attn"])
+    shifted = attention_target_loss(aligned + 3.0, wc, mass, layout, one)  # listwise: the offset is free
+    torch.testing.assert_close(shifted.losses["loss_lens_attn"], best.losses["loss_lens_attn"])
+    tail_only = torch.where(candidates, aligned, 100.0)  # the tail's scores are not part of the target
+    torch.testing.assert_close(attention_target_loss(tail_only, wc, mass, layout, one).losses["loss_lens_attn"],
+                               best.losses["loss_lens_attn"])  # fmt: skip
+    torch.testing.assert_close(attention_target_loss(aligned, wc, mass, layout, 0.5 * one).losses["loss_lens_attn"],
+                               0.5 * best.losses["loss_lens_attn"])  # fmt: skip
+
+
+def test_the_attention_target_trains_lensnet_and_only_lensnet():
+    system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
+    window, noise = batch(system, seed=3)
+    weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
+    out = process_batch_lens(system, window, noise, weights)
+    assert "loss_lens_attn" in out.losses and float(out.metrics["mc/lens_attn_kl"].detach()) > 0
+    system.zero_grad(set_to_none=True)
+    out.losses["loss_lens_attn"].backward()
+    grads = {
+        name: sum(float(p.grad.abs().sum()) for p in getattr(system, name).parameters() if p.grad is not None)
+        for name in ("base", "gistnet", "lensnet")
+    }
+    assert grads["lensnet"] > 0 and grads["base"] == 0 and grads["gistnet"] == 0
+
+
+def test_without_the_weight_there_is_no_attention_term():
+    system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))
+    window, noise = batch(system)
+    out = process_batch_lens(system, window, noise, step_weights(MCConfig(), torch.device("cpu")))
+    assert "loss_lens_attn" not in out.losses
+
+
+def test_the_attention_target_needs_the_teacher():
+    with pytest.raises(UserError, match="mc.lens.attention_weight"):
+        build_config({"mc": {"lens": {"attention_weight": 1.0}}})
+
+
+def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dynamo):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
+    weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
+    for i in range(3):
+        window, noise = batch(system, seed=i)
+        out, eager = step(system, window, noise, weights), process_batch_lens(system, window, noise, weights)
+        for k in ("loss_lm", "loss_lens", "loss_lens_attn"):
+            torch.testing.assert_close(out.losses[k], eager.losses[k], atol=1e-5, rtol=1e-4)
+        if i == 0:
+            torch.compiler.set_stance("fail_on_recompile")
+    assert counter.frame_count == 1
