@@ -35,7 +35,9 @@ def test_init_from_loads_exactly_the_base_weights(tmp_path, profile):
     for name, value in system.base.state_dict().items():
         assert torch.equal(value, trained[name]), name
     for part in ("gistnet", "lensnet"):  # everything else is left as initialised
-        for (name, a), (_, b) in zip(getattr(system, part).state_dict().items(), getattr(fresh, part).state_dict().items()):
+        for (name, a), (_, b) in zip(
+            getattr(system, part).state_dict().items(), getattr(fresh, part).state_dict().items(), strict=True
+        ):
             assert torch.equal(a, b), f"{part}.{name}"
     # A MegaContext run's checkpoint gives its base model's weights, under the plain names.
     mc_state = {"model": {**{f"base.{k}": v for k, v in trained.items()}, "gistnet.w": torch.zeros(1)}}
@@ -63,7 +65,9 @@ def test_mismatched_runs_are_refused_with_exit_2(tmp_path, profile, text_dir, ca
     assert "different corpus or tokenizer" in _error(
         ["--profile", str(other), "--out", str(out), "--init-from", str(plain)], capsys
     )
-    assert "no checkpoint" in _error(["--profile", str(profile), "--out", str(out), "--init-from", str(tmp_path)], capsys)
+    assert "no checkpoint" in _error(
+        ["--profile", str(profile), "--out", str(out), "--init-from", str(tmp_path)], capsys
+    )
     assert not out.exists(), "nothing is written for a refused run"
 
 

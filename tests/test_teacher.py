@@ -100,7 +100,10 @@ def test_the_step_with_the_teacher_is_one_graph_equal_to_eager(fresh_dynamo):
     step = torch.compile(process_batch, backend=counter, fullgraph=True, dynamic=False)
     for i in range(4):
         window, noise = batch(system, seed=i)
-        out, eager = step(system, window, noise, weights(1.0, 1.0)), process_batch(system, window, noise, weights(1.0, 1.0))
+        out, eager = (
+            step(system, window, noise, weights(1.0, 1.0)),
+            process_batch(system, window, noise, weights(1.0, 1.0)),
+        )
         for k in ("loss_lm", "loss_full", "loss_distill"):
             torch.testing.assert_close(out.losses[k], eager.losses[k], atol=1e-5, rtol=1e-4)
         if i == 0:

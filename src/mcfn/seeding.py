@@ -8,7 +8,15 @@ which is what makes a resumed run replay exactly.
 
 from __future__ import annotations
 
-STREAMS = {"train_windows": 1, "train_noise": 2, "val_windows": 3, "val_noise": 4, "eval_contexts": 5, "eval_probes": 6, "train_mix": 7}
+STREAMS = {
+    "train_windows": 1,
+    "train_noise": 2,
+    "val_windows": 3,
+    "val_noise": 4,
+    "eval_contexts": 5,
+    "eval_probes": 6,
+    "train_mix": 7,
+}
 
 
 def derive_seed(seed: int, stream: str, index: int) -> int:

@@ -67,7 +67,9 @@ def hidden_and_tail_attention(
     for block in base.blocks:
         q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
         q_tail = q.detach().gather(2, pick.expand(-1, q.size(1), -1, q.size(-1)))  # [r, heads, h, e]
-        logits = (q_tail @ k.detach().transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(future[:, None], -torch.inf)
+        logits = (q_tail @ k.detach().transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(
+            future[:, None], -torch.inf
+        )
         attention = attention + torch.softmax(logits, -1).sum(1)
         x = x + block.attn.project(F.scaled_dot_product_attention(q, k, v, is_causal=True))
         x = x + block.mlp(rms_norm(x))

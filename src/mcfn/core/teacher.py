@@ -53,9 +53,7 @@ def variant_tail_logprobs(
 
 
 @typechecked
-def distill_kl(
-    teacher: Float[Tensor, "b h c"], student: Float[Tensor, "b n h c"]
-) -> Float[Tensor, "b n h"]:
+def distill_kl(teacher: Float[Tensor, "b h c"], student: Float[Tensor, "b n h c"]) -> Float[Tensor, "b n h"]:
     """``KL(teacher ‖ student)`` per student and tail position, in nats; no gradient reaches the teacher."""
     target = teacher.detach()[:, None]
     return (target.exp() * (target - student)).sum(-1)

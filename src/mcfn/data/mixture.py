@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 
-import torch
 from torch import Tensor
 
 from mcfn.data.loader import WindowSampler
@@ -25,7 +24,6 @@ from mcfn.data.probes import PROBES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
-
 
 REPEAT = "repeat"
 MIX_TASKS = (REPEAT, *PROBES[1:])
@@ -43,7 +41,9 @@ def write_repeat(window: Tensor, tail: int, rng: random.Random) -> Tensor:
 class MixedSampler:
     """A :class:`WindowSampler` whose batches have a share ``mix`` of rows rewritten by ``tasks``."""
 
-    def __init__(self, sampler: WindowSampler, tok: Tokenizer, tail: int, mix: float, tasks: tuple[str, ...], seed: int):
+    def __init__(
+        self, sampler: WindowSampler, tok: Tokenizer, tail: int, mix: float, tasks: tuple[str, ...], seed: int
+    ):
         for name in tasks:
             if name not in MIX_TASKS:
                 raise UserError(f"unknown data.mix_tasks entry {name!r} (known: {', '.join(MIX_TASKS)})")

@@ -125,7 +125,9 @@ def run_benchmark(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
-    phases = time_phases(partial(step, system, *mc_inputs(), weights), system, compile_fn, timer, autocast, warmup, phase_steps)
+    phases = time_phases(
+        partial(step, system, *mc_inputs(), weights), system, compile_fn, timer, autocast, warmup, phase_steps
+    )
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
