@@ -73,11 +73,15 @@ def test_mismatched_runs_are_refused_with_exit_2(tmp_path, profile, text_dir, ca
 
 def test_a_plain_phase_trains_the_base_alone_then_megacontext(tmp_path, profile, capsys):
     """``train.plain_steps``: the two-stage recipe in one run. The first steps log only the plain loss (the
-    base model alone over whole windows), the rest the MegaContext step's terms and metrics."""
+    base model alone over whole windows), the rest the MegaContext step's terms and metrics, and the
+    effective-batch telemetry says which."""
     out = tmp_path / "run"
     assert main(["--profile", str(profile), "--out", str(out), "--steps", "6", "--set", "train.plain_steps=3"]) == 0
     assert "plain phase: steps 0-2" in capsys.readouterr().err
     records = [r for r in read_metrics(out) if "train/loss_lm" in r]
     assert [("mc/lod_delta/1" in r) for r in records] == [False] * 3 + [True] * 3
+    # The effective batch: B·T tokens every step; B whole windows in the plain phase, then B·V working contexts.
+    assert [r["train/tokens_per_step"] for r in records] == [4 * 32] * 6
+    assert [r["train/variants_per_step"] for r in records] == [4] * 3 + [4 * 3] * 3
     assert "plain_steps" in _error(["--profile", str(profile), "--out", str(tmp_path / "x"), "--steps", "3",
                                     "--set", "train.plain_steps=3"], capsys)  # fmt: skip

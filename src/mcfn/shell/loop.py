@@ -250,6 +250,9 @@ def step_record(s: Session, result: StepResult, progress: Progress, step: int, b
         "train/skipped_steps": progress.skipped,
         "time/step_ms": step_ms,
         "train/tokens_per_s": tok_s,
+        # The effective batch: tokens of text per optimizer step, and the contexts the base model reads for them.
+        "train/tokens_per_step": tokens_per_step,
+        "train/variants_per_step": s.cfg.train.batch_size * s.task.contexts_per_window(step),
         # Model FLOPs utilisation on a known GPU: FLOPs per step over the step's duration, per device.
         **({"train/mfu": progress.peak_step_s / (step_ms / 1e3)} if progress.peak_step_s else {}),
         "train/lr_mult": mult,

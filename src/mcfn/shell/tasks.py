@@ -64,6 +64,10 @@ class PlainTask:
     def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> StepOutput:
         return self._step(self.model, window)
 
+    def contexts_per_window(self, step: int) -> int:
+        """What the base model reads per window at ``step``: the whole window, once."""
+        return 1
+
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
         bpb = bits_per_byte(lambda i, w: self._eval(self.model, w, self.token_bytes), batches, self.device)
         return {"val/bpb": float(bpb)}
@@ -105,6 +109,11 @@ class MCTask:
     def noise(self, batch: int, seed: int):
         self.generator.manual_seed(seed)
         return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
+
+    def contexts_per_window(self, step: int) -> int:
+        """Working contexts the base model reads per window at ``step``: ``V``; the whole window, once, in the
+        plain phase."""
+        return 1 if step < self.plain_steps else self.layout.V
 
     def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> StepOutput:
         """The step on ``window``, rows ``rows`` of the global batch (None: ``window`` is the whole batch).
