@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from einops import rearrange, repeat
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from tensordict import TensorClass
 from torch import Tensor
 
@@ -64,3 +64,11 @@ def assemble(
     }
     packed = {k: v if k == "emb" else rearrange(v, "b v w -> (b v) w") for k, v in packed.items()}
     return WorkingContext(**packed, batch_size=[B * V, W])
+
+
+@typechecked
+def tail_entries(x: Float[Tensor, "r w d"], first: Int[Tensor, " r"], tail: int) -> Float[Tensor, "r h d"]:
+    """Each row's ``tail`` entries from ``first`` on: the tail, the last ``H`` valid entries of a working
+    context (I4), or the last ``H`` positions of a plain window."""
+    index = first[:, None] + torch.arange(tail, device=first.device)
+    return x.gather(1, repeat(index, "r h -> r h d", d=x.size(-1)))

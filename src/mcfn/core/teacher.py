@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.config import TeacherConfig
 from mcfn.core.attention import hidden_and_tail_attention, long_range_mass, node_mass
-from mcfn.core.context import WorkingContext
+from mcfn.core.context import WorkingContext, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
@@ -46,9 +46,7 @@ def variant_tail_logprobs(
     base: GPT, hidden: Float[Tensor, "r w d"], wc: WorkingContext, layout: Layout
 ) -> Float[Tensor, "b v h c"]:
     """Log-probabilities of every variant's tail targets: the tail is the last ``H`` valid entries (I4)."""
-    first = wc.valid.sum(-1) - layout.H  # [R]
-    index = first[:, None] + torch.arange(layout.H, device=hidden.device)
-    tail = hidden.gather(1, repeat(index, "r h -> r h d", d=hidden.size(-1)))
+    tail = tail_entries(hidden, wc.valid.sum(-1) - layout.H, layout.H)
     return rearrange(F.log_softmax(base.logits(tail), -1), "(b v) h c -> b v h c", v=layout.V)
 
 

@@ -43,6 +43,11 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         raise
 
 
+def run_checkpoint(path: Path) -> Path:
+    """The checkpoint file of ``path``: a run directory (its ``checkpoint.pt``) or the file itself."""
+    return path / CHECKPOINT_NAME if path.is_dir() else path
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read and verify a checkpoint; any problem is a UserError naming the file."""
     try:

@@ -17,7 +17,7 @@ from mcfn.config import RunConfig
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from mcfn.shell.checkpoint import load_checkpoint, run_checkpoint
 
 BASE_PREFIX = "base."  # a MegaContext checkpoint's base-model entries
 
@@ -31,18 +31,18 @@ def base_weights(state: dict[str, Any]) -> dict[str, Tensor]:
 
 
 def check_same_base(saved: RunConfig, cfg: RunConfig, path: Path) -> None:
+    trained = saved.flat()
     for key, value in cfg.flat().items():
-        if key.startswith("model.") and saved.flat().get(key) != value:
+        if key.startswith("model.") and trained.get(key) != value:
             raise UserError(
-                f"--init-from {path} was trained with {key}={saved.flat().get(key)!r}, this run has {value!r}: "
+                f"--init-from {path} was trained with {key}={trained.get(key)!r}, this run has {value!r}: "
                 "the base model must have the same [model] config"
             )
 
 
 def init_base_from(model: nn.Module, cfg: RunConfig, corpus_key: str, path: Path) -> int:
     """Load ``path``'s (a run directory or its checkpoint) base weights into ``model``'s base; returns its step."""
-    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
-    state = load_checkpoint(ckpt)
+    state = load_checkpoint(run_checkpoint(path))
     check_same_base(config_from_saved(state["config"]), cfg, path)
     if state.get("corpus_key") != corpus_key:
         raise UserError(f"--init-from {path} was trained on a different corpus or tokenizer than this run")

@@ -14,7 +14,7 @@ from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from mcfn.shell.checkpoint import load_checkpoint, run_checkpoint
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Trained:
 
 def load_trained(path: Path, device: torch.device) -> Trained:
     """Load ``path`` (a run directory or its checkpoint file) onto ``device``, with its corpus and tokenizer."""
-    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
+    ckpt = run_checkpoint(path)
     state = load_checkpoint(ckpt)
     cfg = config_from_saved(state["config"])
     corpus = prepare_corpus(cfg.data)

@@ -38,7 +38,7 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.context import WorkingContext, assemble, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.preferences import detail_targets, pair_slots
@@ -93,8 +93,7 @@ def tail_predictions(
     base: GPT, hidden: Float[Tensor, "r n d"], first: Int[Tensor, " r"], targets: Int[Tensor, "r h"]
 ) -> tuple[Float[Tensor, "r h"], Bool[Tensor, "r h"]]:
     """NLL and whether the argmax is right for the ``H`` entries of each row from ``first`` on (the tail)."""
-    index = first[:, None] + torch.arange(targets.size(1), device=first.device)
-    h = hidden.gather(1, repeat(index, "r h -> r h d", d=hidden.size(-1)))
+    h = tail_entries(hidden, first, targets.size(1))
     return base.nll(h, targets), base.logits(h).argmax(-1) == targets
 
 
