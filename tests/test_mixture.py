@@ -58,9 +58,19 @@ def test_the_mixture_never_touches_the_validation_windows(split, tok):
     assert all(torch.equal(a, b) for a, b in zip(before, validation_batches(split, T + 1, 3, 4), strict=True))
 
 
-def test_the_mixture_stream_is_not_the_evaluations(split, tok):
-    """No training window's facts are drawn from the evaluation's probe stream: the stream tags differ, so no
-    seed is shared, and the pass keys the mixture writes are not the ones the evaluation asks for."""
+def test_the_mixture_stream_is_not_the_evaluations(split, tok, monkeypatch):
+    """No training window's facts are drawn from the evaluation's probe stream: the mixture draws on
+    ``train_mix`` alone, the stream tags differ, so no seed is shared, and the pass keys the mixture writes are
+    not the ones the evaluation asks for."""
+    import mcfn.data.mixture as mixture
+
+    streams = []
+    monkeypatch.setattr(
+        mixture, "derive_seed", lambda seed, stream, i: streams.append(stream) or derive_seed(seed, stream, i)
+    )
+    mixed(split, tok, 1.0).batch(0, 4)
+    assert streams and set(streams) == {"train_mix"}
+    monkeypatch.undo()
     train_seeds = {derive_seed(1337, "train_mix", i) for i in range(10_000)}
     eval_seeds = {derive_seed(task, "eval_probes", i) for task in range(4) for i in range(10_000)}
     assert not train_seeds & eval_seeds
