@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from einops import rearrange
@@ -186,11 +187,12 @@ def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():
     assert swapped[0, groups[0]] and int(swapped.sum()) == layout.W
 
 
-def test_lensnet_learns_where_detail_pays():
+@pytest.mark.parametrize("granularity", ["entry", "block"])
+def test_lensnet_learns_where_detail_pays(granularity):
     """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
     (tokens 20..23), and nothing else matters. After 800 steps on the preference loss alone,
     LensNet scores the coarsest context's entry that covers that block first, far above chance."""
-    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
+    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32, lens={"granularity": granularity})
     layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
@@ -225,11 +227,12 @@ def test_lensnet_learns_where_detail_pays():
     assert hit >= 0.6 and hit > 3 * chance, (hit, chance)  # 0.97-1.0 over seeds 0-3; chance is 0.2
 
 
-def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):
+@pytest.mark.parametrize("granularity", ["entry", "block"])
+def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo, granularity):
     """Compiled for real (inductor, the backend training uses), on one fixed shape, against eager. The model
     tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick the pairs'
     winners, so the targets, differently in each backend."""
-    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2))
+    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"granularity": granularity}))
     counter = CompileCounterWithBackend("inductor")
     step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(3)

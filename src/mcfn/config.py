@@ -128,6 +128,9 @@ class GistConfig:
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
 
 
+LENS_GRANULARITIES = ("entry", "block")
+
+
 @dataclass(frozen=True)
 class LensConfig:
     enabled: bool = True  # LensNet, its preference loss and the allocator-built variants
@@ -145,8 +148,13 @@ class LensConfig:
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
+    # What LensNet's transformer reads: "entry", every working-context entry; "block", one unit per gist and
+    # one per K-aligned block of tokens (mean-pooled), its score shared by the block's tokens. Every decision
+    # is block-level (a gist expands, a complete group collapses), and a cut has at most T/K units.
+    granularity: str = "entry"
 
     def __post_init__(self) -> None:
+        _require(self.granularity in LENS_GRANULARITIES, "mc.lens.granularity", f"must be one of {LENS_GRANULARITIES}")
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")

@@ -8,6 +8,11 @@ see the recent text they are judged against. Padding is masked out of attention.
 their (damped) rotary position, and three features added to the input: a learned embedding of the
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it.
+
+At ``granularity="block"`` the transformer reads *units* instead of entries: each gist is a unit, and so
+is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
+shares. Every decision is block-level (a gist expands, a complete group of K collapses), and each unit
+covers at least K tokens, so a cut over T tokens has at most ``T/K`` units whatever the budget ``W``.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import rearrange
-from jaxtyping import Float
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 
 from mcfn.core.context import WorkingContext
@@ -25,10 +31,52 @@ from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
 
+@typechecked
+def block_units(wc: WorkingContext, K: int, units: int) -> Int[Tensor, "r w"]:
+    """Each entry's unit, numbered in entry order (so valid units are a prefix): a gist is a unit of its own,
+    consecutive tokens of one K-aligned block share one. Padding goes to slot ``units``, which is dropped.
+    A cut has at most ``T/K`` units (I1, I8); a row with more (not a cut) has its extra units dropped too."""
+    block = wc.start // K
+    after_token_of_block = F.pad((wc.lod[:, :-1] == 0) & (block[:, :-1] == block[:, 1:]), (1, 0), value=False)
+    head = wc.valid & ((wc.lod > 0) | ~after_token_of_block)
+    unit = (head.long().cumsum(-1) - 1).clamp(max=units)
+    return torch.where(wc.valid, unit, units)
+
+
+@typechecked
+def unit_sums(x: Float[Tensor, "r w c"], unit: Int[Tensor, "r w"], units: int) -> Float[Tensor, "r u c"]:
+    """Per unit, the sum of its entries' rows ``x`` (slot ``units``, padding, dropped)."""
+    sums = x.new_zeros(x.size(0), units + 1, x.size(-1))
+    return sums.scatter_add(1, repeat(unit, "r w -> r w c", c=x.size(-1)), x)[:, :units]
+
+
+@typechecked
+def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> WorkingContext:
+    """The units as a working context ``[R, units]``: mean embedding, the unit's first start, summed span
+    (K for a block of tokens, the gist's own span), its first entry's LOD, position at the span centre."""
+    first = (unit != F.pad(unit[:, :-1], (1, 0), value=-1)) & wc.valid
+    columns = torch.stack((wc.valid, wc.start * first, wc.span, wc.lod * first), dim=-1).float()
+    count, start, span, lod = unit_sums(columns, unit, units).unbind(-1)
+    valid = count > 0
+    emb = unit_sums(wc.emb.detach(), unit, units) / count.clamp(min=1.0)[..., None]
+    start, span, lod = start.long(), span.long().clamp(min=1), lod.long()
+    return WorkingContext(
+        emb=emb,
+        position=(start + (span - 1) / 2).float(),
+        start=start,
+        span=span,
+        lod=lod,
+        node=torch.zeros_like(start),
+        target=torch.full_like(start, -1),
+        valid=valid,
+        batch_size=[wc.batch_size[0], units],
+    )
+
+
 class LensNet(nn.Module):
-    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout):
+    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, granularity: str = "entry"):
         super().__init__()
-        self.layout, self.head_dim = layout, width // n_head
+        self.layout, self.head_dim, self.granularity = layout, width // n_head, granularity
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
         self.feature_proj = nn.Linear(2, width, bias=False)
@@ -47,7 +95,18 @@ class LensNet(nn.Module):
         nn.init.normal_(self.head.weight, std=0.01)
 
     @typechecked
-    def forward(self, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    def forward(self, wc: WorkingContext, layout: Layout | None = None) -> Float[Tensor, "r w"]:
+        """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one)."""
+        if self.granularity == "entry":  # a config constant: static under compile
+            return self.score(wc)
+        layout = self.layout if layout is None else layout
+        units = min(wc.batch_size[1], layout.T // layout.K)
+        unit = block_units(wc, layout.K, units)
+        scores = F.pad(self.score(pool_blocks(wc, unit, units)), (0, 1))  # the padding slot scores 0
+        return scores.gather(1, unit) * wc.valid
+
+    def score(self, wc: WorkingContext) -> Float[Tensor, "r w"]:
+        """The transformer over the rows of ``wc`` (entries, or units), one score per valid one."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the context's last entry (the newest token), in units of the training T:

@@ -18,6 +18,7 @@ each stage on its own, so the phase table always times the program that trains.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from einops import rearrange, repeat
@@ -54,7 +55,7 @@ class MegaContext(nn.Module):
             cfg.model.n_embd, cfg.gist_width, mc.gist.layers, mc.gist.heads, mc.block_size, mc.lod_max
         )
         self.lensnet = (
-            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout)
+            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout, mc.lens.granularity)
             if mc.lens.enabled
             else None
         )
@@ -92,7 +93,7 @@ def refocus(
     context with ``scorer`` (LensNet by default; signed scores per entry ``[R, W]``), adds ``alloc_noise``
     times the exploration noise ``explore [B, A, I, nodes]`` if given (then ``I`` iterations), and
     reallocates. ``nodes`` may be another layout's (a streaming view)."""
-    scorer = system.lensnet if scorer is None else scorer
+    scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
     B, A = cut.shape[:2]
     iterations = explore.size(2) if explore is not None else iterations
     cut = rearrange(cut, "b a n -> (b a) n")

@@ -1,0 +1,88 @@
+"""LensNet at block granularity: the units it reads are the cut's gists and its K-aligned blocks of tokens,
+at most T/K of them, and every entry's score is its unit's."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from test_mc import VOCAB, cases, make_system
+from test_packing import awake, padded_contexts
+
+from mcfn.core.lensnet import block_units, pool_blocks
+from mcfn.core.system import build_contexts
+from mcfn.core.variants import draw_variant_noise
+
+
+def block_contexts(shape: dict, batch: int, seed: int):
+    system = awake(make_system(**shape, seed=seed, lens={"granularity": "block"}))
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
+    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
+    with torch.no_grad():
+        return system, window, build_contexts(system, window, noise)[0]
+
+
+@given(cases)
+def test_property_block_units_are_the_cuts_gists_and_its_aligned_token_blocks(case):
+    """Pooled, every cut is again a partition of its span in start order, in at most T/K units: each gist
+    alone (its own start, span, LOD and embedding), each K-aligned block of tokens as one unit at LOD0 with
+    the mean of their embeddings (span K; the recency baseline may begin inside a block); positions are the
+    span centres."""
+    shape, batch, seed = case
+    system, _, wc = block_contexts(shape, batch, seed)
+    T, K = shape["T"], shape["K"]
+    units = min(shape["W"], T // K)
+    unit = block_units(wc, K, units)
+    pooled = pool_blocks(wc, unit, units)
+    assert (pooled.valid[:, :-1] >= pooled.valid[:, 1:]).all(), "valid units are a prefix"
+    for r in range(wc.batch_size[0]):
+        n, m = int(wc.valid[r].sum()), int(pooled.valid[r].sum())
+        starts, spans, lods = (x[r, :m].tolist() for x in (pooled.start, pooled.span, pooled.lod))
+        first = starts[0]  # the recency baseline begins at T - W, the other variants at 0
+        assert starts == [first] + [a + s for a, s in zip(starts[:-1], spans[:-1], strict=True)][: m - 1]
+        assert starts[-1] + spans[-1] == T
+        assert m == sum(k > 0 for k in wc.lod[r, :n].tolist()) + sum(
+            s % K == 0 for s, k in zip(wc.start[r, :n].tolist(), wc.lod[r, :n].tolist(), strict=True) if k == 0
+        ) + (first % K != 0)
+        for e in range(n):
+            u = int(unit[r, e])
+            if wc.lod[r, e] > 0:
+                assert (starts[u], spans[u], lods[u]) == (int(wc.start[r, e]), int(wc.span[r, e]), int(wc.lod[r, e]))
+                torch.testing.assert_close(pooled.emb[r, u], wc.emb[r, e])
+            else:
+                assert lods[u] == 0 and starts[u] // K == int(wc.start[r, e]) // K
+                members = (unit[r] == u) & wc.valid[r]
+                torch.testing.assert_close(pooled.emb[r, u], wc.emb[r][members].mean(0))
+        assert all(s == K for s, k, a in zip(spans, lods, starts, strict=True) if k == 0 and a % K == 0)
+        torch.testing.assert_close(pooled.position[r, :m], pooled.start[r, :m] + (pooled.span[r, :m] - 1) / 2)
+        assert m <= T // K
+
+
+@given(cases)
+def test_property_I3_every_entry_scores_its_unit_and_padding_changes_nothing(case):
+    """An entry's score is its unit's score from the transformer over the units; padding entries score 0 and
+    whatever they hold leaves the valid entries' scores as they were."""
+    shape, batch, seed = case
+    system, window, wc = block_contexts(shape, batch, seed)
+    T, K = shape["T"], shape["K"]
+    lens = system.lensnet
+    with torch.no_grad():
+        scores = lens(wc)
+        units = min(shape["W"], T // K)
+        unit = block_units(wc, K, units)
+        direct = lens.score(pool_blocks(wc, unit, units))
+    for r in range(wc.batch_size[0]):
+        n = int(wc.valid[r].sum())
+        torch.testing.assert_close(scores[r, :n], direct[r, unit[r, :n]])
+    assert (scores[~wc.valid] == 0).all()
+    padded = padded_contexts(system, window)
+    pad = ~padded.valid
+    g = torch.Generator().manual_seed(seed)
+    noisy = padded.clone()
+    noisy.emb = torch.where(pad[..., None], torch.randn(padded.emb.shape, generator=g) * 10, padded.emb)
+    noisy.start = torch.where(pad, torch.randint(0, T, padded.start.shape, generator=g), padded.start)
+    noisy.lod = torch.where(pad, torch.randint(0, shape["L"] + 1, padded.lod.shape, generator=g), padded.lod)
+    with torch.no_grad():
+        clean, dirty = lens(padded), lens(noisy)
+    torch.testing.assert_close(clean[padded.valid], dirty[padded.valid])
+    assert (dirty[pad] == 0).all()
