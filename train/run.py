@@ -30,6 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--init-from", metavar="RUN_DIR", help="start the base model from this run's weights (train.init_from)"
     )
     p.add_argument(
+        "--memory-snapshot",
+        metavar="FILE",
+        help="CUDA only: record the allocator's history over the first steps into FILE, in the run directory "
+        "unless absolute (train.memory_snapshot)",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -50,6 +56,7 @@ def run(args: argparse.Namespace) -> None:
         ("train", "compile"): True if args.compile else None,
         ("mc", "enabled"): False if args.no_mc else None,
         ("train", "init_from"): args.init_from,
+        ("train", "memory_snapshot"): args.memory_snapshot,
     }
     overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
     cfg = resolve(args.profile, overrides)

@@ -265,6 +265,13 @@ class TrainConfig:
     # MegaContext runs: the first this many steps train the base model alone, as a plain GPT over whole windows
     # (a plain phase at length T, where it learns to read long contexts), then the MegaContext step takes over.
     plain_steps: int = 0
+    # Recompute each transformer block's activations in the backward instead of storing them (less memory,
+    # one more forward of every block per step).
+    activation_checkpointing: bool = False
+    # A file for CUDA's memory history (torch.cuda.memory._dump_snapshot, for https://pytorch.org/memory_viz),
+    # recorded from the first step and written after ``memory_snapshot_steps`` steps; empty: off. CUDA only.
+    memory_snapshot: str = ""
+    memory_snapshot_steps: int = 3
 
     def __post_init__(self) -> None:
         for name in (
@@ -276,6 +283,7 @@ class TrainConfig:
             "log_every",
             "ckpt_every",
             "max_bad_steps",
+            "memory_snapshot_steps",
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from mcfn.config import ModelConfig
 from mcfn.typecheck import typechecked
@@ -94,8 +95,16 @@ class Block(nn.Module):
         super().__init__()
         self.attn = SelfAttention(dim, n_head, causal)
         self.mlp = MLP(dim)
+        # Activation checkpointing (``train.activation_checkpointing``): keep only the block's input for the
+        # backward and recompute the rest there. Non-reentrant, the kind torch.compile traces in one graph.
+        self.checkpointed = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False)
+        return self.residual(x, cos, sin, mask)
+
+    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         x = x + self.attn(rms_norm(x), cos, sin, mask)
         return x + self.mlp(rms_norm(x))
 
@@ -107,6 +116,13 @@ class Block(nn.Module):
             nn.init.uniform_(lin.weight, -bound, bound)
         nn.init.zeros_(self.attn.c_proj.weight)
         nn.init.zeros_(self.mlp.c_proj.weight)
+
+
+def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
+    """Checkpoint every transformer block of ``model`` (the base GPT, GistNet's and LensNet's), or none."""
+    for module in model.modules():
+        if isinstance(module, Block):
+            module.checkpointed = on
 
 
 class GPT(nn.Module):

@@ -24,6 +24,7 @@ from mcfn.data.loader import Prefetcher
 from mcfn.errors import RunAborted
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.distributed import average_gradients, init_world, shutdown
+from mcfn.shell.memory import MemoryHistory, check_memory_snapshot
 from mcfn.shell.microbatch import check_micro_batch, fitting_micro_batch, forward_backward, out_of_memory_message
 from mcfn.shell.optim import current_lrs, lr_multiplier, set_lr_multiplier
 from mcfn.shell.outcome import LOD_MAPS_NAME, finish
@@ -54,6 +55,7 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
     """Train as configured, writing metrics, checkpoints, ``summary.json`` and the report to ``out_dir``."""
     t_start = time.perf_counter()
     device = resolve_device(cfg.train.device)
+    check_memory_snapshot(cfg.train, device)
     world = init_world(device.type)
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
@@ -74,6 +76,8 @@ def run_loop(s: Session) -> Progress:
     bar = tqdm(total=cfg.steps, initial=s.start_step, desc="train", unit="step", dynamic_ncols=True,
                mininterval=0.5, file=sys.stderr, disable=not s.world.is_main)  # fmt: skip
     stop = StopRequest()
+    snapshot = cfg.memory_snapshot and s.world.is_main
+    history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, cfg.memory_snapshot_steps)
     try:
         stop.install()
         for step in range(s.start_step, cfg.steps + 1):
@@ -93,6 +97,8 @@ def run_loop(s: Session) -> Progress:
             if s.world.is_main and cfg.lod_map_every and step % cfg.lod_map_every == 0 and isinstance(s.task, MCTask):
                 write_lod_maps(s, result.window, step, bar)
             bar.update(1)
+            if message := history.step_done():
+                bar.write(message, file=sys.stderr)
             if len(record) > 1:
                 s.log.log(record, result.out.histograms if logged else None)
             if result.stop_requested:  # finish the step, checkpoint it, and leave
@@ -100,6 +106,8 @@ def run_loop(s: Session) -> Progress:
                 save_state(s, progress.stopped_at)
                 break
     finally:
+        if message := history.close():
+            say(message)
         stop.restore()
         bar.close()
         prefetch.close()

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from mcfn.config import RunConfig
-from mcfn.core.model import GPT
+from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
 from mcfn.core.step import compile_step, nll_and_bytes, plain_step
 from mcfn.core.system import (
@@ -152,4 +152,6 @@ class MCTask:
 
 
 def build_task(cfg: RunConfig, token_bytes: Tensor, device: torch.device) -> PlainTask | MCTask:
-    return (MCTask if cfg.mc.enabled else PlainTask)(cfg, token_bytes, device)
+    task = (MCTask if cfg.mc.enabled else PlainTask)(cfg, token_bytes, device)
+    set_activation_checkpointing(task.model, cfg.train.activation_checkpointing)
+    return task
