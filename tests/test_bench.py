@@ -14,6 +14,7 @@ KEYS = {
     "recompiles",
     "peak_mem_mb",
     "tokens_per_s",
+    "saved_activations_mb",
 }
 PHASES = {"tree_ms", "variants_ms", "assemble_ms", "base_ms", "losses_ms", "lens_fwd_ms", "lens_loss_ms"}
 
@@ -46,6 +47,7 @@ def test_bench_reports_every_key_and_a_table(tmp_path, capsys):
     assert result["profile"] == "cpu-tiny" and result["compiled"] is False
     assert result["ratio_mc_over_plain"] == result["mc_step_ms"] / result["plain_step_ms"] > 0
     assert result["graph_breaks"] == 0 and result["recompiles"] == 0
+    assert result["saved_activations_mb"] > 0 and result["activation_checkpointing"] is False
     assert result["shapes"]["V"] == 3 and result["supervised_entries"] <= 2 * 3 * 32
     assert "ratio MC / plain" in capsys.readouterr().out
 

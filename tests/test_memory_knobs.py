@@ -11,6 +11,7 @@ from mcfn.core.model import set_activation_checkpointing
 from mcfn.core.system import process_batch_lens
 from mcfn.core.variants import draw_variant_noise
 from mcfn.shell.memory import MemoryHistory
+from mcfn.tools.benchmark import saved_activation_bytes
 from train.run import main
 
 
@@ -21,18 +22,11 @@ def step_inputs(system, seed: int = 0):
 
 
 def saved_bytes_and_grads(system, window, noise, step=process_batch_lens) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes of the distinct tensors autograd keeps for the backward of one MC step, and the gradients."""
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = step(system, window, noise, STEP_WEIGHTS)
+    """Bytes autograd keeps for the backward of one MC step (the benchmark's measure), and the gradients."""
+    saved, out = saved_activation_bytes(lambda: step(system, window, noise, STEP_WEIGHTS))
     system.zero_grad(set_to_none=True)
     out.total().backward()
-    return sum(kept.values()), {n: p.grad.clone() for n, p in system.named_parameters() if p.grad is not None}
+    return saved, {n: p.grad.clone() for n, p in system.named_parameters() if p.grad is not None}
 
 
 def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():

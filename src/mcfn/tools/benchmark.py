@@ -36,7 +36,7 @@ from tensordict import TensorDictBase, is_tensorclass
 from torch import Tensor
 
 from mcfn.config import RunConfig
-from mcfn.core.model import GPT
+from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
 from mcfn.core.step import compile_step
 from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, step_weights
@@ -88,6 +88,7 @@ def run_benchmark(
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     torch.manual_seed(cfg.train.seed)
     system = MegaContext(cfg).to(device)
+    set_activation_checkpointing(system, cfg.train.activation_checkpointing)
     layout, B = system.layout, cfg.train.batch_size
     gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -121,6 +122,9 @@ def run_benchmark(
         out.total().backward()
         system.zero_grad(set_to_none=True)
 
+    with autocast:  # one eager step: what autograd keeps for the backward
+        saved_mb = saved_activation_bytes(partial(step, system, *mc_inputs(), weights))[0] / 2**20
+    system.zero_grad(set_to_none=True)
     timer = Timer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -131,7 +135,22 @@ def run_benchmark(
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
-    return benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
+    result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
+    return {**result, "saved_activations_mb": saved_mb, "activation_checkpointing": cfg.train.activation_checkpointing}
+
+
+def saved_activation_bytes(step: Callable[[], StepOutput]) -> tuple[int, StepOutput]:
+    """Bytes of the distinct storages autograd keeps for the backward of ``step()`` (run eagerly: a compiled
+    graph hides them), and its output."""
+    kept: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step()
+    return sum(kept.values()), out
 
 
 def time_alternately(mc_step, mc_inputs, plain_step, plain_inputs, timer: Timer, warmup: int, steps: int) -> dict:
@@ -280,6 +299,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"| compile | {_seconds(result['compile_s'])} |",
         f"| graph breaks / recompiles | {result['graph_breaks']} / {result['recompiles']} |",
         f"| peak memory | {result['peak_mem_mb']:.0f} MB |",
+        f"| saved for backward (eager step) | {result['saved_activations_mb']:.0f} MB |",
         f"| tokens/s (history) | {result['tokens_per_s']:,.0f} |",
     ]
     return "\n".join(lines)
