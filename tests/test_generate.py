@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, make_system
 
+from mcfn.core.step import compile_step
 from mcfn.core.tree import build_tree
-from mcfn.inference.decode import KVCache, extend
+from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
 from mcfn.inference.streaming import StreamingTree, focused_context
 
@@ -35,6 +36,46 @@ def test_kv_cache_extend_matches_full_forward():
         [extend(base, cache, emb[:, a:b], pos[:, a:b], span[:, a:b]) for a, b in ((0, 25), (25, 26), (26, 40))], 1
     )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fixed_shape_token_step_matches_the_full_forward():
+    """Tokens decoded one by one into a cache larger than the text (unwritten slots masked) give the hidden
+    states of one forward over the whole text; a full cache refuses another token."""
+    system = decisive_system()
+    base = system.base
+    tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    emb, pos = base.embed(tokens), torch.arange(20, dtype=torch.float32)[None]
+    want = base.hidden(emb, pos, torch.ones_like(pos))
+    cache, decoder = KVCache(base, 20, torch.device("cpu")), TokenDecoder(base)
+    extend(base, cache, emb[:, :7], pos[:, :7], torch.ones_like(pos[:, :7]))
+    got = torch.cat([decoder(cache, emb[:, i : i + 1], pos[:, i : i + 1]) for i in range(7, 20)], 1)
+    torch.testing.assert_close(got, want[:, 7:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="holds 20"):
+        decoder(cache, emb[:, :1], pos[:, :1])
+
+
+def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
+    """``--compile``: the per-token step compiled by inductor once, for every token across refocuses (each
+    refocus's cache has capacity W) and for full decoding's own cache; the same greedy tokens as eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    system = decisive_system()
+    prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
+    counter = CompileCounterWithBackend("inductor")
+
+    def compile_fn(fn):
+        return torch.compile(fn, backend=counter, fullgraph=True, dynamic=False)
+
+    eager, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS)
+    compiled, _ = generate_mc(system, prompt, REFOCUS + 1, REFOCUS, compile_fn=compile_fn)
+    torch.compiler.set_stance("fail_on_recompile")
+    compiled_more, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS, compile_fn=compile_fn)
+    assert compiled.tolist() == eager[: REFOCUS + 1].tolist() and compiled_more.tolist() == eager.tolist()
+    assert counter.frame_count == 1
+    torch.compiler.set_stance("default")
+    full_eager, _ = generate_full(system.base, prompt, 8)
+    full_compiled, _ = generate_full(system.base, prompt, 8, compile_fn=lambda f: compile_step(f, "default"))
+    assert full_compiled.tolist() == full_eager.tolist()
 
 
 def test_streaming_tree_gists_equal_the_batch_tree():

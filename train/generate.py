@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 from mcfn.errors import UserError, exit_code
@@ -29,12 +30,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="do not print the LOD layout at each refocus")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--compile", action="store_true", help="compile the per-token decode step (one graph, fixed-capacity cache)"
+    )
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
     import torch
 
+    from mcfn.core.step import compile_step
     from mcfn.core.system import MegaContext
     from mcfn.inference.generation import Sampling, generate_full, generate_mc
     from mcfn.inference.render import fold
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  {line}", file=sys.stderr)
 
     model = trained.model
+    compile_fn = partial(compile_step, mode=trained.cfg.train.compile_mode) if args.compile else None
     if args.mode == "mc":
         if not isinstance(model, MegaContext):
             raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run); use --mode full")
@@ -72,10 +78,11 @@ def run(args: argparse.Namespace) -> None:
             args.refocus_steps,
             sampling,
             on_refocus=show_layout,
+            compile_fn=compile_fn,
         )
     else:
         out, stats = generate_full(
-            model.base if isinstance(model, MegaContext) else model, prompt, args.max_new_tokens, sampling
+            model.base if isinstance(model, MegaContext) else model, prompt, args.max_new_tokens, sampling, compile_fn
         )
     print(tok.decode(out.tolist()))
     extra = f", refocus {stats.refocus_s:.2f} s of it" if args.mode == "mc" else ""

@@ -24,7 +24,7 @@ from torch import Tensor
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
-from mcfn.inference.decode import KVCache, extend
+from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context
 
@@ -91,9 +91,12 @@ def generate_mc(
     sampling: Sampling = Sampling(),
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
+    compile_fn: Callable[[Callable], Callable] | None = None,
 ) -> tuple[Tensor, GenerationStats]:
-    """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats."""
+    """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
+    ``compile_fn`` compiles the per-token step (every refocus's cache has capacity ``W``: one shape)."""
     base, layout = system.base, system.layout
+    decoder = TokenDecoder(base, compile_fn)
     budget = check_refocus(system, refocus_every)
     device = prompt.device
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -113,7 +116,7 @@ def generate_mc(
         if on_refocus is not None:
             on_refocus(len(stream), layout_text)
         emb, positions, spans = wc.emb, wc.position, wc.span.float()
-        cache = KVCache(base, emb.size(1) + refocus_every, device) if use_cache else None
+        cache = KVCache(base, layout.W, device) if use_cache else None  # holds the context and R new tokens
         hidden = extend(base, cache, emb, positions, spans) if use_cache else base.hidden(emb, positions, spans)
         stats.refocus_s += time.perf_counter() - t_refocus
         for _ in range(min(refocus_every, max_new_tokens - len(produced))):
@@ -122,7 +125,7 @@ def generate_mc(
             stream.append(token)
             new_emb, new_pos, one = token_entry(base, token, len(stream) - 1)
             if use_cache:
-                hidden = extend(base, cache, new_emb, new_pos, one)
+                hidden = decoder(cache, new_emb, new_pos)
             else:
                 emb = torch.cat([emb, new_emb], 1)
                 positions, spans = torch.cat([positions, new_pos], 1), torch.cat([spans, one], 1)
@@ -134,10 +137,15 @@ def generate_mc(
 
 @torch.no_grad()
 def generate_full(
-    base: GPT, prompt: Tensor, max_new_tokens: int, sampling: Sampling = Sampling()
+    base: GPT,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    compile_fn: Callable[[Callable], Callable] | None = None,
 ) -> tuple[Tensor, GenerationStats]:
     """Decode with every token at LOD0 and a KV cache over the whole text (the comparison for ``mc``)."""
     device, n = prompt.device, prompt.numel()
+    decoder = TokenDecoder(base, compile_fn)
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stats = GenerationStats(prompt_tokens=n)
     cache = KVCache(base, n + max_new_tokens, device)
@@ -153,7 +161,8 @@ def generate_full(
         token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
         produced.append(token)
         if i + 1 < max_new_tokens:
-            hidden = extend(base, cache, *token_entry(base, token, n + i))
+            emb, position, _ = token_entry(base, token, n + i)
+            hidden = decoder(cache, emb, position)
     stats.decode_s = time.perf_counter() - t0
     stats.new_tokens = len(produced)
     return torch.cat(produced) if produced else prompt.new_zeros(0), stats
