@@ -178,31 +178,22 @@ def test_the_embedded_stdlib_default_trains(tmp_path):
     assert summary["final_val_bpb"] < summary["first_val_bpb"]
 
 
-def test_compiled_run_prints_no_graph_break(tmp_path, profile):
+def test_compiled_run_prints_no_graph_break_and_a_second_run_loads_the_compile_cache(tmp_path, profile):
+    """A compiled run saves torch's portable compile cache beside the token cache; the next run of the same
+    profile loads it (and still shows no graph break or recompile)."""
     env = {**os.environ, "TORCH_LOGS": "graph_breaks,recompiles"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "train.run",
-            "--profile",
-            str(profile),
-            "--out",
-            str(tmp_path / "run"),
-            "--compile",
-            "--steps",
-            "4",
-            "--set",
-            "train.compile_mode='default'",
-            "--set",
-            "train.eval_every=2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "graph break" not in proc.stderr.lower() and "recompil" not in proc.stderr.lower(), proc.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["compiled"] is True
+
+    def compiled_run(name: str) -> subprocess.CompletedProcess:
+        flags = ["--compile", "--steps", "4", "--set", "train.compile_mode='default'", "--set", "train.eval_every=2"]
+        command = [sys.executable, "-m", "train.run", "--profile", str(profile), "--out", str(tmp_path / name)]
+        proc = subprocess.run(command + flags, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "graph break" not in proc.stderr.lower() and "recompil" not in proc.stderr.lower(), proc.stderr[-2000:]
+        assert json.loads((tmp_path / name / "summary.json").read_text())["compiled"] is True
+        return proc
+
+    before = set(Path(os.environ["MCFN_CACHE"]).glob("*/compile-*.bin"))
+    assert "compile cache loaded" not in compiled_run("first").stderr
+    saved = set(Path(os.environ["MCFN_CACHE"]).glob("*/compile-*.bin")) - before
+    assert len(saved) == 1 and next(iter(saved)).stat().st_size > 0
+    assert f"compile cache loaded from {next(iter(saved))}" in compiled_run("second").stderr

@@ -20,8 +20,10 @@ from tqdm import tqdm
 
 from mcfn.config import RunConfig
 from mcfn.core.outputs import StepOutput
+from mcfn.data.corpus import cache_root
 from mcfn.data.loader import Prefetcher
 from mcfn.errors import RunAborted
+from mcfn.shell.compile_cache import CompileCache, artifacts_path
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.distributed import average_gradients, init_world, shutdown
 from mcfn.shell.memory import MemoryHistory, check_memory_snapshot
@@ -78,6 +80,7 @@ def run_loop(s: Session) -> Progress:
     stop = StopRequest()
     snapshot = cfg.memory_snapshot and s.world.is_main
     history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, cfg.memory_snapshot_steps)
+    compile_cache = open_compile_cache(s)
     try:
         stop.install()
         for step in range(s.start_step, cfg.steps + 1):
@@ -97,6 +100,8 @@ def run_loop(s: Session) -> Progress:
             if s.world.is_main and cfg.lod_map_every and step % cfg.lod_map_every == 0 and isinstance(s.task, MCTask):
                 write_lod_maps(s, result.window, step, bar)
             bar.update(1)
+            if compile_cache is not None and s.world.is_main:
+                compile_cache.save_if_new()
             if message := history.step_done():
                 bar.write(message, file=sys.stderr)
             if len(record) > 1:
@@ -113,6 +118,16 @@ def run_loop(s: Session) -> Progress:
         prefetch.close()
         s.log.close()
     return progress
+
+
+def open_compile_cache(s: Session) -> CompileCache | None:
+    """Compiled runs hot-load torch's portable compile cache from beside the token cache (and keep it there)."""
+    if not s.cfg.train.compile:
+        return None
+    cache = CompileCache(artifacts_path(s.cfg, cache_root(s.cfg.data) / s.corpus.key, s.device))
+    if (message := cache.load()) and s.world.is_main:
+        say(message)
+    return cache
 
 
 def announce(s: Session) -> None:
