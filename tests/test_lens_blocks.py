@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import torch
 from hypothesis import given
-from test_mc import VOCAB, cases, make_system
+from test_mc import cases, contexts
 from test_packing import awake, padded_contexts
 
 from mcfn.core.lensnet import block_units, pool_blocks
-from mcfn.core.system import build_contexts
-from mcfn.core.variants import draw_variant_noise
 
 
 def block_contexts(shape: dict, batch: int, seed: int):
-    system = awake(make_system(**shape, seed=seed, lens={"granularity": "block"}))
-    g = torch.Generator().manual_seed(seed)
-    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
-    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
-    with torch.no_grad():
-        return system, window, build_contexts(system, window, noise)[0]
+    system, window, wc = contexts(shape, batch, seed, lens={"granularity": "block"})
+    return awake(system), window, wc
 
 
 @given(cases)

@@ -96,8 +96,10 @@ def layouts(draw) -> dict:
 cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
 
 
-def contexts(shape: dict, batch: int, seed: int) -> tuple[MegaContext, torch.Tensor, WorkingContext]:
-    system = make_system(**shape, seed=seed)
+def contexts(
+    shape: dict, batch: int, seed: int, lens: dict | None = None
+) -> tuple[MegaContext, torch.Tensor, WorkingContext]:
+    system = make_system(**shape, seed=seed, lens=lens)
     g = torch.Generator().manual_seed(seed)
     window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
     noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))

@@ -35,8 +35,9 @@ def padded_contexts(system: MegaContext, window: torch.Tensor) -> WorkingContext
 
 @given(cases)
 def test_property_I3_valid_entries_ignore_padding_in_lensnet_and_the_base_model(case):
+    """Entry by entry (LensNet at block granularity: ``test_lens_blocks``)."""
     shape, batch, seed = case
-    system, window, _ = contexts(shape, batch, seed)
+    system, window, _ = contexts(shape, batch, seed, lens={"granularity": "entry"})
     wc = padded_contexts(awake(system), window)
     pad = ~wc.valid
     assert pad.any()

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> None:
         )
     print(tok.decode(out.tolist()))
     extra = f", refocus {stats.refocus_s:.2f} s of it" if args.mode == "mc" else ""
+    extra += f", compilation {stats.compile_s:.1f} s of it (excluded from tok/s)" if args.compile else ""
     print(
         f"[generate] {args.mode}: prompt {stats.prompt_tokens} tokens read in {stats.prefill_s:.2f} s; "
         f"{stats.new_tokens} new tokens in {stats.decode_s:.2f} s = {stats.tokens_per_s:.1f} tok/s{extra}",

@@ -148,10 +148,11 @@ class LensConfig:
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
-    # What LensNet's transformer reads: "entry", every working-context entry; "block", one unit per gist and
-    # one per K-aligned block of tokens (mean-pooled), its score shared by the block's tokens. Every decision
-    # is block-level (a gist expands, a complete group collapses), and a cut has at most T/K units.
-    granularity: str = "entry"
+    # What LensNet's transformer reads: "block", one unit per gist and one per K-aligned block of tokens
+    # (mean-pooled), its score shared by the block's tokens; "entry", every working-context entry. Every
+    # decision is block-level (a gist expands, a complete group collapses), and a cut has at most T/K units:
+    # at bench-ref, 32 units instead of 768 entries.
+    granularity: str = "block"
 
     def __post_init__(self) -> None:
         _require(self.granularity in LENS_GRANULARITIES, "mc.lens.granularity", f"must be one of {LENS_GRANULARITIES}")

@@ -4,13 +4,15 @@
 against everything already cached, exactly as :meth:`GPT.hidden` would over the concatenation: each new
 entry attends to every cached entry and causally to the new ones. It reads prompts and refocused contexts.
 
-:func:`decode_token` appends one token with shapes that never change: it writes its keys and values at slot
-``length`` (a tensor) and attends over the whole capacity with the unwritten slots masked out, so
-:class:`TokenDecoder` can compile it once (``fullgraph=True``) for every token of a generation.
+:func:`decode_token` runs one new token with shapes that never change: it attends over the whole capacity
+with the slots from ``length`` (a tensor) on masked out, and returns the token's keys and values, which
+:class:`TokenDecoder` writes into the cache outside the graph. So the step compiles once (``fullgraph=True``)
+for every token of a generation.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -68,21 +70,25 @@ def decode_token(
     length: Int[Tensor, ""],
     emb: Float[Tensor, "1 1 d"],
     position: Float[Tensor, "1 1"],
-) -> Float[Tensor, "1 1 d"]:
-    """One token entry written at slot ``length`` of the caches (in place), attending to slots ``0..length``;
-    returns its final hidden state. What :func:`extend` does for ``n = 1``, at a fixed shape."""
+) -> tuple[Float[Tensor, "1 1 d"], Float[Tensor, "l 1 h 1 e"], Float[Tensor, "l 1 h 1 e"]]:
+    """One token entry after the ``length`` cached ones: its final hidden state, and its keys and values per
+    layer for the caller to write at slot ``length``. The caches are only read (slots ``>= length`` masked),
+    and the token's own key joins the softmax beside them: a graph that mutated the caches would copy them
+    whole at every token, and CUDA graphs would skip it."""
     cos, sin = rotary_tables(position, torch.ones_like(position), model.cfg.head_dim, model.cfg.rope_base)
-    mask = (torch.arange(k_cache.size(3), device=emb.device) <= length)[None, :]  # [1, c]: written slots and this
-    slot = length.view(1)
-    x = rms_norm(emb)
+    written = torch.arange(k_cache.size(3), device=emb.device) < length  # [c]
+    scale = model.cfg.head_dim**-0.5
+    x, keys, values = rms_norm(emb), [], []
     for i, block in enumerate(model.blocks):
-        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
-        k_cache[i].index_copy_(2, slot, k)
-        v_cache[i].index_copy_(2, slot, v)
-        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
+        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)  # [1, h, 1, e] each
+        cached = torch.where(written, (q @ k_cache[i].transpose(-1, -2)) * scale, float("-inf"))  # [1, h, 1, c]
+        weights = torch.softmax(torch.cat([cached, (q * k).sum(-1, keepdim=True) * scale], -1), -1)
+        y = weights[..., :-1] @ v_cache[i] + weights[..., -1:] * v
         x = x + block.attn.project(y)
         x = x + block.mlp(rms_norm(x))
-    return rms_norm(x)
+        keys.append(k)
+        values.append(v)
+    return rms_norm(x), torch.stack(keys), torch.stack(values)
 
 
 class TokenDecoder:
@@ -90,14 +96,20 @@ class TokenDecoder:
     when given (``mcfn.core.step.compile_step``): one graph for every length of every cache of one capacity."""
 
     def __init__(self, model: GPT, compile_fn: Callable[[Callable], Callable] | None = None):
-        self.model = model
+        self.model, self.compiled = model, compile_fn is not None
         self.step = decode_token if compile_fn is None else compile_fn(decode_token)
+        self.compile_s = 0.0  # the compiled step's first call, compilation included
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, emb: Tensor, position: Tensor) -> Tensor:
         if cache.length >= cache.capacity:
             raise ValueError(f"KV cache holds {cache.capacity} entries; {cache.length + 1} requested")
         length = torch.tensor(cache.length, device=emb.device)
-        hidden = self.step(self.model, cache.k, cache.v, length, emb, position)
+        first = self.compiled and not self.compile_s
+        t0 = time.perf_counter()
+        hidden, k, v = self.step(self.model, cache.k, cache.v, length, emb, position)
+        if first:
+            self.compile_s = time.perf_counter() - t0
+        cache.k[:, :, :, cache.length], cache.v[:, :, :, cache.length] = k[:, :, :, 0], v[:, :, :, 0]
         cache.length += 1
         return hidden
