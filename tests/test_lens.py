@@ -287,6 +287,20 @@ def test_allocator_without_a_positive_score_swaps_nothing_when_the_budget_is_ful
     assert torch.equal(allocate(cut, scores, nodes), cut)
 
 
+def test_allocator_collapses_only_groups_scored_strictly_below_zero():
+    """A score of exactly zero is indifference, not a wish to collapse: with the budget full and one gist
+    wanting to expand, a complete group whose children all score 0 stays; at -0.01 it pays for the expansion.
+    Scores of nodes the cut hides are never read."""
+    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [1, 2])  # 19 entries: the budget is full
+    scores = torch.where(cut, 0.0, -9.0)  # hidden nodes: anything
+    scores[0, lod2] = 1.0  # LOD2 gist 0 wants to expand
+    assert torch.equal(allocate(cut, scores, nodes), cut)
+    scores[0, nodes.parent == lod2 + 1] = -0.01
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [0, 2]))
+
+
 def test_allocator_swaps_exactly_the_positive_expansions_the_free_budget_cannot_hold():
     """Room for one expansion, three positive gists, three negative complete groups: three expansions, paid for
     by collapsing the two most negative groups, not all three."""

@@ -37,10 +37,9 @@ def allocate(
     """One refocus step (see the module docstring)."""
     layout = nodes.layout
     cost = layout.K - 1
-    scores = torch.where(shown, node_scores, 0.0)
+    scores = node_scores  # hidden nodes' scores never count: candidates are shown gists and complete groups
     can_expand = shown & (nodes.lod > 0)
-    children_negative = nodes.group_reduce(torch.where(shown, scores, 1.0), "amax") < 0
-    can_collapse = nodes.collapsible(shown) & children_negative
+    can_collapse = nodes.collapsible(shown) & (nodes.group_reduce(scores, "amax") < 0)
     group_score = nodes.group_reduce(scores, "mean")
 
     free = layout.W - shown.sum(-1)

@@ -74,7 +74,7 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
 
 
 class LensNet(nn.Module):
-    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, granularity: str = "entry"):
+    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, granularity: str = "block"):
         super().__init__()
         self.layout, self.head_dim, self.granularity = layout, width // n_head, granularity
         self.in_proj = nn.Linear(d_model, width, bias=False)
