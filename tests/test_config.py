@@ -119,6 +119,16 @@ def test_a_checkpoint_config_from_before_the_split_still_loads():
     assert cfg.mc.alloc.noise == 2.0
 
 
+def test_a_checkpoint_config_from_before_a_key_reads_as_it_ran():
+    """LensNet's granularity came with a new default ("block"); a checkpoint without the key ran "entry"."""
+    from mcfn.profile import config_from_saved
+
+    saved = RunConfig().to_dict()
+    del saved["mc"]["lens"]["granularity"]
+    assert config_from_saved(saved).mc.lens.granularity == "entry"
+    assert RunConfig().mc.lens.granularity == "block"
+
+
 def test_config_hash_follows_every_setting():
     base = resolve("cpu-tiny", [])
     assert base.digest() == resolve("cpu-tiny", []).digest()

@@ -114,10 +114,16 @@ def _from_saved(cls: type, values: dict[str, Any]) -> Any:
     return cls(**{k: _from_saved(types[k], v) if dataclasses.is_dataclass(types[k]) else v for k, v in values.items()})
 
 
+# Keys added with a default other than what came before: a checkpoint written without one ran the old way.
+ADDED_WITH_A_NEW_DEFAULT = {("lens", "granularity"): "entry"}
+
+
 def config_from_saved(sections: dict[str, dict[str, Any]]) -> RunConfig:
     """The config a checkpoint was written with, derived fields included (the file is ours, not the user's)."""
     try:
         sections = {**sections, "mc": _nest_flat_mc(sections["mc"])}
+        for (table, key), before in ADDED_WITH_A_NEW_DEFAULT.items():
+            sections["mc"].setdefault(table, {}).setdefault(key, before)
         return RunConfig(**{name: _from_saved(cls, sections[name]) for name, cls in _SECTION_TYPES.items()})
     except (KeyError, TypeError) as e:
         raise UserError(f"checkpoint config does not match this version of mcfn ({e})") from None

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mcfn.config import RunConfig, flatten
+from mcfn.config import RunConfig
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.data.loader import WindowSampler, validation_batches
 from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
+from mcfn.profile import config_from_saved
 from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from mcfn.shell.devices import autocast_for, padded_vocab
 from mcfn.shell.distributed import World
@@ -69,7 +70,7 @@ class Session:
 def check_resumable(state: dict[str, Any], cfg: RunConfig, corpus_key: str, path: Path) -> None:
     if state.get("format") != CHECKPOINT_FORMAT:
         raise UserError(f"checkpoint {path} has format {state.get('format')}, expected {CHECKPOINT_FORMAT}")
-    saved, current = flatten(state["config"]), cfg.flat()
+    saved, current = config_from_saved(state["config"]).flat(), cfg.flat()  # older checkpoints read as they ran
     for key, value in current.items():
         if key.split(".")[0] in RESUME_MUST_MATCH and saved.get(key) != value:
             section = key.split(".")[0]
