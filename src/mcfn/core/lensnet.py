@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor, nn
 
 from mcfn.core.context import WorkingContext
@@ -44,7 +44,7 @@ def block_units(wc: WorkingContext, K: int, units: int) -> Int[Tensor, "r w"]:
 
 
 @typechecked
-def unit_sums(x: Float[Tensor, "r w c"], unit: Int[Tensor, "r w"], units: int) -> Float[Tensor, "r u c"]:
+def unit_sums(x: Shaped[Tensor, "r w c"], unit: Int[Tensor, "r w"], units: int) -> Shaped[Tensor, "r u c"]:
     """Per unit, the sum of its entries' rows ``x`` (slot ``units``, padding, dropped)."""
     sums = x.new_zeros(x.size(0), units + 1, x.size(-1))
     return sums.scatter_add(1, repeat(unit, "r w -> r w c", c=x.size(-1)), x)[:, :units]
@@ -55,11 +55,11 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
     """The units as a working context ``[R, units]``: mean embedding, the unit's first start, summed span
     (K for a block of tokens, the gist's own span), its first entry's LOD, position at the span centre."""
     first = (unit != F.pad(unit[:, :-1], (1, 0), value=-1)) & wc.valid
-    columns = torch.stack((wc.valid, wc.start * first, wc.span, wc.lod * first), dim=-1).float()
+    columns = torch.stack((wc.valid.long(), wc.start * first, wc.span, wc.lod * first), dim=-1)  # exact in int64
     count, start, span, lod = unit_sums(columns, unit, units).unbind(-1)
     valid = count > 0
-    emb = unit_sums(wc.emb.detach(), unit, units) / count.clamp(min=1.0)[..., None]
-    start, span, lod = start.long(), span.long().clamp(min=1), lod.long()
+    emb = unit_sums(wc.emb.detach(), unit, units) / count.clamp(min=1)[..., None]
+    span = span.clamp(min=1)
     return WorkingContext(
         emb=emb,
         position=(start + (span - 1) / 2).float(),
