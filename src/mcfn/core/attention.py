@@ -71,8 +71,7 @@ def hidden_and_tail_attention(
             future[:, None], -torch.inf
         )
         attention = attention + torch.softmax(logits, -1).sum(1)
-        x = x + block.attn.project(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        x = x + block.mlp(rms_norm(x))
+        x = block.after_attention(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     return rms_norm(x), attention
 
 

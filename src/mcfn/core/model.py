@@ -75,9 +75,10 @@ class SelfAttention(nn.Module):
     def project(self, y: Tensor) -> Tensor:
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The heads' outputs ``[b, h, n, e]`` over ``x``'s own entries, before the output projection."""
         q, k, v = self.qkv(x, cos, sin)
-        return self.project(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
 
 
 class MLP(nn.Module):
@@ -105,7 +106,12 @@ class Block(nn.Module):
         return self.residual(x, cos, sin, mask)
 
     def residual(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        x = x + self.attn(rms_norm(x), cos, sin, mask)
+        return self.after_attention(x, self.attn.attend(rms_norm(x), cos, sin, mask))
+
+    def after_attention(self, x: Tensor, heads: Tensor) -> Tensor:
+        """The rest of the block once its attention heads' outputs ``[b, h, n, e]`` over ``x`` are known: the
+        projection and residual, then the MLP. Decoding and the attention read-out compute the heads their way."""
+        x = x + self.attn.project(heads)
         return x + self.mlp(rms_norm(x))
 
     @torch.no_grad()

@@ -34,6 +34,13 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity, self.length = capacity, 0
 
+    def end_after(self, n: int) -> int:
+        """The length once ``n`` more entries are written; a cache without room for them refuses."""
+        end = self.length + n
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} entries; {end} requested")
+        return end
+
 
 @typechecked
 @torch.no_grad()
@@ -45,10 +52,7 @@ def extend(
     spans: Float[Tensor, "1 n"],
 ) -> Float[Tensor, "1 n d"]:
     """Append ``n`` entries to the cache; returns their final hidden states (normed, as ``GPT.hidden``)."""
-    n, start = emb.size(1), cache.length
-    end = start + n
-    if end > cache.capacity:
-        raise ValueError(f"KV cache holds {cache.capacity} entries; {end} requested")
+    n, start, end = emb.size(1), cache.length, cache.end_after(emb.size(1))
     cos, sin = rotary_tables(positions, spans, model.cfg.head_dim, model.cfg.rope_base)
     mask = torch.ones(n, end, dtype=torch.bool, device=emb.device).tril(diagonal=start)
     x = rms_norm(emb)
@@ -56,8 +60,7 @@ def extend(
         q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
         cache.k[i, :, :, start:end], cache.v[i, :, :, start:end] = k, v
         y = F.scaled_dot_product_attention(q, cache.k[i, :, :, :end], cache.v[i, :, :, :end], attn_mask=mask)
-        x = x + block.attn.project(y)
-        x = x + block.mlp(rms_norm(x))
+        x = block.after_attention(x, y)
     cache.length = end
     return rms_norm(x)
 
@@ -83,9 +86,7 @@ def decode_token(
         q, k, v = block.attn.qkv(rms_norm(x), cos, sin)  # [1, h, 1, e] each
         cached = torch.where(written, (q @ k_cache[i].transpose(-1, -2)) * scale, float("-inf"))  # [1, h, 1, c]
         weights = torch.softmax(torch.cat([cached, (q * k).sum(-1, keepdim=True) * scale], -1), -1)
-        y = weights[..., :-1] @ v_cache[i] + weights[..., -1:] * v
-        x = x + block.attn.project(y)
-        x = x + block.mlp(rms_norm(x))
+        x = block.after_attention(x, weights[..., :-1] @ v_cache[i] + weights[..., -1:] * v)
         keys.append(k)
         values.append(v)
     return rms_norm(x), torch.stack(keys), torch.stack(values)
@@ -102,8 +103,7 @@ class TokenDecoder:
 
     @torch.no_grad()
     def __call__(self, cache: KVCache, emb: Tensor, position: Tensor) -> Tensor:
-        if cache.length >= cache.capacity:
-            raise ValueError(f"KV cache holds {cache.capacity} entries; {cache.length + 1} requested")
+        end = cache.end_after(1)
         length = torch.tensor(cache.length, device=emb.device)
         first = self.compiled and not self.compile_s
         t0 = time.perf_counter()
@@ -111,5 +111,5 @@ class TokenDecoder:
         if first:
             self.compile_s = time.perf_counter() - t0
         cache.k[:, :, :, cache.length], cache.v[:, :, :, cache.length] = k[:, :, :, 0], v[:, :, :, 0]
-        cache.length += 1
+        cache.length = end
         return hidden
