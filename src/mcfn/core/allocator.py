@@ -37,17 +37,17 @@ def allocate(
     """One refocus step (see the module docstring)."""
     layout = nodes.layout
     cost = layout.K - 1
-    scores = node_scores  # hidden nodes' scores never count: candidates are shown gists and complete groups
+    # Hidden nodes' scores are never read: candidates are shown gists and complete groups of shown children.
     can_expand = shown & (nodes.lod > 0)
-    can_collapse = nodes.collapsible(shown) & (nodes.group_reduce(scores, "amax") < 0)
-    group_score = nodes.group_reduce(scores, "mean")
+    can_collapse = nodes.collapsible(shown) & (nodes.group_reduce(node_scores, "amax") < 0)
+    group_score = nodes.group_reduce(node_scores, "mean")
 
     free = layout.W - shown.sum(-1)
     n_expand = can_expand.sum(-1)
     fill = torch.minimum(n_expand, free // cost)
-    wanted = torch.minimum((can_expand & (scores > 0)).sum(-1), n_expand)
+    wanted = torch.minimum((can_expand & (node_scores > 0)).sum(-1), n_expand)
     swaps = torch.minimum((wanted - fill).clamp(min=0), can_collapse.sum(-1))
-    expand = top_by_priority(can_expand, scores, fill + swaps)
+    expand = top_by_priority(can_expand, node_scores, fill + swaps)
     collapse = top_by_priority(can_collapse, -group_score, swaps)
     out = (shown & ~expand) | nodes.children_of(expand)
     return (out & ~nodes.children_of(collapse)) | collapse

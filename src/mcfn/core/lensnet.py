@@ -31,6 +31,11 @@ from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
 
+def unit_capacity(width: int, layout: Layout) -> int:
+    """The most units a cut of ``layout`` has in a row of ``width`` entries: at most one per K-aligned block."""
+    return min(width, layout.T // layout.K)
+
+
 @typechecked
 def block_units(wc: WorkingContext, K: int, units: int) -> Int[Tensor, "r w"]:
     """Each entry's unit, numbered in entry order (so valid units are a prefix): a gist is a unit of its own,
@@ -100,7 +105,7 @@ class LensNet(nn.Module):
         if self.granularity == "entry":  # a config constant: static under compile
             return self.score(wc)
         layout = self.layout if layout is None else layout
-        units = min(wc.batch_size[1], layout.T // layout.K)
+        units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
         scores = F.pad(self.score(pool_blocks(wc, unit, units)), (0, 1))  # the padding slot scores 0
         return scores.gather(1, unit) * wc.valid
