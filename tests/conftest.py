@@ -125,3 +125,20 @@ def write_profile(path: Path, sections: dict) -> Path:
 @pytest.fixture
 def profile(tmp_path, text_dir) -> Path:
     return write_profile(tmp_path / "tiny.toml", tiny_sections(f"text:{text_dir}"))
+
+
+@pytest.fixture(scope="session")
+def decoding_run(tmp_path_factory, text_dir) -> tuple[Path, Path]:
+    """A tiny MegaContext run (2 steps, W = 24, room to refocus every 4 tokens) and a prompt file to continue.
+    Its own vocabulary size gives it its own token cache: tests that expect to tokenize the corpus first still do."""
+    from train.run import main as run_main
+
+    root = tmp_path_factory.mktemp("decoding")
+    sections = tiny_sections(
+        f"text:{text_dir}", data={"vocab_size": 300}, train={"final_eval": False}, mc={"budget": 24}
+    )
+    profile = write_profile(root / "p.toml", sections)
+    assert run_main(["--profile", str(profile), "--out", str(root / "run"), "--steps", "2"]) == 0
+    prompt = root / "prompt.txt"
+    prompt.write_text("a long story about the sea and the old town " * 30)
+    return root / "run", prompt

@@ -55,3 +55,32 @@ def test_bench_reports_every_key_and_a_table(tmp_path, capsys):
 def test_bench_rejects_a_bad_profile(capsys):
     assert main(["--profile", "cpu-tiny", "--set", "mc.budget=1"]) == 2
     assert "mc.budget" in capsys.readouterr().err
+
+
+def test_decode_bench_times_every_mode_at_every_length(tmp_path, decoding_run, capsys):
+    """``--decode``: one row per prompt length with each mode's tokens/s, the MC/full ratio and the share of
+    cache entries warm refocuses kept (cold ones keep none); bad requests exit 2."""
+    run, prompt = decoding_run
+    out = tmp_path / "decode.json"
+    common = [
+        "--decode",
+        str(run),
+        "--prompt-file",
+        str(prompt),
+        "--new-tokens",
+        "9",
+        "--refocus-every",
+        "4",
+        "--eager",
+    ]
+    assert main([*common, "--lengths", "20,120", "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["prompt_tokens"] for r in rows] == [20, 120]
+    for r in rows:
+        assert min(r["mc_tok_s"], r["mc_cold_tok_s"], r["full_tok_s"]) > 0
+        assert r["mc_over_full"] == r["mc_tok_s"] / r["full_tok_s"]
+        assert r["mc_cold_cache_kept"] == 0 and 0 <= r["mc_cache_kept"] < 1
+    assert "| 120 |" in capsys.readouterr().out
+    assert main([*common, "--lengths", "100000"]) == 2  # longer than the prompt file
+    assert main(["--decode", str(run), "--lengths", "20"]) == 2  # no prompt
+    assert main([*common, "--lengths", "20,x"]) == 2

@@ -11,6 +11,7 @@ from test_mc import VOCAB, decisive, make_system
 
 from mcfn.core.step import compile_step
 from mcfn.core.tree import build_tree
+from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
 from mcfn.inference.streaming import StreamingTree, focused_context
@@ -94,16 +95,9 @@ def test_streaming_tree_gists_equal_the_batch_tree():
     assert stream.levels[1].length == T // K and stream.levels[2].length == T // K**2
 
 
-@settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 40 * W))
-def test_property_streaming_context_covers_the_recent_history_within_budget(n):
-    """For any history length: at most the budget, disjoint spans in order, the newest tokens at LOD0, and
-    everything from the first covered token to the newest one covered (I1-I4 over a stream)."""
-    system = decisive_system()
-    stream = StreamingTree(system, torch.device("cpu"))
-    stream.append(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)))
-    budget = W - REFOCUS
-    wc = focused_context(system, stream, budget, steps=2)
+def check_stream_context(wc, n: int, budget: int) -> None:
+    """At most the budget, disjoint spans in order, the newest tokens at LOD0, and everything from the first
+    covered token to the newest one covered (I1-I4 over a stream of ``n`` tokens)."""
     start, span, lod = wc.start[0], wc.span[0], wc.lod[0]
     assert bool(wc.valid.all()) and wc.batch_size[1] <= budget
     assert torch.equal(start[1:], (start + span)[:-1])  # contiguous, increasing, disjoint
@@ -115,6 +109,33 @@ def test_property_streaming_context_covers_the_recent_history_within_budget(n):
         assert int(start[0]) == 0 and bool((lod == 0).all())
     if n <= budget * K**L // 2:
         assert int(start[0]) == 0  # the whole history while the coarsest cover fits
+
+
+def random_stream(system, n: int) -> StreamingTree:
+    stream = StreamingTree(system, torch.device("cpu"))
+    stream.append(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)))
+    return stream
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40 * W))
+def test_property_streaming_context_covers_the_recent_history_within_budget(n):
+    system = decisive_system()
+    budget = W - REFOCUS
+    check_stream_context(focused_context(system, random_stream(system, n), budget, steps=2), n, budget)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40 * W), grown=st.integers(0, REFOCUS), steps=st.integers(1, 2))
+def test_property_warm_refocus_keeps_the_stream_invariants(n, grown, steps):
+    """A refocus that starts from the previous context, ``grown`` tokens later (the new ones at LOD0, over the
+    budget until collapses make room), obeys everything a refocus from the coarsest cut does."""
+    system = decisive_system()
+    budget = W - REFOCUS
+    stream = random_stream(system, n)
+    previous = focused_context(system, stream, budget, steps=2)
+    stream.append(torch.randint(0, VOCAB, (grown,), generator=torch.Generator().manual_seed(-n)))
+    check_stream_context(focused_context(system, stream, budget, steps, previous), n + grown, budget)
 
 
 def test_prompt_of_ten_budgets_generates():
@@ -132,14 +153,28 @@ def test_prompt_of_ten_budgets_generates():
     assert stats.new_tokens == 12 and stats.tokens_per_s > 0
 
 
+@pytest.mark.parametrize("warm_steps", [0, 1])
 @pytest.mark.parametrize("prompt_len", [5, 3 * W])
-def test_greedy_decoding_with_kv_cache_equals_recomputation(prompt_len):
+def test_decoding_with_kv_cache_equals_recomputation(prompt_len, warm_steps, monkeypatch):
+    """The cache a refocus keeps (the entries before the first one it changed: warm refocuses) and the cache it
+    rebuilds (cold ones) give the logits of recomputing the whole context at every token, so the same tokens."""
     system = decisive_system()
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
-    cached, _ = generate_mc(system, prompt, 14, REFOCUS, use_cache=True)
-    recomputed, _ = generate_mc(system, prompt, 14, REFOCUS, use_cache=False)
+    logits = {True: [], False: []}
+
+    def decode(use_cache: bool):
+        def greedy(x, sampling, generator):
+            logits[use_cache].append(x)
+            return x.argmax(-1, keepdim=True)
+
+        monkeypatch.setattr(generation, "pick_token", greedy)
+        return generate_mc(system, prompt, 14, REFOCUS, warm_steps=warm_steps, use_cache=use_cache)
+
+    (cached, stats), (recomputed, _) = decode(True), decode(False)
     assert torch.equal(cached, recomputed)
+    torch.testing.assert_close(torch.stack(logits[True]), torch.stack(logits[False]), atol=1e-4, rtol=1e-4)
     assert len(set(cached.tolist())) > 1  # a real sequence, not one token repeated
+    assert (stats.reused_entries > 0) == bool(warm_steps)
 
 
 def test_full_mode_matches_plain_forward():
@@ -160,3 +195,21 @@ def test_sampling_is_seeded():
     a, _ = generate_mc(system, prompt, 8, REFOCUS, sampling=sampling)
     b, _ = generate_mc(system, prompt, 8, REFOCUS, sampling=sampling)
     assert torch.equal(a, b)
+
+
+def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
+    """``train.generate`` on a run directory: both modes print a continuation and their speed, warm refocuses
+    report the share of cache entries they kept, and bad arguments exit 2."""
+    from train.generate import main as generate_main
+
+    run, prompt = decoding_run
+    common = ["--ckpt", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "20", "--temperature", "0"]
+    common += ["--refocus-every", "4"]
+    capsys.readouterr()
+    assert generate_main([*common, "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "[generate] mc:" in err and "20 new tokens" in err and "cache entries kept:" in err
+    assert generate_main([*common, "--mode", "full"]) == 0
+    assert "[generate] full:" in capsys.readouterr().err
+    assert generate_main([*common, "--warm-steps", "-1"]) == 2
+    assert generate_main([*common, "--refocus-every", "100000"]) == 2

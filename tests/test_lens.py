@@ -12,7 +12,7 @@ from test_mc import VOCAB, decisive, layouts, make_system
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mcfn.config import LensConfig, coarsest_cover_size
-from mcfn.core.allocator import allocate, node_scores_of
+from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import lens_losses, lens_weight_tensors, lod_map, preference_targets
@@ -157,6 +157,53 @@ def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, 
     free = layout.W - cut.sum(-1)
     gists_left = (cut & (table.lod > 0)).sum(-1)
     assert ((free < layout.K - 1) | (gists_left == 0)).all()
+
+
+@given(cases, adversarial)
+def test_property_I8_allocator_shrink_gets_back_within_any_budget_by_collapses_alone(case, kind):
+    """From legal cuts, any smaller budget down to the coarsest cover: each call collapses the
+    ``ceil(excess / (K - 1))`` lowest-mean complete groups (all there are, if fewer), whatever their sign, and
+    nothing else; repeated calls reach the budget. Rows already within it never change."""
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    layout, table = system.layout, system.nodes
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    cut = rearrange(sample_variants(noise, table)[:, 1:], "b v n -> (b v) n")  # the compressed variants
+    budget = layout.coarsest_cover + seed % (layout.W - layout.coarsest_cover + 1)
+    small = table.with_sizes(W=budget)
+    for it in range(layout.T):
+        scores = adversarial_scores(kind, cut.shape, seed + it)
+        after = shrink(cut, scores, small)
+        check_cut(after, layout)
+        groups = table.collapsible(cut)
+        chosen = after & ~cut
+        assert (chosen <= groups).all(), "only complete groups collapse"
+        excess = (cut.sum(-1) - budget).clamp(min=0)
+        want = torch.minimum(-(-excess // (layout.K - 1)), groups.sum(-1))
+        assert torch.equal(chosen.sum(-1), want)
+        assert torch.equal(after.sum(-1), cut.sum(-1) - want * (layout.K - 1))
+        mean = table.group_reduce(scores, "mean")
+        worst_kept = torch.where(groups & ~chosen, mean, float("inf")).amin(-1)
+        assert (torch.where(chosen, mean, float("-inf")).amax(-1) <= worst_kept).all(), "the lowest groups go first"
+        if torch.equal(after, cut):
+            break
+        cut = after
+    assert (cut.sum(-1) <= budget).all()
+
+
+def test_allocator_shrink_collapses_positive_groups_when_it_must_and_leaves_a_cut_within_budget():
+    """Unlike :func:`allocate`, :func:`shrink` collapses groups whose children all want detail, since the cut
+    must fit; a cut within the budget stays as it is."""
+    layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
+    nodes = NodeTable.of(layout)
+    cut = lod2_cut(layout, [0, 1, 2])  # 3 LOD2 gists expanded: 12 LOD1 + 2 LOD1 + 8 tokens = 22 entries
+    assert int(cut.sum()) == 22
+    scores = torch.ones(1, layout.n_nodes)
+    lod1 = layout.level_offsets[1]
+    scores[0, lod1 + 4 : lod1 + 8] = 0.5  # the second LOD2 gist's children: the lowest mean
+    assert torch.equal(shrink(cut, scores, nodes), cut)
+    assert torch.equal(shrink(cut, scores, nodes.with_sizes(W=19)), lod2_cut(layout, [0, 2]))
+    assert torch.equal(shrink(cut, scores, nodes.with_sizes(W=18)), lod2_cut(layout, [2]))  # 7 over: two groups
 
 
 def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():

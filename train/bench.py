@@ -3,6 +3,10 @@
 Random tokens at the profile's shapes (compute does not depend on the text, so no corpus is needed);
 compiled by default (``--eager`` to compare). Prints a table and writes ``--json FILE``. What is
 measured and how is in :mod:`mcfn.tools.benchmark`.
+
+``python -m train.bench --decode RUN_DIR --prompt-file F`` instead times generation with a trained model:
+MegaContext (warm and cold refocuses) against full context at several prompt lengths
+(:mod:`mcfn.inference.decode_bench`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from mcfn.errors import UserError
+from mcfn.errors import UserError, exit_code
 from mcfn.profile import parse_override, resolve
 
 
@@ -29,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: time an eager step and evaluation with the runtime shape checks on and off",
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    decode = p.add_argument_group("decode speed (instead of the step)")
+    decode.add_argument("--decode", type=Path, metavar="RUN_DIR", help="time generation with this trained MC run")
+    decode.add_argument("--prompt-file", type=Path, help="UTF-8 text; its first tokens are the prompts")
+    decode.add_argument("--lengths", default="1024,4096,16384,32768", help="prompt lengths in tokens")
+    decode.add_argument("--new-tokens", type=int, default=256)
+    decode.add_argument("--repeats", type=int, default=3, help="runs of each mode per length (medians reported)")
+    decode.add_argument("--refocus-every", type=int, default=16, help="tokens decoded between refocuses (MC)")
     args = p.parse_args(argv)
+    if args.decode is not None:
+        return exit_code(lambda: decode_benchmark(args))
     try:
         cfg = resolve(args.profile, [parse_override(o) for o in args.overrides] + [("mc", "enabled", True)])
         if args.steps < 1 or args.warmup < 1:
@@ -53,6 +66,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def decode_benchmark(args: argparse.Namespace) -> None:
+    import torch
+
+    from mcfn.core.step import compile_step
+    from mcfn.core.system import MegaContext
+    from mcfn.inference.decode_bench import format_decode_table, run_decode_benchmark
+    from mcfn.shell.devices import resolve_device
+    from mcfn.shell.restore import load_trained
+
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        text = args.prompt_file.read_text(encoding="utf-8") if args.prompt_file else None
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--lengths must be integers and --prompt-file readable UTF-8 text: {e}") from None
+    if text is None or min(lengths) < 1 or args.new_tokens < 1 or args.repeats < 1:
+        raise UserError("--decode needs --prompt-file, and --lengths, --new-tokens, --repeats >= 1")
+    trained = load_trained(args.decode, resolve_device("auto"))
+    if not isinstance(trained.model, MegaContext):
+        raise UserError(f"{args.decode} holds a plain GPT; --decode compares MegaContext with full context")
+    tok = trained.corpus.tokenizer
+    ids = torch.tensor([tok.bos_id, *tok.encode(text)], device=trained.token_bytes.device)
+    if ids.numel() < max(lengths):
+        raise UserError(f"{args.prompt_file} gives {ids.numel()} tokens; --lengths asks for {max(lengths)}")
+    compile_fn = None if args.eager else (lambda fn: compile_step(fn, mode=trained.cfg.train.compile_mode))
+    rows = run_decode_benchmark(
+        trained.model,
+        ids,
+        lengths,
+        args.new_tokens,
+        args.repeats,
+        args.refocus_every,
+        compile_fn,
+        progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
+    )
+    print(
+        f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, refocus every {args.refocus_every}, "
+        f"median of {args.repeats}"
+    )
+    print(format_decode_table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 ``mc`` streams the prompt into the summary tree and decodes within the working context of ``W`` entries,
 refocused every ``--refocus-every`` tokens (its LOD layout is printed at each refocus: one character per
-block of K tokens, 0 for tokens, 1 and 2 for gists, · not covered). ``full`` decodes with the whole prompt
-at LOD0, for comparison. Prints the continuation, then prompt and decode timings (tokens/s) on stderr.
+block of K tokens, 0 for tokens, 1 and 2 for gists, · not covered); every refocus after the first starts
+from the previous context (``--warm-steps``). ``full`` decodes with the whole prompt at LOD0, for
+comparison. Prints the continuation, then prompt and decode timings (tokens/s) on stderr.
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, help="keep only the first N tokens of the prompt")
     p.add_argument("--mode", choices=["mc", "full"], default="mc")
     p.add_argument("--refocus-every", type=int, default=16, help="tokens decoded between refocuses (mc)")
-    p.add_argument("--refocus-steps", type=int, default=4, help="allocator iterations per refocus (mc)")
+    p.add_argument(
+        "--refocus-steps", type=int, default=4, help="LensNet passes of the first refocus, from the coarsest cut (mc)"
+    )
+    p.add_argument(
+        "--warm-steps",
+        type=int,
+        default=1,
+        help="LensNet passes of each later refocus, from the previous context; 0: every refocus from the coarsest cut",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 decodes greedily")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 for all")
     p.add_argument("--seed", type=int, default=0)
@@ -48,6 +57,8 @@ def run(args: argparse.Namespace) -> None:
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
+    if args.refocus_steps < 1 or args.warm_steps < 0:
+        raise UserError("--refocus-steps must be >= 1 and --warm-steps >= 0")
     try:
         text = args.prompt_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -77,6 +88,7 @@ def run(args: argparse.Namespace) -> None:
             args.refocus_every,
             args.refocus_steps,
             sampling,
+            warm_steps=args.warm_steps,
             on_refocus=show_layout,
             compile_fn=compile_fn,
         )
@@ -85,7 +97,10 @@ def run(args: argparse.Namespace) -> None:
             model.base if isinstance(model, MegaContext) else model, prompt, args.max_new_tokens, sampling, compile_fn
         )
     print(tok.decode(out.tolist()))
-    extra = f", refocus {stats.refocus_s:.2f} s of it" if args.mode == "mc" else ""
+    extra = ""
+    if args.mode == "mc":
+        kept = stats.reused_entries / max(1, stats.reused_entries + stats.recomputed_entries)
+        extra = f", refocus {stats.refocus_s:.2f} s of it (cache entries kept: {kept:.0%})"
     extra += f", compilation {stats.compile_s:.1f} s of it (excluded from tok/s)" if args.compile else ""
     print(
         f"[generate] {args.mode}: prompt {stats.prompt_tokens} tokens read in {stats.prefill_s:.2f} s; "

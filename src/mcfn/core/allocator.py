@@ -15,6 +15,9 @@ refocus step, fixed-shape and vectorized:
 A collapsing group's children all score below zero, so none of them is also being expanded: the two
 kinds of action never touch the same node. The result is again a cut that covers the same text with
 the tail at LOD0 (I8).
+
+:func:`shrink` brings a cut that grew past ``W`` (a streaming context carried over to a longer history,
+its new tokens at LOD0) back within it, by collapses alone.
 """
 
 from __future__ import annotations
@@ -49,8 +52,28 @@ def allocate(
     swaps = torch.minimum((wanted - fill).clamp(min=0), can_collapse.sum(-1))
     expand = top_by_priority(can_expand, node_scores, fill + swaps)
     collapse = top_by_priority(can_collapse, -group_score, swaps)
-    out = (shown & ~expand) | nodes.children_of(expand)
-    return (out & ~nodes.children_of(collapse)) | collapse
+    return collapsed((shown & ~expand) | nodes.children_of(expand), collapse, nodes)
+
+
+@typechecked
+def shrink(
+    shown: Bool[Tensor, "r nodes"],
+    node_scores: Float[Tensor, "r nodes"],
+    nodes: NodeTable,
+) -> Bool[Tensor, "r nodes"]:
+    """Collapse the ``ceil(excess / (K - 1))`` complete groups with the lowest mean score, whatever its sign,
+    in every row over ``W``; rows within ``W`` are unchanged. A row with fewer complete groups than that
+    collapses all it has and stays over: a further call may find the groups those collapses completed."""
+    cost = nodes.layout.K - 1
+    needed = ((shown.sum(-1) - nodes.layout.W).clamp(min=0) + cost - 1) // cost
+    candidates = nodes.collapsible(shown)
+    count = torch.minimum(needed, candidates.sum(-1))
+    return collapsed(shown, top_by_priority(candidates, -nodes.group_reduce(node_scores, "mean"), count), nodes)
+
+
+def collapsed(shown: Tensor, parents: Tensor, nodes: NodeTable) -> Tensor:
+    """``shown [r, nodes]`` with each chosen parent (a complete group's) in place of its ``K`` children."""
+    return (shown & ~nodes.children_of(parents)) | parents
 
 
 @typechecked

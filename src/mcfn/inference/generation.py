@@ -2,9 +2,14 @@
 
 ``mc``: the prompt streams into a :class:`StreamingTree`. Every ``refocus_every`` tokens the working
 context is rebuilt by LensNet and the allocator within ``W - refocus_every`` entries (room for the tokens
-decoded until the next refocus), run through the base model once to fill a KV cache, and the next
-tokens are decoded one at a time against that cache; each new token also joins the tree, so its block's
-gists exist by the next refocus. Per-token cost is bounded by ``W`` however long the text gets.
+decoded until the next refocus), run through the base model to fill a KV cache, and the next tokens are
+decoded one at a time against that cache; each new token also joins the tree, so its block's gists exist
+by the next refocus. Per-token cost is bounded by ``W`` however long the text gets.
+
+A refocus is cheap when little changed: the first starts from the coarsest cut (``refocus_steps``
+LensNet passes), every later one from the previous context (``warm_steps`` passes, one by default), and
+the cache keeps the entries before the first one the refocus changed: a cached entry's keys and values
+depend only on the entries before it, so only the rest runs through the model again.
 
 ``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
 
@@ -19,14 +24,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
+from mcfn.core.context import WorkingContext
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context
+from mcfn.typecheck import typechecked
 
 PREFILL_CHUNK = 1024  # full mode reads long prompts in chunks, so attention never builds an n × n mask
 
@@ -46,6 +54,8 @@ class GenerationStats:
     decode_s: float = 0.0  # every new token, refocuses included
     refocus_s: float = 0.0  # of decode_s: rebuilding the working context and its cache
     compile_s: float = 0.0  # of decode_s: the compiled token step's first call (compilation included)
+    reused_entries: int = 0  # context entries whose cached keys and values a refocus kept (mc)
+    recomputed_entries: int = 0  # context entries a refocus ran through the model (mc)
     layouts: list[str] = field(default_factory=list)  # the LOD layout at each refocus (mc)
 
     @property
@@ -84,6 +94,31 @@ def check_refocus(system: MegaContext, refocus_every: int) -> int:
     return budget
 
 
+@typechecked
+def shared_prefix(cached: Int[Tensor, "n 2"], entries: Int[Tensor, "m 2"]) -> int:
+    """How many leading rows of two ``[n, 2]`` (start, LOD) lists agree: the cache entries a refocus keeps."""
+    n = min(cached.size(0), entries.size(0))
+    differ = (cached[:n] != entries[:n]).any(-1)
+    return int(differ.int().argmax()) if bool(differ.any()) else n
+
+
+@typechecked
+def refill(
+    base: GPT, cache: KVCache, cached: Int[Tensor, "n 2"], wc: WorkingContext, stats: GenerationStats
+) -> tuple[Float[Tensor, "1 r d"], Int[Tensor, "m 2"]]:
+    """Bring the cache, holding the entries ``cached [n, 2]`` (start, LOD), to the context ``wc [1, m]``: keep
+    the entries up to the first one that differs and run the rest through the model. Returns the hidden
+    states of the entries it ran ``[1, m - kept, D]`` and the context's (start, LOD) ``[m, 2]``."""
+    entries = torch.stack([wc.start[0], wc.lod[0]], -1)
+    # Keep at least one entry out of the prefix: its hidden state gives the next token.
+    keep = min(shared_prefix(cached, entries), entries.size(0) - 1)
+    cache.length = keep
+    hidden = extend(base, cache, wc.emb[:, keep:], wc.position[:, keep:], wc.span[:, keep:].float())
+    stats.reused_entries += keep
+    stats.recomputed_entries += entries.size(0) - keep
+    return hidden, entries
+
+
 @torch.no_grad()
 def generate_mc(
     system: MegaContext,
@@ -92,12 +127,14 @@ def generate_mc(
     refocus_every: int,
     refocus_steps: int = 4,
     sampling: Sampling = Sampling(),
+    warm_steps: int = 1,
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
 ) -> tuple[Tensor, GenerationStats]:
     """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
-    ``compile_fn`` compiles the per-token step (every refocus's cache has capacity ``W``: one shape)."""
+    ``warm_steps = 0`` starts every refocus from the coarsest cut, with a fresh cache. ``compile_fn``
+    compiles the per-token step (every refocus's cache has capacity ``W``: one shape)."""
     base, layout = system.base, system.layout
     decoder = TokenDecoder(base, compile_fn)
     budget = check_refocus(system, refocus_every)
@@ -111,28 +148,38 @@ def generate_mc(
 
     t0 = time.perf_counter()
     produced: list[Tensor] = []
+    wc, cache = None, KVCache(base, layout.W, device)  # the cache holds the context and R new tokens
+    cached = torch.zeros(0, 2, dtype=torch.int64, device=device)  # (start, LOD) of each cache entry
     while len(produced) < max_new_tokens:
         t_refocus = time.perf_counter()
-        wc = focused_context(system, stream, budget, refocus_steps)
+        warm = warm_steps > 0 and wc is not None
+        wc = focused_context(system, stream, budget, warm_steps if warm else refocus_steps, wc if warm else None)
         layout_text = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), layout.K)
         stats.layouts.append(layout_text)
         if on_refocus is not None:
             on_refocus(len(stream), layout_text)
         emb, positions, spans = wc.emb, wc.position, wc.span.float()
-        cache = KVCache(base, layout.W, device) if use_cache else None  # holds the context and R new tokens
-        hidden = extend(base, cache, emb, positions, spans) if use_cache else base.hidden(emb, positions, spans)
+        if use_cache:
+            hidden, cached = refill(base, cache, cached if warm else cached[:0], wc, stats)
+        else:
+            hidden = base.hidden(emb, positions, spans)
         stats.refocus_s += time.perf_counter() - t_refocus
+        # Decoded tokens join the tree at the next refocus, the only reader: one GistNet call per level.
+        decoded: list[Tensor] = []
         for _ in range(min(refocus_every, max_new_tokens - len(produced))):
             token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
-            produced.append(token)
-            stream.append(token)
-            new_emb, new_pos, one = token_entry(base, token, len(stream) - 1)
+            decoded.append(token)
+            new_emb, new_pos, one = token_entry(base, token, len(stream) + len(decoded) - 1)
             if use_cache:
                 hidden = decoder(cache, new_emb, new_pos)
             else:
                 emb = torch.cat([emb, new_emb], 1)
                 positions, spans = torch.cat([positions, new_pos], 1), torch.cat([spans, one], 1)
                 hidden = base.hidden(emb, positions, spans)
+        new = torch.arange(len(stream), len(stream) + len(decoded), device=device)
+        cached = torch.cat([cached, torch.stack([new, torch.zeros_like(new)], -1)])
+        stream.append(torch.cat(decoded))
+        produced += decoded
     stats.decode_s, stats.compile_s = time.perf_counter() - t0, decoder.compile_s
     stats.new_tokens = len(produced)
     return torch.cat(produced) if produced else prompt.new_zeros(0), stats

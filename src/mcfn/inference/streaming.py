@@ -6,7 +6,11 @@
 * :func:`focused_context` builds a working context over the whole history ``[0, n)`` (or its most recent
   part, once even the coarsest full cover would not fit): it lays the static training machinery over the
   history, with the last ``H`` to ``H + K - 1`` tokens as the LOD0 tail, starts from the coarsest cut and
-  refocuses with LensNet and the allocator, the procedure ``train.eval`` scores as ``lens``.
+  refocuses with LensNet and the allocator, the procedure ``train.eval`` scores as ``lens``. Given the
+  previous context instead, it starts warm: that context with the tokens that arrived since at LOD0
+  (:func:`carried_cut`), scored once by LensNet, shrunk back within budget by collapsing the
+  lowest-scoring groups, and reallocated with the same scores, so one LensNet pass does what the four
+  passes from the coarsest cut do when little has changed.
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
 *phantom* tokens after the newest one. They sit in the tail, so no gist ever covers them, the budget is
@@ -20,14 +24,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Int
+from jaxtyping import Bool, Int
 from torch import Tensor
 
+from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.system import MegaContext, refocus
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
+from mcfn.typecheck import typechecked
 
 
 class GrowingRows:
@@ -123,15 +129,66 @@ def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
     return Tree(emb=torch.cat(parts)[None], batch_size=[1]), window[None]
 
 
+@typechecked
+def carried_cut(previous: WorkingContext, view: StreamView) -> Bool[Tensor, "1 1 nodes"] | None:
+    """The shown-node mask ``[1, 1, n_nodes]`` of the view that keeps ``previous`` (a ``[1, m]`` context from
+    :func:`focused_context`, absolute starts) and shows every later token at LOD0, phantoms included; entries
+    before the view's origin drop out. It may exceed the view's budget by the tokens that arrived. ``None``
+    when ``previous`` cannot be carried: it does not reach back to the origin."""
+    layout = view.layout
+    start, lod = previous.start[0] - view.origin, previous.lod[0]
+    end = int(start[-1] + previous.span[0, -1])  # the first token ``previous`` did not cover
+    if end < 0 or int(start[0]) > 0:
+        return None
+    offsets = torch.tensor(layout.level_offsets, device=start.device)
+    kept = start >= 0
+    node = offsets[lod[kept]] + start[kept] // layout.K ** lod[kept]
+    shown = torch.zeros(layout.n_nodes, dtype=torch.bool, device=start.device)
+    shown[node] = True
+    shown[end : layout.T] = True  # LOD0 nodes are numbered first, by token
+    return shown[None, None]
+
+
+@typechecked
+def warm_refocus(
+    system: MegaContext, tree: Tree, window: Int[Tensor, "1 t1"], cut: Bool[Tensor, "1 1 nodes"], nodes: NodeTable
+) -> Bool[Tensor, "1 1 nodes"] | None:
+    """One LensNet pass over a carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens), then
+    :func:`~mcfn.core.allocator.shrink` (repeated while each call still frees room) and
+    :func:`~mcfn.core.allocator.allocate` with the same scores; ``None`` if it cannot get within budget."""
+    shown = cut[0]
+    wide = nodes.with_sizes(W=max(int(shown.sum()), nodes.layout.W))  # room to assemble the grown cut
+    wc = assemble(tree, cut, window, wide)
+    scores = node_scores_of(system.lensnet(wc, layout=wide.layout), wc.node, wc.valid, wide.layout.n_nodes)
+    size = int(shown.sum())
+    while size > nodes.layout.W:
+        shown = shrink(shown, scores, nodes)
+        size, before = int(shown.sum()), size
+        if size == before:
+            return None
+    return allocate(shown, scores, nodes)[None]
+
+
 @torch.no_grad()
-def focused_context(system: MegaContext, stream: StreamingTree, budget: int, steps: int) -> WorkingContext:
+def focused_context(
+    system: MegaContext, stream: StreamingTree, budget: int, steps: int, previous: WorkingContext | None = None
+) -> WorkingContext:
     """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history, refocused
-    ``steps`` times from the coarsest cut; positions and starts are absolute token positions."""
+    ``steps`` times from the coarsest cut, or with ``previous`` (this function's last answer for a shorter
+    history) from that context: a warm start, whose first step is :func:`warm_refocus`. Positions and starts
+    are absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
     layout = view.layout
     tree, window = view_tree(stream, view)
     nodes = NodeTable.of(layout, window.device)
-    cut = coarsest_cut(layout, window.device)[None, None]
+    cut = None
+    if system.lensnet is not None and previous is not None:
+        carried = carried_cut(previous, view)
+        cut = None if carried is None else warm_refocus(system, tree, window, carried, nodes)
+        if cut is not None:
+            steps -= 1  # the warm pass was the first step
+    if cut is None:
+        cut = coarsest_cut(layout, window.device)[None, None]
     if system.lensnet is not None:
         cut = refocus(system, tree, window, cut, nodes, iterations=steps)
     wc = assemble(tree, cut, window, nodes)[0]

@@ -1,0 +1,87 @@
+"""Decode speed of MegaContext against full context, measured in one process: ``python -m train.bench --decode``.
+
+For each prompt length, greedy generation of ``new_tokens`` tokens in three modes, run in turn ``repeats``
+times so that the machine's drift falls on all of them alike; each figure is the median over the repeats:
+
+* ``mc``: streaming MegaContext, warm refocuses (the default of ``train.generate``);
+* ``mc_cold``: every refocus from the coarsest cut, with a fresh cache (``--warm-steps 0``);
+* ``full``: the whole prompt at LOD0 with a KV cache over all of it.
+
+With ``compile_fn`` the per-token step is compiled (once per cache shape; the first repeat pays for it, and
+tokens/s never counts compilation).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mcfn.core.system import MegaContext
+from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
+
+MODES = ("mc", "mc_cold", "full")
+
+
+def decode_once(
+    system: MegaContext, mode: str, prompt: torch.Tensor, new_tokens: int, refocus_every: int, compile_fn
+) -> GenerationStats:
+    greedy = Sampling(temperature=0.0)
+    gc.collect()  # the previous mode's garbage is not collected on this one's time
+    if mode == "full":
+        return generate_full(system.base, prompt, new_tokens, greedy, compile_fn)[1]
+    warm_steps = 0 if mode == "mc_cold" else 1
+    return generate_mc(
+        system, prompt, new_tokens, refocus_every, sampling=greedy, warm_steps=warm_steps, compile_fn=compile_fn
+    )[1]
+
+
+def run_decode_benchmark(
+    system: MegaContext,
+    ids: torch.Tensor,
+    lengths: list[int],
+    new_tokens: int,
+    repeats: int,
+    refocus_every: int = 16,
+    compile_fn: Callable[[Callable], Callable] | None = None,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[dict[str, Any]]:
+    """One row per prompt length (the first ``length`` of ``ids``): per mode the median tokens/s, prompt
+    read time and (MegaContext) refocus time per new token and the share of cache entries refocuses kept."""
+    rows = []
+    for length in lengths:
+        runs: dict[str, list[GenerationStats]] = {mode: [] for mode in MODES}
+        for r in range(repeats):
+            for mode in MODES:
+                stats = decode_once(system, mode, ids[:length], new_tokens, refocus_every, compile_fn)
+                runs[mode].append(stats)
+                progress(f"{length} tokens, {mode}, repeat {r + 1}/{repeats}: {stats.tokens_per_s:.1f} tok/s")
+        row: dict[str, Any] = {"prompt_tokens": length}
+        for mode, stats in runs.items():
+            row[f"{mode}_tok_s"] = statistics.median(s.tokens_per_s for s in stats)
+            row[f"{mode}_prompt_s"] = statistics.median(s.prefill_s for s in stats)
+            if mode != "full":
+                row[f"{mode}_refocus_ms_per_token"] = 1e3 * statistics.median(s.refocus_s / s.new_tokens for s in stats)
+                kept = [s.reused_entries / max(1, s.reused_entries + s.recomputed_entries) for s in stats]
+                row[f"{mode}_cache_kept"] = statistics.median(kept)
+        row["mc_over_full"] = row["mc_tok_s"] / row["full_tok_s"]
+        rows.append(row)
+    return rows
+
+
+def format_decode_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| prompt tokens | MC tok/s | MC cold tok/s | full tok/s | MC / full | MC refocus ms/token (cold) "
+        "| cache kept | MC prompt read | full prompt read |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['prompt_tokens']:,} | {r['mc_tok_s']:.0f} | {r['mc_cold_tok_s']:.0f} | {r['full_tok_s']:.0f} "
+            f"| {r['mc_over_full']:.2f} | {r['mc_refocus_ms_per_token']:.2f} ({r['mc_cold_refocus_ms_per_token']:.2f}) "
+            f"| {100 * r['mc_cache_kept']:.0f}% | {r['mc_prompt_s']:.2f} s | {r['full_prompt_s']:.2f} s |"
+        )
+    return "\n".join(lines)
