@@ -61,7 +61,7 @@ def test_the_teachers_mass_covers_the_window_once_per_level():
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     window, noise = batch(system)
     with torch.no_grad():
-        wc, _ = build_contexts(system, window, noise)
+        wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
         weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
         _, mass = teacher_losses(system.base, window, hidden, wc, system.layout, weights, with_mass=True)
@@ -85,7 +85,7 @@ def test_a_node_holds_the_mass_of_the_tokens_under_its_span():
 def constructed_case(system, seed: int = 0):
     window, noise = batch(system, seed=seed)
     with torch.no_grad():
-        wc, _ = build_contexts(system, window, noise)
+        wc, _, _ = build_contexts(system, window, noise)
     mass = torch.rand(window.size(0), system.layout.n_nodes, generator=torch.Generator().manual_seed(seed)) + 0.1
     return wc, mass
 

@@ -114,7 +114,7 @@ def test_attention_mass_is_the_models_attention_from_the_queries():
 
     noise = draw_variant_noise(system.layout, 2, torch.Generator().manual_seed(0), torch.device("cpu"))
     with torch.no_grad():
-        wc, _ = build_contexts(system, window, noise)
+        wc, _, _ = build_contexts(system, window, noise)
     queries = wc.valid & (wc.start >= T - H)  # the last H valid entries (I4)
     mass = attention_mass(system.base, wc, H)
     heads = system.base.cfg.n_layer * system.base.cfg.n_head

@@ -15,10 +15,17 @@ from mcfn.config import LensConfig, coarsest_cover_size
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
-from mcfn.core.preferences import lens_losses, lens_weight_tensors, lod_map, preference_targets
+from mcfn.core.preferences import lens_losses, lens_weight_tensors, lod_map, pair_slots, preference_targets
 from mcfn.core.system import build_contexts, process_batch_lens
 from mcfn.core.tree import build_tree
-from mcfn.core.variants import coarsest_cut, draw_variant_noise, sample_variants
+from mcfn.core.variants import (
+    coarsest_cut,
+    draw_variant_noise,
+    most_left_out,
+    recency_cut,
+    recent_cut,
+    sample_variants,
+)
 
 WEIGHTS = lens_weight_tensors(LensConfig(), torch.device("cpu"))
 
@@ -29,7 +36,7 @@ def random_setup(shape: dict, batch: int, seed: int):
     window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
     noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
     with torch.no_grad():
-        wc, shown = build_contexts(system, window, noise)
+        wc, shown, _ = build_contexts(system, window, noise)
     tails = torch.rand(batch, system.layout.V, generator=g) * 3
     return system, wc, shown, tails
 
@@ -37,13 +44,25 @@ def random_setup(shape: dict, batch: int, seed: int):
 cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
 
 
-def check_cut(shown: torch.Tensor, layout) -> None:
-    """A valid compressed working context: every token covered exactly once, the tail at LOD0, within W."""
+def token_coverage(shown: torch.Tensor, layout) -> torch.Tensor:
+    """``[..., T]``: how many shown nodes cover each token."""
     coverage = torch.zeros(*shown.shape[:-1], layout.T, dtype=torch.int64)
     for k in range(layout.L + 1):
         lo = layout.level_offsets[k]
         coverage += shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
-    assert (coverage == 1).all(), "disjoint cover of [0, T) (I2)"
+    return coverage
+
+
+def check_cut(shown: torch.Tensor, layout) -> None:
+    """A valid working context (I2): every top-level block covered exactly once or left out whole, and only
+    a block whose LODmax gist is eligible may be left out; the tail at LOD0; within W."""
+    coverage = token_coverage(shown, layout)
+    assert (coverage <= 1).all(), "disjoint spans (I2)"
+    top = layout.K**layout.L
+    blocks = rearrange(coverage, "... (n s) -> ... n s", s=top)
+    assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "a block is covered whole or left out whole (I2)"
+    may_leave_out = torch.arange(layout.T // top) < layout.eligible_counts[layout.L]
+    assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible top-level block is left out (I2)"
     assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
     assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
     eligible = NodeTable.of(layout).eligible
@@ -59,11 +78,17 @@ def test_property_I6_legality_of_targets(case):
     lod, node, valid = wc.lod[rows], wc.node[rows], wc.valid[rows]
     assert not ((y != 0) & ~valid).any(), "no target on padding (I3)"
     assert not ((y > 0) & (lod == 0)).any(), "never + on LOD0"
-    assert not ((y < 0) & (lod == L)).any(), "never - on LODmax"
+    assert not ((y < 0) & (lod == L) & ~table.eligible[node]).any(), "a - on LODmax (a drop) only on an eligible gist"
     parent = table.parent[node]
+    i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
+    better = torch.where(rows % system.layout.V == j, i, j)  # the other slot of each pair
+    covered = table.top_covered(shown)  # [B, V, top]
     for b in range(y.size(0)):
         for p in range(y.size(1)):
-            collapsing = (y[b, p] < 0).nonzero().flatten()
+            for e in ((y[b, p] < 0) & (lod[b, p] == L)).nonzero().flatten().tolist():
+                block = int(node[b, p, e]) - system.layout.level_offsets[L]
+                assert not covered[b, better[b, p], block], "a drop target only where the better variant leaves out"
+            collapsing = ((y[b, p] < 0) & (lod[b, p] < L)).nonzero().flatten()
             for e in collapsing.tolist():
                 siblings = (parent[b, p] == parent[b, p, e]) & (lod[b, p] == lod[b, p, e]) & valid[b, p]
                 assert int(siblings.sum()) == shape["K"], "a collapse acts on a complete group"
@@ -104,14 +129,24 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
 
 def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> None:
     """Only legal actions (I6, I8): every node that appeared is a child of a gist that was shown and is gone
-    (an expansion), or a parent that was hidden, whose complete group of K children was shown and is all gone
-    (a collapse); and every node that disappeared is accounted for by one of those two."""
+    (an expansion), a parent that was hidden, whose complete group of K children was shown and is all gone
+    (a collapse), or the LODmax gist of a block that was left out (a restore); every node that disappeared
+    is accounted for by one of those, or is an eligible LODmax gist whose block is now left out (a drop)."""
+    L = table.layout.L
     explained = torch.zeros_like(before)
+    was_covered, is_covered = table.top_covered(before), table.top_covered(after)
+    top = table.layout.level_offsets[L]
+    for r, n in (before & ~after & (table.lod == L)).nonzero().tolist():
+        if not is_covered[r, n - top]:  # dropped (else expanded, explained below)
+            assert bool(table.eligible[n]), "only an eligible LODmax gist is dropped"
+            explained[r, n] = True
     for r, n in (after & ~before).nonzero().tolist():
         parent = int(table.parent[n])
         children = table.parent == n
         if parent >= 0 and before[r, parent] and not after[r, parent]:
             explained[r, parent] = True  # expanded: its children appear
+        elif int(table.lod[n]) == L and not was_covered[r, n - top]:
+            pass  # restored: a left-out block comes back as its LODmax gist
         else:
             assert int(children.sum()) == K and before[r, children].all() and not after[r, children].any(), (
                 "a node appeared that is neither an expanded gist's child nor a collapsed complete group's parent"
@@ -153,10 +188,77 @@ def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, 
         cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), table)
         check_cut(cut, layout)
         check_actions(before, cut, table, layout.K)
-    # As fully as the tree allows: no room for one more expansion, or nothing left to expand.
+    # As fully as the tree allows: no room for one more expansion, or nothing left to expand; and no room
+    # for a restore, or nothing left out.
     free = layout.W - cut.sum(-1)
     gists_left = (cut & (table.lod > 0)).sum(-1)
     assert ((free < layout.K - 1) | (gists_left == 0)).all()
+    assert ((free == 0) | (table.left_out(cut).sum(-1) == 0)).all()
+
+
+@given(cases)
+def test_property_I2_compressed_variants_leave_out_only_whole_eligible_blocks(case):
+    """Every compressed variant is a cut (I2–I4) that leaves out at most :func:`most_left_out` top-level blocks,
+    each freeing one entry for detail; with the noise at its top every variant leaves that many out."""
+    shape, batch, seed = case
+    layout = make_system(**shape, seed=seed).layout
+    table = NodeTable.of(layout)
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    cuts = sample_variants(noise, table)[:, 1:]
+    check_cut(cuts, layout)
+    n_left_out = (~table.top_covered(cuts)).sum(-1)
+    assert (n_left_out <= most_left_out(layout)).all()
+    noise.leave_out = torch.full_like(noise.leave_out, 0.999)
+    assert ((~table.top_covered(sample_variants(noise, table)[:, 1:])).sum(-1) == most_left_out(layout)).all()
+
+
+def test_allocator_reaches_truncation_when_old_text_scores_below_zero():
+    """From the coarsest cut, with every node older than the last W tokens scored below zero and the newer ones
+    above (newest highest), three allocator steps give exactly the recency cut: old blocks left out, the rest
+    expanded to tokens. Truncation is a cut the policy can reach (I8)."""
+    layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1).layout
+    table = NodeTable.of(layout)
+    end = (table.start + table.span).float()
+    scores = torch.where(end > layout.T - layout.W, end, -100.0 + end)[None]
+    cut = coarsest_cut(layout, torch.device("cpu"))[None]
+    for _ in range(3):
+        before, cut = cut, allocate(cut, scores, table)
+        check_cut(cut, layout)
+        check_actions(before, cut, table, layout.K)
+    assert torch.equal(cut, recency_cut(layout, 1, torch.device("cpu"))[:, 0])
+
+
+def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_recent_one():
+    """I7 with left-out text: recency (slot 0) beats the coarsest cut (slot 1). The coarsest cut's LODmax gists
+    over text recency leaves out get a collapse target (a drop); the ones over text recency shows as tokens
+    get an expand target; the tail's tokens tie."""
+    system = make_system(T=64, K=4, L=2, W=32, H=8, N=1)
+    layout, table = system.layout, system.nodes
+    shown = torch.stack([recency_cut(layout, 1, torch.device("cpu"))[0, 0], coarsest_cut(layout, torch.device("cpu"))])
+    window = torch.zeros(1, layout.T + 1, dtype=torch.long)
+    tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
+    wc = assemble(tree, shown[None], window, table)
+    y, tie, _, rows = preference_targets(shown[None], torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS["temperature"])
+    assert int(rows[0, 0]) == 1  # the coarsest cut is the worse one
+    node, valid = wc.node[rows][0, 0], wc.valid[rows][0, 0]
+    lod2, lod1 = layout.level_offsets[2], layout.level_offsets[1]
+    want = {lod2 + 0: -1, lod2 + 1: -1, lod2 + 2: 1, lod1 + 12: 1, lod1 + 13: 1}  # [0,16) [16,32) gone; [32,56) tokens
+    for e in range(int(valid.sum())):
+        assert int(y[0, 0, e]) == want.get(int(node[e]), 0), f"entry for node {int(node[e])}"
+    assert tie[0, 0][: int(valid.sum())].sum() == layout.H  # the tail's tokens: shown alike by both
+
+
+def test_recent_cut_is_the_newest_detail_first_built_by_hand():
+    """T=64, K=4, L=2, H=8, W=22: the coarsest cut (13 entries) expands its newest gist while one fits: LOD1
+    [52,56), then LOD1 [48,52), then LOD2 [32,48): LOD2 [0,16) [16,32), LOD1 [32,48) and tokens [48,64)."""
+    layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
+    want = torch.zeros(layout.n_nodes, dtype=torch.bool)
+    want[48:64] = True
+    want[layout.level_offsets[1] + 8 : layout.level_offsets[1] + 12] = True
+    want[layout.level_offsets[2] + 0 : layout.level_offsets[2] + 2] = True
+    assert int(want.sum()) == 22
+    assert torch.equal(recent_cut(layout, torch.device("cpu")), want)
+    check_cut(want[None], layout)
 
 
 @given(cases, adversarial)

@@ -42,6 +42,7 @@ def make_system(
     lens_width: int = 8,
     teacher: dict | None = None,
     lens: dict | None = None,
+    gist: dict | None = None,
 ) -> MegaContext:
     cfg = build_config(
         {
@@ -53,7 +54,7 @@ def make_system(
                 "budget": W,
                 "tail": H,
                 "variants": N,
-                "gist": {"layers": 1, "width": 8, "heads": 2},
+                "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
                 "lens": {"width": lens_width, **(lens or {})},
                 "teacher": teacher or {},
             },
@@ -183,7 +184,7 @@ def test_property_I5_every_entry_predicts_the_token_after_its_span(case):
     window = torch.arange(T + 1).expand(batch, T + 1) % VOCAB  # token id = position, modulo the vocabulary
     noise = draw_variant_noise(system.layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     with torch.no_grad():
-        wc, _ = build_contexts(system, window, noise)
+        wc, _, _ = build_contexts(system, window, noise)
     v = wc.valid
     assert torch.equal(wc.target[v], ((wc.start + wc.span) % VOCAB)[v])
     assert (wc.span[v] % VOCAB != 0).all()  # so the next check can tell a target from the entry's own token

@@ -62,7 +62,7 @@ def test_student_predictions_are_the_variants_tail_predictions():
     system = decisive(make_system(T=16, K=4, L=1, W=16, H=8, N=1))
     window, noise = batch(system)
     with torch.no_grad():
-        wc, _ = build_contexts(system, window, noise)
+        wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
         student = variant_tail_logprobs(system.base, hidden, wc, system.layout)[:, 0]
         full = F.log_softmax(system.base(window[:, :-1])[:, -8:], -1)

@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> None:
     print(tok.decode(out.tolist()))
     extra = ""
     if args.mode == "mc":
-        kept = stats.reused_entries / max(1, stats.reused_entries + stats.recomputed_entries)
-        extra = f", refocus {stats.refocus_s:.2f} s of it (cache entries kept: {kept:.0%})"
+        extra = f", refocus {stats.refocus_s:.2f} s of it (cache entries kept: {stats.cache_kept:.0%})"
     extra += f", compilation {stats.compile_s:.1f} s of it (excluded from tok/s)" if args.compile else ""
     print(
         f"[generate] {args.mode}: prompt {stats.prompt_tokens} tokens read in {stats.prefill_s:.2f} s; "

@@ -116,16 +116,25 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
     return entries
 
 
+GIST_KINDS = ("gistnet", "mean")
+
+
 @dataclass(frozen=True)
 class GistConfig:
     layers: int = 2
     width: int = 0  # GistNet's internal width; 0 means half the model width
     heads: int = 2
+    # "gistnet": the learned summary; "mean": the plain mean of the children, the control a GistNet must beat.
+    kind: str = "gistnet"
+    # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
+    recon_weight: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.gist.layers", "must be >= 1")
         _require(self.width >= 0, "mc.gist.width", "must be >= 0")
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
+        _require(self.kind in GIST_KINDS, "mc.gist.kind", f"must be one of {', '.join(GIST_KINDS)}")
+        _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
 
 
 LENS_GRANULARITIES = ("entry", "block")

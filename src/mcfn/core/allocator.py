@@ -8,13 +8,19 @@ refocus step, fixed-shape and vectorized:
 2. **Collapses** are candidates among the complete groups: a parent whose ``K`` children are all shown,
    whose children all score below zero (the group's label is shared), and which is eligible (never over
    the tail). Each turns ``K`` entries into one and frees ``K - 1``; the group's score is its children's mean.
-3. The free budget is filled first, with the highest-scoring expansions, whatever their sign: the
-   budget is used as fully as the tree allows. Positive expansions that do not fit are then paid for
-   by collapsing the most negative groups, one group for one expansion, so the count never exceeds ``W``.
+3. **Drops** are candidates among the shown eligible LODmax gists that score below zero: each leaves its
+   block out of the context and frees one entry.
+4. The free budget is filled first, with the highest-scoring expansions, whatever their sign. Positive
+   expansions that do not fit are then paid for by collapsing the most negative groups, one group for
+   one expansion, and what collapses cannot pay for, by dropping the most negative LODmax gists,
+   ``K - 1`` of them for one expansion, so the count never exceeds ``W``.
+5. **Restores**: budget still free after that (less than one expansion, or nothing left to expand) shows
+   left-out blocks again as their LODmax gists, newest first: the budget is used as fully as the tree allows.
 
-A collapsing group's children all score below zero, so none of them is also being expanded: the two
-kinds of action never touch the same node. The result is again a cut that covers the same text with
-the tail at LOD0 (I8).
+A collapsing group's children and a dropped gist all score below zero, and only positive expansions are
+paid for, so no two actions touch the same node. The result is again a cut, each top-level block either
+covered exactly once or left out, with the tail at LOD0 (I8). From the coarsest cut, repeated steps reach
+truncation when LensNet asks for it: recent gists expanded, old blocks left out.
 
 :func:`shrink` brings a cut that grew past ``W`` (a streaming context carried over to a longer history,
 its new tokens at LOD0) back within it, by collapses alone.
@@ -43,16 +49,35 @@ def allocate(
     # Hidden nodes' scores are never read: candidates are shown gists and complete groups of shown children.
     can_expand = shown & (nodes.lod > 0)
     can_collapse = nodes.collapsible(shown) & (nodes.group_reduce(node_scores, "amax") < 0)
+    can_drop = droppable(shown, nodes) & (node_scores < 0)
     group_score = nodes.group_reduce(node_scores, "mean")
 
     free = layout.W - shown.sum(-1)
     n_expand = can_expand.sum(-1)
     fill = torch.minimum(n_expand, free // cost)
-    wanted = torch.minimum((can_expand & (node_scores > 0)).sum(-1), n_expand)
-    swaps = torch.minimum((wanted - fill).clamp(min=0), can_collapse.sum(-1))
-    expand = top_by_priority(can_expand, node_scores, fill + swaps)
+    wanted = (can_expand & (node_scores > 0)).sum(-1)
+    unpaid = (wanted - fill).clamp(min=0)
+    swaps = torch.minimum(unpaid, can_collapse.sum(-1))
+    left = free - fill * cost  # below one expansion's cost whenever anything is unpaid
+    by_drops = torch.minimum(unpaid - swaps, (left + can_drop.sum(-1)) // cost)
+    drops = (by_drops * cost - left).clamp(min=0)
+    expand = top_by_priority(can_expand, node_scores, fill + swaps + by_drops)
     collapse = top_by_priority(can_collapse, -group_score, swaps)
-    return collapsed((shown & ~expand) | nodes.children_of(expand), collapse, nodes)
+    drop = top_by_priority(can_drop, -node_scores, drops)
+    after = collapsed((shown & ~expand) | nodes.children_of(expand), collapse, nodes) & ~drop
+    return restored(after, nodes)
+
+
+def droppable(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
+    """The shown gists a drop can leave out: eligible LODmax gists."""
+    return shown & (nodes.lod == nodes.layout.L) & nodes.eligible
+
+
+def restored(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
+    """``shown`` with as many left-out blocks as its free budget allows shown again as LODmax gists, newest first."""
+    free = (nodes.layout.W - shown.sum(-1)).clamp(min=0)
+    absent = nodes.left_out(shown)
+    return shown | top_by_priority(absent, nodes.start.float(), torch.minimum(free, absent.sum(-1)))
 
 
 @typechecked

@@ -5,7 +5,8 @@ usually half the model's, since it runs over every eligible token and must stay 
 ``K`` children (token embeddings for LOD1, LOD1 gists for LOD2), adds a learned embedding of the level
 it is building, mean-pools the result and adds a projection of that to the mean of the children. The
 projection starts at zero, so a new GistNet's gist is the plain average of its children, already in
-the embedding space the base model reads.
+the embedding space the base model reads. With ``mean_only`` it stays that average (``mc.gist.kind = "mean"``):
+the control that tells whether the learned part carries anything.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from mcfn.typecheck import typechecked
 
 
 class GistNet(nn.Module):
-    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, block_size: int, lod_max: int):
+    def __init__(
+        self, d_model: int, width: int, n_layer: int, n_head: int, block_size: int, lod_max: int, mean_only=False
+    ):
         super().__init__()
-        self.block_size, self.width = block_size, width
+        self.block_size, self.width, self.mean_only = block_size, width, mean_only
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.level_emb = nn.Parameter(torch.zeros(lod_max, width))
         self.blocks = nn.ModuleList(Block(width, n_head, causal=False) for _ in range(n_layer))
@@ -42,6 +45,8 @@ class GistNet(nn.Module):
     @typechecked
     def forward(self, children: Float[Tensor, "m k d"], level: int) -> Float[Tensor, "m d"]:
         """Gists of ``m`` blocks of ``k`` children each, building LOD ``level`` (1-based)."""
+        if self.mean_only:  # a config constant: static under compile
+            return children.mean(dim=1)
         positions = torch.arange(children.size(1), device=children.device, dtype=torch.float32)[None]
         cos, sin = rotary_tables(positions, torch.ones_like(positions), self.head_dim, 10000.0)
         x = self.in_proj(rms_norm(children)) + self.level_emb[level - 1]

@@ -7,9 +7,14 @@ LOD(k+1) node ``j // K``; a parent's **group** is its ``K`` children.
 A node is **eligible** when its span ends before the tail ``[T-H, T)``: only eligible gists can be
 shown (I4), so only they are ever computed. At each level the eligible nodes are a prefix.
 
+A cut may **leave text out**, in whole top-level blocks: an eligible LODmax gist can be *dropped* (the
+block's text is then not in the working context at all, coarser than any gist, I7) and a left-out block
+can be *restored* as its LODmax gist. So truncation, and every cut between it and full coverage, is a cut
+(when ``T - W`` is a multiple of ``K^L``, the recency baseline itself).
+
 Every rule about the tree that the variants, the allocator, LensNet's targets and its budget term need
 lives in :class:`NodeTable`, so they cannot drift apart (I6, I8): a collapse needs a complete group of
-``K`` shown siblings whose parent is eligible.
+``K`` shown siblings whose parent is eligible; a drop needs a shown eligible LODmax gist.
 """
 
 from __future__ import annotations
@@ -136,10 +141,34 @@ class NodeTable:
         return self.complete_groups(shown) & self.eligible
 
     def legal_collapse(self, node: Int[Tensor, "*rows w"], collapsible: Bool[Tensor, "*rows nodes"]) -> Tensor:
-        """Per entry (node ids ``[..., w]``), whether it may take part in a collapse in its row: it is below
-        LODmax, and its parent is ``collapsible`` there (``[..., n_nodes]``, the same leading dimensions)."""
+        """Per entry (node ids ``[..., w]``), whether it may take part in a collapse in its row: below LODmax,
+        its parent is ``collapsible`` there (``[..., n_nodes]``, the same leading dimensions); at LODmax, it is
+        an eligible gist, which collapses into nothing (a drop: its block is left out)."""
         parent = self.parent[node].clamp(min=0)
-        return (self.lod[node] < self.layout.L) & collapsible.gather(-1, parent)
+        below_top = (self.lod[node] < self.layout.L) & collapsible.gather(-1, parent)
+        return below_top | self.droppable_entry(node)
+
+    def droppable_entry(self, node: Tensor) -> Tensor:
+        """Per entry, whether it is an eligible LODmax gist: one that can be left out."""
+        return (self.lod[node] == self.layout.L) & self.eligible[node]
+
+    def collapse_group(self, node: Tensor) -> Tensor:
+        """Per entry, the node whose span a collapse label is read over: the parent below LODmax, the entry
+        itself at LODmax (a drop acts on that one block)."""
+        return torch.where(self.lod[node] < self.layout.L, self.parent[node].clamp(min=0), node)
+
+    def top_covered(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows top"]:
+        """Per top-level block, whether a cut shows anything inside it."""
+        covered = self.level(shown, 0)
+        for k in range(1, self.layout.L + 1):
+            covered = rearrange(covered, "... (n k) -> ... n k", k=self.layout.K).any(-1) | self.level(shown, k)
+        return covered
+
+    def left_out(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
+        """The LODmax gists of the blocks a cut leaves out (as a ``[..., n_nodes]`` mask): what a restore shows."""
+        absent = ~self.top_covered(shown) & self.level(self.eligible, self.layout.L)
+        below = torch.zeros_like(shown[..., : self.layout.level_offsets[self.layout.L]])
+        return torch.cat([below, absent], dim=-1)
 
     def legal_expand(self, node: Int[Tensor, "*rows w"]) -> Tensor:
         """Per entry, whether it may be expanded: a gist (a token has no children)."""

@@ -6,12 +6,13 @@ text (I7), with "not covered at all" counting as coarser than any gist:
 
 * ``+1`` (expand) where ``a`` shows more detail somewhere in ``e``'s span: ``min lod_a(span) < k``;
 * ``-1`` (collapse) where ``a`` is coarser over the **whole group** ``e`` belongs to, the span of its
-  parent: ``min lod_a(parent span) > k``. The label is computed from the parent, so every sibling shares it;
+  parent: ``min lod_a(parent span) > k``. The label is computed from the parent, so every sibling shares it.
+  A LODmax entry's group is its own block: ``-1`` there means ``a`` leaves the block out (a drop);
 * no target where ``a`` shows the same node: a **tie**.
 
-Legality (I6) masks the rest: no ``+`` on LOD0, no ``-`` on LODmax, and a ``-`` only where the entry's
-complete aligned group of ``K`` siblings is in ``c`` and its parent is eligible (collapsing into a
-parent that overlaps the tail is not an action the allocator can take).
+Legality (I6) masks the rest: no ``+`` on LOD0, a ``-`` below LODmax only where the entry's complete
+aligned group of ``K`` siblings is in ``c`` and its parent is eligible (collapsing into a parent that
+overlaps the tail is not an action the allocator can take), and a ``-`` at LODmax only on an eligible gist.
 
 Each pair is weighted by how much it teaches, ``w = tanh(|ΔNLL| / τ)``: 0 for variants that score the
 same, approaching 1 for a clear winner; ``τ`` (``mc.lens.temperature``) sets the scale in nats.
@@ -23,9 +24,9 @@ Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over sampl
   over the targeted and tied entries: a weighted mean whenever the batch holds at least a quarter of an
   entry's worth of weight per sample, and close to zero when every pair is a near-tie (``w ≈ 0``, where
   even which variant is better is decided by rounding), instead of that noise blown up to full size.
-  Ties matter: without them a LODmax entry, which can never be told to collapse, would only ever see
-  "expand" and its score would grow without bound whether detail there paid often or rarely. With them
-  the optimum is the log-odds of "detail here helped", which ranks.
+  Ties matter: without them an entry that is rarely told to collapse would mostly see "expand" and its
+  score would grow whether detail there paid often or rarely. With them the optimum is the log-odds of
+  "detail here helped", which ranks.
 * ``loss_rank`` (optional): a margin hinge, ``Σ w·relu(m - y·s) / max(Σ w, B/4)`` over targeted entries;
 * ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
   ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
@@ -110,12 +111,12 @@ def detail_targets(
     B, V = shown.size(0), shown.size(1)
     rows = torch.arange(B, device=shown.device)[:, None] * V + worse  # [B, P]
     node, lod, valid = wc.node[rows], wc.lod[rows], wc.valid[rows]  # [B, P, W]
-    parent = nodes.parent[node].clamp(min=0)
+    group = nodes.collapse_group(node)
     mins = node_min_lod(shown, nodes)  # [B, V, nodes]
     mins_better = mins.gather(1, repeat(better, "b p -> b p n", n=mins.size(-1)))  # [B, P, nodes]
     finest_inside = mins_better.gather(2, node)
     finer_inside = finest_inside < lod
-    coarser_over_group = mins_better.gather(2, parent) > lod
+    coarser_over_group = mins_better.gather(2, group) > lod
     collapsible = nodes.collapsible(shown)  # [B, V, nodes]
     collapsible_in_worse = collapsible.gather(1, repeat(worse, "b p -> b p n", n=collapsible.size(-1)))
     expand = valid & nodes.legal_expand(node) & finer_inside

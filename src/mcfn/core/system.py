@@ -3,9 +3,10 @@
 The step is a composition of pure stage functions, compiled as one graph::
 
     window [B, T+1] ─► tree_stage ─► variants_stage (+ allocator) ─► assemble_stage ─► base_stage ─► loss_stage
-                       Tree          [B, V, nodes]                    WC [B·V, W]       hidden [B·V, W, D]
-                                                                               ├─► lens_stage ─► lens_loss_stage
-                                                                               └─► teacher_stage (optional)
+                       Tree │        [B, V, nodes]                    WC [B·V, W]       hidden [B·V, W, D]
+                            │                                                  ├─► lens_stage ─► lens_loss_stage
+                            │                                                  └─► teacher_stage (optional)
+                            └─► recon_stage (optional): every gist read back into its own tokens
 
 ``process_batch`` trains the base model and GistNet; ``process_batch_lens`` adds LensNet and its
 preference loss. They are separate functions (not one with a flag) so that each compiles to its own
@@ -36,6 +37,7 @@ from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lens_losses, lens_weight_tensors
+from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
 from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses, teacher_weight_tensors
 from mcfn.core.tree import Tree, build_tree
@@ -52,7 +54,17 @@ class MegaContext(nn.Module):
         self.layout = Layout.from_config(cfg)
         self.base = GPT(cfg.model)
         self.gistnet = GistNet(
-            cfg.model.n_embd, cfg.gist_width, mc.gist.layers, mc.gist.heads, mc.block_size, mc.lod_max
+            cfg.model.n_embd,
+            cfg.gist_width,
+            mc.gist.layers,
+            mc.gist.heads,
+            mc.block_size,
+            mc.lod_max,
+            mean_only=mc.gist.kind == "mean",
+        )
+        self.use_recon = mc.gist.recon_weight > 0
+        self.gist_decoder = (
+            GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
         )
         self.lensnet = (
             LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout, mc.lens.granularity)
@@ -180,9 +192,19 @@ def lens_loss_stage(
     return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights["attention"]))
 
 
+def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: dict[str, Tensor]) -> StepOutput:
+    """``loss_recon`` (:mod:`mcfn.core.reconstruction`), or nothing when ``mc.gist.recon_weight`` is 0."""
+    if not system.use_recon:  # a config constant: static under compile
+        return StepOutput({}, {}, {})
+    tokens = window[:, : system.layout.T]
+    return reconstruction_loss(system.gist_decoder, system.base, tree, tokens, system.layout, weights["recon"])
+
+
 def step_weights(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
-    """Every loss weight of the step (LensNet's and the teacher's) as a 0-d tensor: changing one never recompiles."""
-    return {**lens_weight_tensors(mc.lens, device), **teacher_weight_tensors(mc.teacher, device)}
+    """Every loss weight of the step (LensNet's, the teacher's, the reconstruction's) as a 0-d tensor: changing
+    one never recompiles."""
+    recon = {"recon": torch.tensor(mc.gist.recon_weight, device=device)}
+    return {**lens_weight_tensors(mc.lens, device), **teacher_weight_tensors(mc.teacher, device), **recon}
 
 
 def call(name: str, fn: Callable, *args):
@@ -192,11 +214,11 @@ def call(name: str, fn: Callable, *args):
 
 def build_contexts(
     system: MegaContext, window: Tensor, noise: VariantNoise, run: Callable = call
-) -> tuple[WorkingContext, Tensor]:
-    """The working contexts of a batch and the shown-node masks ``[B, V, nodes]`` they come from."""
+) -> tuple[WorkingContext, Tensor, Tree]:
+    """The working contexts of a batch, the shown-node masks ``[B, V, nodes]`` they come from, and the tree."""
     tree = run("tree", tree_stage, system, window)
     shown = run("variants", variants_stage, system, tree, window, noise)
-    return run("assemble", assemble_stage, system, tree, shown, window), shown
+    return run("assemble", assemble_stage, system, tree, shown, window), shown, tree
 
 
 def language_model_terms(
@@ -215,17 +237,20 @@ def language_model_terms(
 def process_batch(
     system: MegaContext, window: Tensor, noise: VariantNoise, weights: dict[str, Tensor], run: Callable = call
 ) -> StepOutput:
-    """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's terms) and the metrics."""
-    wc, _ = build_contexts(system, window, noise, run)
-    return language_model_terms(system, window, wc, weights, run)[1]
+    """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's and reconstruction's terms)
+    and the metrics."""
+    wc, _, tree = build_contexts(system, window, noise, run)
+    out = language_model_terms(system, window, wc, weights, run)[1]
+    return out.merge(run("recon", recon_stage, system, tree, window, weights))
 
 
 def process_batch_lens(
     system: MegaContext, window: Tensor, noise: VariantNoise, weights: dict[str, Tensor], run: Callable = call
 ) -> StepOutput:
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
-    wc, shown = build_contexts(system, window, noise, run)
+    wc, shown, tree = build_contexts(system, window, noise, run)
     tails, out, mass = language_model_terms(system, window, wc, weights, run)
+    out = out.merge(run("recon", recon_stage, system, tree, window, weights))
     scores = run("lens_fwd", lens_stage, system, wc)
     return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, weights, mass))
 
@@ -239,7 +264,7 @@ def validation_sums(
     Every variant is scored on the same tail targets (I4), so the byte count is the same for all of them.
     """
     layout = system.layout
-    wc, _ = build_contexts(system, window, noise)
+    wc, _, _ = build_contexts(system, window, noise)
     nll = system.base.nll(base_stage(system, wc), wc.target)
     nats, nbytes = byte_sums(nll, wc.target, token_bytes, tail_mask(wc, layout))
     return nats.view(-1, layout.V).sum(0), nbytes.view(-1, layout.V)[:, 0].sum()

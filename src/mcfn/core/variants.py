@@ -1,9 +1,10 @@
 """Working-context variants: which tree nodes each of the ``V = 1 + N`` variants of a sample shows.
 
 * Variant 0 is the **recency baseline**: the last ``W`` tokens at LOD0 and nothing older.
-* Variants ``1..N`` are **compressed**: cuts through the tree that cover ``[0, T)`` in at most ``W``
-  entries with the tail at LOD0 (I2, I3, I4). Each starts from the coarsest such cut and spends the
-  spare budget on expansions, top level first: at each level above LOD1 it expands a random share of
+* Variants ``1..N`` are **compressed**: cuts through the tree in at most ``W`` entries with the tail at
+  LOD0 (I2, I3, I4). Each starts from the coarsest cut, leaves out a random subset of the eligible
+  top-level blocks (none to all but what the budget can fill with detail; each frees one entry), and
+  spends the spare budget on expansions, top level first: at each level above LOD1 it expands a random share of
   what it could afford, among its shown nodes in a random order; at LOD1 it expands as many as still
   fit. So variants of a sample use about the same budget and differ in *where* the detail goes (which
   blocks are tokens, which are LOD1, which LOD2): their tail losses say where detail pays.
@@ -34,6 +35,7 @@ class VariantNoise(TensorClass):
     share: Tensor  # [B, N, L]: share of the affordable expansions taken at each level (LOD1 ignores it)
     spend: Tensor  # [B, N]: where between ``spend_min`` and all of it a variant's spare budget lies
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
+    leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
 
 
 def draw_variant_noise(
@@ -45,6 +47,7 @@ def draw_variant_noise(
         share=torch.rand(*shape, layout.L, generator=generator, device=device),
         spend=torch.rand(*shape, generator=generator, device=device),
         explore=torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device),
+        leave_out=torch.rand(*shape, generator=generator, device=device),
         batch_size=list(shape),
     )
 
@@ -61,15 +64,20 @@ def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tens
 
 @typechecked
 def compressed_cuts(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.0) -> Bool[Tensor, "b n nodes"]:
-    """Shown-node masks of the ``N`` compressed variants. Each spends a fraction of the spare budget
-    ``W - coarsest`` drawn uniformly from ``[spend_min, 1]`` (all of it when ``spend_min = 1``)."""
+    """Shown-node masks of the ``N`` compressed variants. Each leaves out the lowest-priority eligible
+    top-level blocks, as many as ``leave_out`` picks uniformly between none and :func:`most_left_out`, and
+    spends a fraction of the spare budget ``W - coarsest`` drawn uniformly from ``[spend_min, 1]`` (all of
+    it when ``spend_min = 1``), plus the entries the left-out blocks freed."""
     layout, priority, share = nodes.layout, noise.priority, noise.share
     rows, device = priority.shape[:-1], priority.device
+    top_eligible = nodes.level(nodes.eligible, layout.L).expand(*rows, -1)
+    n_left_out = (noise.leave_out * (most_left_out(layout) + 1)).floor().long().clamp(max=most_left_out(layout))
+    left_out = top_by_priority(top_eligible, -nodes.level(priority, layout.L), n_left_out)
     fraction = spend_min + (1.0 - spend_min) * noise.spend
-    slack = (fraction * (layout.W - layout.coarsest_cover)).floor().long()
+    slack = (fraction * (layout.W - layout.coarsest_cover)).floor().long() + n_left_out
     cost = layout.K - 1  # entries an expansion adds
     expanded: dict[int, Tensor] = {}
-    parent_expanded = torch.ones(*rows, layout.level_sizes[layout.L], dtype=torch.bool, device=device)
+    parent_expanded = ~left_out  # the top level's "parent" is the whole history, minus what is left out
     shown_levels: dict[int, Tensor] = {}
     for k in range(layout.L, 0, -1):
         eligible = nodes.level(nodes.eligible, k)
@@ -85,14 +93,46 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.
     return torch.cat([shown_levels[k] for k in range(layout.L + 1)], dim=-1)
 
 
+def most_left_out(layout: Layout) -> int:
+    """How many top-level blocks a compressed variant may leave out: all eligible ones but those that the
+    budget beyond the tail can fill with detail, so that no variant wastes its budget."""
+    top = layout.K**layout.L
+    kept = -(-(layout.W - layout.H) // top)
+    return max(0, layout.eligible_counts[layout.L] - kept)
+
+
 def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
-    """``[n_nodes]``: the coarsest cut that covers ``[0, T)`` with the tail at LOD0 (no spare budget spent)."""
+    """``[n_nodes]``: the coarsest cut that covers ``[0, T)`` with the tail at LOD0 (no spare budget spent,
+    nothing left out)."""
     tight = dataclasses.replace(layout, W=layout.coarsest_cover, N=1)
     zeros = torch.zeros(1, 1, layout.n_nodes, device=device)
     noise = VariantNoise(
-        priority=zeros, share=zeros[..., : layout.L], spend=zeros[..., 0], explore=zeros[:, :, None], batch_size=[1, 1]
+        priority=zeros,
+        share=zeros[..., : layout.L],
+        spend=zeros[..., 0],
+        explore=zeros[:, :, None],
+        leave_out=zeros[..., 0],
+        batch_size=[1, 1],
     )
     return compressed_cuts(noise, NodeTable.of(tight, device))[0, 0]
+
+
+def recent_cut(layout: Layout, device: torch.device) -> Tensor:
+    """``[n_nodes]``: the training-free structured cut ``recent``: from the coarsest cut, expand the newest
+    shown gist while an expansion fits. Detail thus grows back from the tail, level by level, and every block
+    keeps at least its coarsest gist: truncation's raw tokens, less what covering the rest costs. Eager code
+    (a loop of at most ``W / (K - 1)`` steps), computed once per budget by the evaluation."""
+    nodes = NodeTable.of(layout, device)
+    shown = coarsest_cut(layout, device).clone()
+    end = nodes.start + nodes.span
+    while layout.W - int(shown.sum()) >= layout.K - 1:
+        gists = shown & (nodes.lod > 0)
+        if not bool(gists.any()):
+            break
+        newest = int(torch.where(gists, end, -1).argmax())
+        shown[newest] = False
+        shown |= nodes.parent == newest
+    return shown
 
 
 @typechecked

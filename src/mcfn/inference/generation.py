@@ -59,6 +59,11 @@ class GenerationStats:
     layouts: list[str] = field(default_factory=list)  # the LOD layout at each refocus (mc)
 
     @property
+    def cache_kept(self) -> float:
+        """The share of context entries whose cached keys and values refocuses kept (mc; 0 when none ran)."""
+        return self.reused_entries / max(1, self.reused_entries + self.recomputed_entries)
+
+    @property
     def tokens_per_s(self) -> float:
         """New tokens per second of decoding, compilation excluded."""
         seconds = self.decode_s - self.compile_s

@@ -133,12 +133,13 @@ def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
 def carried_cut(previous: WorkingContext, view: StreamView) -> Bool[Tensor, "1 1 nodes"] | None:
     """The shown-node mask ``[1, 1, n_nodes]`` of the view that keeps ``previous`` (a ``[1, m]`` context from
     :func:`focused_context`, absolute starts) and shows every later token at LOD0, phantoms included; entries
-    before the view's origin drop out. It may exceed the view's budget by the tokens that arrived. ``None``
-    when ``previous`` cannot be carried: it does not reach back to the origin."""
+    before the view's origin drop out, and the blocks ``previous`` left out come back as LODmax gists, so
+    that LensNet judges them again. It may exceed the view's budget by the tokens that arrived and those
+    gists. ``None`` when ``previous`` cannot be carried: it ends before the origin."""
     layout = view.layout
     start, lod = previous.start[0] - view.origin, previous.lod[0]
     end = int(start[-1] + previous.span[0, -1])  # the first token ``previous`` did not cover
-    if end < 0 or int(start[0]) > 0:
+    if end < 0:
         return None
     offsets = torch.tensor(layout.level_offsets, device=start.device)
     kept = start >= 0
@@ -146,7 +147,8 @@ def carried_cut(previous: WorkingContext, view: StreamView) -> Bool[Tensor, "1 1
     shown = torch.zeros(layout.n_nodes, dtype=torch.bool, device=start.device)
     shown[node] = True
     shown[end : layout.T] = True  # LOD0 nodes are numbered first, by token
-    return shown[None, None]
+    nodes = NodeTable.of(layout, start.device)
+    return (shown | nodes.left_out(shown))[None, None]
 
 
 @typechecked
@@ -156,11 +158,10 @@ def warm_refocus(
     """One LensNet pass over a carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens), then
     :func:`~mcfn.core.allocator.shrink` (repeated while each call still frees room) and
     :func:`~mcfn.core.allocator.allocate` with the same scores; ``None`` if it cannot get within budget."""
-    shown = cut[0]
-    wide = nodes.with_sizes(W=max(int(shown.sum()), nodes.layout.W))  # room to assemble the grown cut
+    shown, size = cut[0], int(cut.sum())
+    wide = nodes.with_sizes(W=max(size, nodes.layout.W))  # room to assemble the grown cut
     wc = assemble(tree, cut, window, wide)
     scores = node_scores_of(system.lensnet(wc, layout=wide.layout), wc.node, wc.valid, wide.layout.n_nodes)
-    size = int(shown.sum())
     while size > nodes.layout.W:
         shown = shrink(shown, scores, nodes)
         size, before = int(shown.sum()), size

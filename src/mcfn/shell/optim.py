@@ -55,7 +55,7 @@ class Float32Muon(torch.optim.Muon):
         return loss
 
 
-EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb")  # looked up by index: AdamW at the embedding rate
+EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
 HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
 
 

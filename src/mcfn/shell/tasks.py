@@ -133,7 +133,7 @@ class MCTask:
         """Sample 0's working contexts at this step (``window`` holds rows from 0 of the global batch), as
         ``(kind, one character per block)`` pairs."""
         noise = self.noise(self.global_batch, derive_seed(self.seed, "train_noise", step))[:1]
-        wc, _ = build_contexts(self.model, window[:1], noise)
+        wc, _, _ = build_contexts(self.model, window[:1], noise)
         V, A = self.layout.V, self.model.alloc_variants
         kinds = ["recency"] + ["random"] * (V - 1 - A) + ["allocator"] * A
         return [

@@ -70,8 +70,13 @@ def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str
     return {"bpb": float(bits_per_byte(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
 
 
-# Paired differences every sweep row reports: LensNet's gain over truncation, and what its gists are worth.
-GAINS = {"lens_gain": ("recency", "lens"), "gist_worth": ("lens_nogist", "lens")}
+# Paired differences every sweep row reports: LensNet's gain over truncation and over the structured cut
+# ``recent``, and what its gists are worth.
+GAINS = {
+    "lens_gain": ("recency", "lens"),
+    "lens_over_recent": ("recent", "lens"),
+    "gist_worth": ("lens_nogist", "lens"),
+}
 
 
 def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:

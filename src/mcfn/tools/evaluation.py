@@ -4,10 +4,13 @@ Every window is scored on its last ``H`` target positions, the part each working
 under these conditions at the same budget ``W``:
 
 * ``full``: all ``T`` tokens at LOD0, the upper bound (no budget);
-* ``recency``: the last ``W`` tokens at LOD0, nothing older;
+* ``recency``: the last ``W`` tokens at LOD0, nothing older (truncation);
+* ``recent``: the training-free structured cut, full coverage with the newest detail first
+  (:func:`mcfn.core.variants.recent_cut`): the bar a learned focus must clear on natural text;
 * ``random``: a random compressed working context (the mean over ``M`` of them);
 * ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
-* ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context;
+* ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context (it may
+  leave blocks out, down to truncation);
 * ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
 * ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
@@ -45,13 +48,13 @@ from mcfn.core.preferences import detail_targets, pair_slots
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext, lens_stage, refocus, tree_stage
 from mcfn.core.tree import Tree
-from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut
+from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
 from mcfn.data.probes import PROBES, ProbeBatch
 from mcfn.seeding import derive_seed
 from mcfn.tools.attention import attention_scores
 from mcfn.typecheck import typechecked
 
-CONDITIONS = ("full", "recency", "random", "attn", "lens", "lens_nogist", "oracle")
+CONDITIONS = ("full", "recency", "recent", "random", "attn", "lens", "lens_nogist", "oracle")
 LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
@@ -136,6 +139,7 @@ def budget_contexts(
     start = repeat(system.coarsest, "n -> b 1 n", b=B)
     parts = {
         "recency": recency_cut(nodes.layout, B, device),
+        "recent": repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B),
         "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
         "attn": refocus(
             system,
@@ -193,7 +197,7 @@ def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, T
         out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
     nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
     correct = (pred.hit | ~mask[:, None]).all(-1)
-    for name in ("recency", "attn", "lens", "lens_nogist"):
+    for name in ("recency", "recent", "attn", "lens", "lens_nogist"):
         if name in pred.slots:
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]

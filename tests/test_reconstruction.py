@@ -1,0 +1,102 @@
+"""Gist reconstruction (``loss_recon``) and the mean-pool control: wired to the right tokens, and training GistNet."""
+
+from __future__ import annotations
+
+import torch
+from test_mc import VOCAB, make_system
+
+from mcfn.config import GistConfig, MCConfig
+from mcfn.core.reconstruction import reconstruction_nll
+from mcfn.core.system import process_batch, step_weights, tree_stage
+from mcfn.core.variants import draw_variant_noise
+
+SHAPE = {"T": 32, "K": 4, "L": 2, "W": 16, "H": 8, "N": 1}
+
+
+def setup(gist: dict, seed: int = 0):
+    system = make_system(**SHAPE, seed=seed, gist=gist)
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (2, SHAPE["T"] + 1), generator=g)
+    return system, window, g
+
+
+def test_each_gist_is_read_back_into_its_own_tokens():
+    """The loss equals a hand computation that reads gist ``j`` of LOD ``k`` at offset ``o`` against token
+    ``j·K^k + o`` (its own, not the next one: a target shifted by one token fails here), level by level."""
+    system, window, _ = setup({"recon_weight": 1.0})
+    layout = system.layout
+    tree = tree_stage(system, window)
+    tokens = window[:, : layout.T]
+    got = reconstruction_nll(system.gist_decoder, system.base, tree, tokens, layout)
+    for k in range(1, layout.L + 1):
+        span, terms = layout.K**k, []
+        for b in range(tokens.size(0)):
+            for j in range(layout.eligible_counts[k]):
+                gist = tree.emb[b, layout.level_offsets[k] + j]
+                hidden = system.gist_decoder(gist[None], k, span)
+                own = tokens[b, j * span : (j + 1) * span]
+                terms.append(system.base.nll(hidden, own[None])[0])
+        assert torch.allclose(got[k - 1], torch.cat(terms).mean(), atol=1e-5), f"LOD{k}"
+    shifted = torch.roll(tokens, -1, dims=1)
+    assert not torch.allclose(got, reconstruction_nll(system.gist_decoder, system.base, tree, shifted, layout))
+
+
+def test_loss_recon_is_a_term_of_the_step_and_its_gradient_reaches_gistnet():
+    system, window, g = setup({"recon_weight": 1.0})
+    noise = draw_variant_noise(system.layout, window.size(0), g, torch.device("cpu"))
+    out = process_batch(system, window, noise, weights({"recon_weight": 1.0}))
+    assert "loss_recon" in out.losses and {"mc/recon_lod1", "mc/recon_lod2"} <= out.metrics.keys()
+    out.losses["loss_recon"].backward()
+    assert system.gistnet.out_proj.weight.grad.abs().sum() > 0, "the reconstruction trains GistNet"
+    assert system.gist_decoder.offset_emb.grad.abs().sum() > 0
+
+
+def test_a_short_training_on_loss_recon_alone_lowers_it():
+    """Fifty AdamW steps on the reconstruction term alone lower it: the decoder and GistNet can learn it."""
+    system, window, g = setup({"recon_weight": 1.0}, seed=1)
+    layout = system.layout
+    opt = torch.optim.AdamW(system.parameters(), lr=3e-3)
+    first = None
+    for _ in range(50):
+        nll = reconstruction_nll(system.gist_decoder, system.base, tree_stage(system, window), window[:, :32], layout)
+        first = float(nll.mean()) if first is None else first
+        opt.zero_grad()
+        nll.mean().backward()
+        opt.step()
+    assert float(nll.mean()) < first - 0.5
+
+
+def test_the_mean_pool_control_is_the_plain_mean_of_the_children_and_recon_off_adds_no_term():
+    system, window, g = setup({"kind": "mean"})
+    layout = system.layout
+    tree = tree_stage(system, window)
+    tokens = system.base.embed(window[:, : layout.T])
+    lod1 = tree.emb[:, layout.level_offsets[1] : layout.level_offsets[1] + layout.eligible_counts[1]]
+    want = tokens[:, : layout.eligible_counts[1] * layout.K].unflatten(1, (-1, layout.K)).mean(2)
+    assert torch.allclose(lod1, want)
+    noise = draw_variant_noise(layout, window.size(0), g, torch.device("cpu"))
+    out = process_batch(system, window, noise, weights({"kind": "mean"}))
+    assert "loss_recon" not in out.losses and system.gist_decoder is None
+
+
+def weights(gist: dict) -> dict[str, torch.Tensor]:
+    return step_weights(MCConfig(gist=GistConfig(**gist)), torch.device("cpu"))
+
+
+def test_the_lens_step_with_loss_recon_compiles_to_one_graph_equal_to_eager():
+    """``fullgraph=True``, one frame over three batches (no recompile), the same loss terms as eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mcfn.core.system import process_batch_lens
+
+    system, _, g = setup({"recon_weight": 0.5})
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(process_batch_lens, fullgraph=True, dynamic=False, backend=counter)
+    w = weights({"recon_weight": 0.5})
+    for _ in range(3):
+        window = torch.randint(0, VOCAB, (2, SHAPE["T"] + 1), generator=g)
+        noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"), 1)
+        compiled, eager = step(system, window, noise, w), process_batch_lens(system, window, noise, w)
+        for name, value in eager.losses.items():
+            assert torch.allclose(compiled.losses[name], value, atol=1e-4), name
+    assert counter.frame_count == 1
