@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from test_lens import WEIGHTS, expanded
+from test_allocator import expanded
+from test_lens import WEIGHTS
 from test_mc import VOCAB, layouts, make_system
 
 from mcfn.config import coarsest_cover_size

@@ -69,7 +69,7 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.
     spends a fraction of the spare budget ``W - coarsest`` drawn uniformly from ``[spend_min, 1]`` (all of
     it when ``spend_min = 1``), plus the entries the left-out blocks freed."""
     layout, priority, share = nodes.layout, noise.priority, noise.share
-    rows, device = priority.shape[:-1], priority.device
+    rows = priority.shape[:-1]
     top_eligible = nodes.level(nodes.eligible, layout.L).expand(*rows, -1)
     n_left_out = (noise.leave_out * (most_left_out(layout) + 1)).floor().long().clamp(max=most_left_out(layout))
     left_out = top_by_priority(top_eligible, -nodes.level(priority, layout.L), n_left_out)

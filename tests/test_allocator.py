@@ -1,0 +1,308 @@
+"""The focus allocator and the cuts it works on: I2 and I8 as properties, truncation reachable, the ``recent`` cut."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from einops import rearrange
+from hypothesis import given
+from hypothesis import strategies as st
+from test_mc import cases, make_system
+
+from mcfn.config import coarsest_cover_size
+from mcfn.core.allocator import allocate, node_scores_of, shrink
+from mcfn.core.nodes import NodeTable
+from mcfn.core.preferences import lod_map
+from mcfn.core.variants import (
+    coarsest_cut,
+    draw_variant_noise,
+    most_left_out,
+    recency_cut,
+    recent_cut,
+    sample_variants,
+)
+
+
+def token_coverage(shown: torch.Tensor, layout) -> torch.Tensor:
+    """``[..., T]``: how many shown nodes cover each token."""
+    coverage = torch.zeros(*shown.shape[:-1], layout.T, dtype=torch.int64)
+    for k in range(layout.L + 1):
+        lo = layout.level_offsets[k]
+        coverage += shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
+    return coverage
+
+
+def check_cut(shown: torch.Tensor, layout) -> None:
+    """A valid working context (I2): every top-level block covered exactly once or left out whole, and only
+    a block whose LODmax gist is eligible may be left out; the tail at LOD0; within W."""
+    coverage = token_coverage(shown, layout)
+    assert (coverage <= 1).all(), "disjoint spans (I2)"
+    top = layout.K**layout.L
+    blocks = rearrange(coverage, "... (n s) -> ... n s", s=top)
+    assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "a block is covered whole or left out whole (I2)"
+    may_leave_out = torch.arange(layout.T // top) < layout.eligible_counts[layout.L]
+    assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible top-level block is left out (I2)"
+    assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
+    assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
+    eligible = NodeTable.of(layout).eligible
+    assert not (shown & ~eligible).any(), "no gist over the tail"
+
+
+def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> None:
+    """Only legal actions (I6, I8): every node that appeared is a child of a gist that was shown and is gone
+    (an expansion), a parent that was hidden, whose complete group of K children was shown and is all gone
+    (a collapse), or the LODmax gist of a block that was left out (a restore); every node that disappeared
+    is accounted for by one of those, or is an eligible LODmax gist whose block is now left out (a drop)."""
+    L = table.layout.L
+    explained = torch.zeros_like(before)
+    was_covered, is_covered = table.top_covered(before), table.top_covered(after)
+    top = table.layout.level_offsets[L]
+    for r, n in (before & ~after & (table.lod == L)).nonzero().tolist():
+        if not is_covered[r, n - top]:  # dropped (else expanded, explained below)
+            assert bool(table.eligible[n]), "only an eligible LODmax gist is dropped"
+            explained[r, n] = True
+    for r, n in (after & ~before).nonzero().tolist():
+        parent = int(table.parent[n])
+        children = table.parent == n
+        if parent >= 0 and before[r, parent] and not after[r, parent]:
+            explained[r, parent] = True  # expanded: its children appear
+        elif int(table.lod[n]) == L and not was_covered[r, n - top]:
+            pass  # restored: a left-out block comes back as its LODmax gist
+        else:
+            assert int(children.sum()) == K and before[r, children].all() and not after[r, children].any(), (
+                "a node appeared that is neither an expanded gist's child nor a collapsed complete group's parent"
+            )
+            explained[r, children] = True
+    assert torch.equal(before & ~after, explained), "a node disappeared without a legal action"
+
+
+adversarial = st.sampled_from(["normal", "huge", "tiny", "equal", "negative", "positive"])
+
+
+def adversarial_scores(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return {
+        "normal": x,
+        "huge": x * 1e6,
+        "tiny": x * 1e-6,
+        "equal": torch.ones(shape),
+        "negative": -x.abs() - 1,
+        "positive": x.abs() + 1,
+    }[kind]
+
+
+@given(cases, adversarial)
+def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, kind):
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    layout, table = system.layout, system.nodes
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    start = torch.cat(
+        [
+            coarsest_cut(layout, torch.device("cpu"))[None].expand(batch, -1),
+            rearrange(sample_variants(noise, NodeTable.of(layout))[:, 1:], "b v n -> (b v) n"),
+        ]
+    )
+    cut = start
+    for it in range(layout.L + 1):
+        before = cut
+        cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), table)
+        check_cut(cut, layout)
+        check_actions(before, cut, table, layout.K)
+    # As fully as the tree allows: no room for one more expansion, or nothing left to expand; and no room
+    # for a restore, or nothing left out.
+    free = layout.W - cut.sum(-1)
+    gists_left = (cut & (table.lod > 0)).sum(-1)
+    assert ((free < layout.K - 1) | (gists_left == 0)).all()
+    assert ((free == 0) | (table.left_out(cut).sum(-1) == 0)).all()
+
+
+@given(cases)
+def test_property_I2_compressed_variants_leave_out_only_whole_eligible_blocks(case):
+    """Every compressed variant is a cut (I2–I4) that leaves out at most :func:`most_left_out` top-level blocks,
+    each freeing one entry for detail; with the noise at its top every variant leaves that many out."""
+    shape, batch, seed = case
+    layout = make_system(**shape, seed=seed).layout
+    table = NodeTable.of(layout)
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    cuts = sample_variants(noise, table)[:, 1:]
+    check_cut(cuts, layout)
+    n_left_out = (~table.top_covered(cuts)).sum(-1)
+    assert (n_left_out <= most_left_out(layout)).all()
+    noise.leave_out = torch.full_like(noise.leave_out, 0.999)
+    assert ((~table.top_covered(sample_variants(noise, table)[:, 1:])).sum(-1) == most_left_out(layout)).all()
+
+
+def test_allocator_reaches_truncation_when_old_text_scores_below_zero():
+    """From the coarsest cut, with every node older than the last W tokens scored below zero and the newer ones
+    above (newest highest), three allocator steps give exactly the recency cut: old blocks left out, the rest
+    expanded to tokens. Truncation is a cut the policy can reach (I8)."""
+    layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1).layout
+    table = NodeTable.of(layout)
+    end = (table.start + table.span).float()
+    scores = torch.where(end > layout.T - layout.W, end, -100.0 + end)[None]
+    cut = coarsest_cut(layout, torch.device("cpu"))[None]
+    for _ in range(3):
+        before, cut = cut, allocate(cut, scores, table)
+        check_cut(cut, layout)
+        check_actions(before, cut, table, layout.K)
+    assert torch.equal(cut, recency_cut(layout, 1, torch.device("cpu"))[:, 0])
+
+
+def test_recent_cut_is_the_newest_detail_first_built_by_hand():
+    """T=64, K=4, L=2, H=8, W=22: the coarsest cut (13 entries) expands its newest gist while one fits: LOD1
+    [52,56), then LOD1 [48,52), then LOD2 [32,48): LOD2 [0,16) [16,32), LOD1 [32,48) and tokens [48,64)."""
+    layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
+    want = torch.zeros(layout.n_nodes, dtype=torch.bool)
+    want[48:64] = True
+    want[layout.level_offsets[1] + 8 : layout.level_offsets[1] + 12] = True
+    want[layout.level_offsets[2] + 0 : layout.level_offsets[2] + 2] = True
+    assert int(want.sum()) == 22
+    assert torch.equal(recent_cut(layout, torch.device("cpu")), want)
+    check_cut(want[None], layout)
+
+
+@given(cases, adversarial)
+def test_property_I8_allocator_shrink_gets_back_within_any_budget_by_collapses_alone(case, kind):
+    """From legal cuts, any smaller budget down to the coarsest cover: each call collapses the
+    ``ceil(excess / (K - 1))`` lowest-mean complete groups (all there are, if fewer), whatever their sign, and
+    nothing else; repeated calls reach the budget. Rows already within it never change."""
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    layout, table = system.layout, system.nodes
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    cut = rearrange(sample_variants(noise, table)[:, 1:], "b v n -> (b v) n")  # the compressed variants
+    budget = layout.coarsest_cover + seed % (layout.W - layout.coarsest_cover + 1)
+    small = table.with_sizes(W=budget)
+    for it in range(layout.T):
+        scores = adversarial_scores(kind, cut.shape, seed + it)
+        after = shrink(cut, scores, small)
+        check_cut(after, layout)
+        groups = table.collapsible(cut)
+        chosen = after & ~cut
+        assert (chosen <= groups).all(), "only complete groups collapse"
+        excess = (cut.sum(-1) - budget).clamp(min=0)
+        want = torch.minimum(-(-excess // (layout.K - 1)), groups.sum(-1))
+        assert torch.equal(chosen.sum(-1), want)
+        assert torch.equal(after.sum(-1), cut.sum(-1) - want * (layout.K - 1))
+        mean = table.group_reduce(scores, "mean")
+        worst_kept = torch.where(groups & ~chosen, mean, float("inf")).amin(-1)
+        assert (torch.where(chosen, mean, float("-inf")).amax(-1) <= worst_kept).all(), "the lowest groups go first"
+        if torch.equal(after, cut):
+            break
+        cut = after
+    assert (cut.sum(-1) <= budget).all()
+
+
+def test_allocator_shrink_collapses_positive_groups_when_it_must_and_leaves_a_cut_within_budget():
+    """Unlike :func:`allocate`, :func:`shrink` collapses groups whose children all want detail, since the cut
+    must fit; a cut within the budget stays as it is."""
+    layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
+    nodes = NodeTable.of(layout)
+    cut = lod2_cut(layout, [0, 1, 2])  # 3 LOD2 gists expanded: 12 LOD1 + 2 LOD1 + 8 tokens = 22 entries
+    assert int(cut.sum()) == 22
+    scores = torch.ones(1, layout.n_nodes)
+    lod1 = layout.level_offsets[1]
+    scores[0, lod1 + 4 : lod1 + 8] = 0.5  # the second LOD2 gist's children: the lowest mean
+    assert torch.equal(shrink(cut, scores, nodes), cut)
+    assert torch.equal(shrink(cut, scores, nodes.with_sizes(W=19)), lod2_cut(layout, [0, 2]))
+    assert torch.equal(shrink(cut, scores, nodes.with_sizes(W=18)), lod2_cut(layout, [2]))  # 7 over: two groups
+
+
+def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():
+    layout = make_system(T=64, K=4, L=2, W=22, H=8, N=1).layout
+    table = NodeTable.of(layout)
+    cut = coarsest_cut(layout, torch.device("cpu"))[None]  # 3 LOD2 + 2 LOD1 + 8 tokens = 13 entries
+    assert int(cut.sum()) == coarsest_cover_size(64, 4, 2, 8) == 13
+    lod2 = layout.level_offsets[2]
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, lod2 + 1] = 5.0  # expand the second LOD2 gist first
+    cut = allocate(cut, scores, table)  # 13 + 3 = 16 entries; free 6 -> two expansions fit
+    assert not cut[0, lod2 + 1] and cut[0, layout.level_offsets[1] + 4 : layout.level_offsets[1] + 8].all()
+    assert int(cut.sum()) == layout.W  # the spare budget went to the best-scoring expansions
+    # The budget is full: a strongly positive LOD1 gist gets its room from the most negative complete group.
+    lod1 = layout.level_offsets[1]
+    gist = int((cut[0, lod1 : lod1 + layout.level_sizes[1]].nonzero().flatten() + lod1)[0])
+    groups = [
+        p
+        for p in range(lod1, lod1 + layout.level_sizes[1])
+        if cut[0, (p - lod1) * 4 : (p - lod1) * 4 + 4].all() and table.eligible[p]
+    ]
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, gist] = 9.0
+    scores[0, (groups[0] - lod1) * 4 : (groups[0] - lod1) * 4 + 4] = -5.0
+    swapped = allocate(cut, scores, table)
+    check_cut(swapped, layout)
+    assert not swapped[0, gist] and swapped[0, (gist - lod1) * 4 : (gist - lod1) * 4 + 4].all()
+    assert swapped[0, groups[0]] and int(swapped.sum()) == layout.W
+
+
+def expanded(cut: torch.Tensor, node: int, nodes: NodeTable) -> torch.Tensor:
+    """``cut [..., n_nodes]`` with the shown gist ``node`` replaced by its children."""
+    out = cut.clone()
+    out[..., node] = False
+    return out | (nodes.parent == node)
+
+
+def lod2_cut(layout, gists: list[int]) -> torch.Tensor:
+    """The coarsest cut with the given LOD2 gists (by index within their level) expanded into their LOD1 children."""
+    nodes, cut = NodeTable.of(layout), coarsest_cut(layout, torch.device("cpu"))[None]
+    for j in gists:
+        cut = expanded(cut, layout.level_offsets[2] + j, nodes)
+    return cut
+
+
+def test_allocator_pays_for_positive_expansions_beyond_the_free_budget_by_collapses():
+    """Room for one expansion, two positive gists, one negative complete group: both gists expand, the group
+    collapses, and the budget ends full."""
+    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [0])  # 16 entries: free 3, one expansion's worth
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, lod2 + 1], scores[0, lod2 + 2] = 0.5, 0.25  # positive, if only just
+    scores[0, nodes.parent == lod2] = -0.5  # the complete group of LOD2 gist 0's children: negative, if only just
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [1, 2]))
+
+
+def test_allocator_without_a_positive_score_swaps_nothing_when_the_budget_is_full():
+    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [1, 2])  # 19 entries: the budget is full
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, nodes.parent == lod2 + 1] = -5.0  # a negative complete group, but no expansion wants the room
+    assert torch.equal(allocate(cut, scores, nodes), cut)
+
+
+def test_allocator_collapses_only_groups_scored_strictly_below_zero():
+    """A score of exactly zero is indifference, not a wish to collapse: with the budget full and one gist
+    wanting to expand, a complete group whose children all score 0 stays; at -0.01 it pays for the expansion.
+    Scores of nodes the cut hides are never read."""
+    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [1, 2])  # 19 entries: the budget is full
+    scores = torch.where(cut, 0.0, -9.0)  # hidden nodes: anything
+    scores[0, lod2] = 1.0  # LOD2 gist 0 wants to expand
+    assert torch.equal(allocate(cut, scores, nodes), cut)
+    scores[0, nodes.parent == lod2 + 1] = -0.01
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [0, 2]))
+
+
+def test_allocator_swaps_exactly_the_positive_expansions_the_free_budget_cannot_hold():
+    """Room for one expansion, three positive gists, three negative complete groups: three expansions, paid for
+    by collapsing the two most negative groups, not all three."""
+    layout = make_system(T=128, K=4, L=2, W=29, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = lod2_cut(layout, [0, 1, 2])  # 17 + 3 * 3 = 26 entries: free 3
+    scores = torch.zeros(1, layout.n_nodes)
+    scores[0, lod2 + 3 : lod2 + 6] = torch.tensor([0.5, 0.4, 0.3])
+    for j, value in enumerate((-5.0, -4.0, -3.0)):
+        scores[0, nodes.parent == lod2 + j] = value
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [2, 3, 4, 5]))
+
+
+def test_node_scores_land_on_their_nodes_and_padding_is_dropped():
+    scores = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    node = torch.tensor([[5, 1, 0], [2, 3, 0]])
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    expected = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 4.0, 0.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(node_scores_of(scores, node, valid, 7), expected)  # an odd node count (K=3 trees have them)
