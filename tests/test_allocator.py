@@ -126,7 +126,7 @@ def test_property_I2_compressed_variants_leave_out_only_whole_eligible_blocks(ca
     table = NodeTable.of(layout)
     noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     cuts = sample_variants(noise, table)[:, 1:]
-    check_cut(cuts, layout)
+    check_cut(rearrange(cuts, "b n x -> (b n) x"), layout)
     n_left_out = (~table.top_covered(cuts)).sum(-1)
     assert (n_left_out <= most_left_out(layout)).all()
     noise.leave_out = torch.full_like(noise.leave_out, 0.999)
