@@ -193,9 +193,7 @@ def lens_loss_stage(
 
 
 def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: dict[str, Tensor]) -> StepOutput:
-    """``loss_recon`` (:mod:`mcfn.core.reconstruction`), or nothing when ``mc.gist.recon_weight`` is 0."""
-    if not system.use_recon:  # a config constant: static under compile
-        return StepOutput({}, {}, {})
+    """``loss_recon`` (:mod:`mcfn.core.reconstruction`); the step calls it only when ``mc.gist.recon_weight`` > 0."""
     tokens = window[:, : system.layout.T]
     return reconstruction_loss(system.gist_decoder, system.base, tree, tokens, system.layout, weights["recon"])
 
@@ -241,7 +239,9 @@ def process_batch(
     and the metrics."""
     wc, _, tree = build_contexts(system, window, noise, run)
     out = language_model_terms(system, window, wc, weights, run)[1]
-    return out.merge(run("recon", recon_stage, system, tree, window, weights))
+    if system.use_recon:  # a config constant: static under compile
+        out = out.merge(run("recon", recon_stage, system, tree, window, weights))
+    return out
 
 
 def process_batch_lens(
@@ -250,7 +250,8 @@ def process_batch_lens(
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
     wc, shown, tree = build_contexts(system, window, noise, run)
     tails, out, mass = language_model_terms(system, window, wc, weights, run)
-    out = out.merge(run("recon", recon_stage, system, tree, window, weights))
+    if system.use_recon:  # a config constant: static under compile
+        out = out.merge(run("recon", recon_stage, system, tree, window, weights))
     scores = run("lens_fwd", lens_stage, system, wc)
     return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, weights, mass))
 
