@@ -70,7 +70,7 @@ def allocate(
 
 def droppable(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
     """The shown gists a drop can leave out: eligible LODmax gists."""
-    return shown & (nodes.lod == nodes.layout.L) & nodes.eligible
+    return shown & nodes.droppable_entry(torch.arange(nodes.layout.n_nodes, device=shown.device))
 
 
 def restored(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
