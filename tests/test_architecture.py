@@ -2,6 +2,7 @@
 module or function grows past what a reader can hold in their head."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,25 @@ def test_modules_and_functions_stay_small(path):
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, f"{path.name}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def design_anchors() -> set[str]:
+    """The invariants (``I1``…) and sections (``§1``…) that docs/DESIGN.md defines, by its bold or heading labels."""
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    invariants = re.findall(r"^- \*\*(I\d+) ", text, flags=re.MULTILINE)
+    sections = re.findall(r"^## (§\d+) ", text, flags=re.MULTILINE)
+    return set(invariants) | set(sections)
+
+
+def test_every_cited_invariant_and_section_is_defined_in_docs_design():
+    """A citation such as ``(I7)`` or ``DESIGN §4`` in the code must name something docs/DESIGN.md defines."""
+    cited = {
+        (match, str(path.relative_to(REPO)))
+        for path in python_files()
+        for match in re.findall(r"\b(I\d+)\b|(§\d+)", path.read_text())
+        for match in match
+        if match
+    }
+    anchors = design_anchors()
+    assert {f"I{n}" for n in range(1, 11)} <= anchors and {f"§{n}" for n in range(1, 8)} <= anchors
+    assert not {(name, where) for name, where in cited if name not in anchors}

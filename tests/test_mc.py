@@ -1,4 +1,4 @@
-"""MegaContext core: the DESIGN §3 invariants I1–I5 and I9 as properties, plus compile and training facts."""
+"""MegaContext core: the docs/DESIGN.md §3 invariants I1–I5 and I9 as properties, plus compile and training facts."""
 
 from __future__ import annotations
 
