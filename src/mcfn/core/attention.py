@@ -24,13 +24,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.model import GPT, rms_norm, rotary_tables
+from mcfn.core.model import GPT, causal_attention
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.typecheck import typechecked
@@ -58,21 +57,21 @@ def hidden_and_tail_attention(
 ) -> tuple[Float[Tensor, "r n d"], Float[Tensor, "r h n"]]:
     """Final hidden states (normed, with gradient) and, for each of the ``tail`` query entries from ``first``
     on, its causal attention probabilities over the entries, summed over layers and heads (detached)."""
-    cos, sin = rotary_tables(positions, spans, base.cfg.head_dim, base.cfg.rope_base)
     query = first[:, None] + torch.arange(tail, device=emb.device)  # [r, h]
     future = torch.arange(emb.size(1), device=emb.device)[None, None, :] > query[:, :, None]  # [r, h, n]
     pick = rearrange(query, "r h -> r 1 h 1")
-    attention = emb.new_zeros(emb.size(0), tail, emb.size(1))
-    x = rms_norm(emb)
-    for block in base.blocks:
-        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
+    per_layer = []
+
+    def causal_and_read_out(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q_tail = q.detach().gather(2, pick.expand(-1, q.size(1), -1, q.size(-1)))  # [r, heads, h, e]
         logits = (q_tail @ k.detach().transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(
             future[:, None], -torch.inf
         )
-        attention = attention + torch.softmax(logits, -1).sum(1)
-        x = block.after_attention(x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    return rms_norm(x), attention
+        per_layer.append(torch.softmax(logits, -1).sum(1))
+        return causal_attention(layer, q, k, v)
+
+    hidden = base.hidden(emb, positions, spans, attend=causal_and_read_out)
+    return hidden, sum(per_layer)  # summed in layer order, as a running total would
 
 
 @typechecked

@@ -14,6 +14,8 @@ uniform pick among ``span`` consecutive positions), which is exactly 1 for a tok
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,17 @@ def apply_rotary(
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+LayerAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+"""How a GPT block turns its rotated queries, keys and values ``[b, h, n, e]`` into its heads' outputs
+``[b, h, n, e]``, given the layer's index: causal SDPA in training; a KV cache's append, a fixed-shape
+masked read or a tail read-out elsewhere (``inference.decode``, ``core.attention``)."""
+
+
+def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Each entry attends to itself and the entries before it (the training forward)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class SelfAttention(nn.Module):
@@ -100,17 +113,25 @@ class Block(nn.Module):
         # backward and recompute the rest there. Non-reentrant, the kind torch.compile traces in one graph.
         self.checkpointed = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """``attend`` maps the block's ``q, k, v`` to its heads' outputs; by default, SDPA over ``x``'s own
+        entries (causal or not, under ``mask``)."""
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self.residual, x, cos, sin, mask, use_reentrant=False)
-        return self.residual(x, cos, sin, mask)
+            return checkpoint(self.residual, x, cos, sin, mask, attend, use_reentrant=False)
+        return self.residual(x, cos, sin, mask, attend)
 
-    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        return self.after_attention(x, self.attn.attend(rms_norm(x), cos, sin, mask))
-
-    def after_attention(self, x: Tensor, heads: Tensor) -> Tensor:
-        """The rest of the block once its attention heads' outputs ``[b, h, n, e]`` over ``x`` are known: the
-        projection and residual, then the MLP. Decoding and the attention read-out compute the heads their way."""
+    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, attend: Callable | None) -> Tensor:
+        if attend is None:
+            heads = self.attn.attend(rms_norm(x), cos, sin, mask)
+        else:
+            heads = attend(*self.attn.qkv(rms_norm(x), cos, sin))
         x = x + self.attn.project(heads)
         return x + self.mlp(rms_norm(x))
 
@@ -155,13 +176,18 @@ class GPT(nn.Module):
 
     @typechecked
     def hidden(
-        self, emb: Float[Tensor, "b n d"], positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"]
+        self,
+        emb: Float[Tensor, "b n d"],
+        positions: Float[Tensor, "#b n"],
+        spans: Float[Tensor, "#b n"],
+        attend: LayerAttention = causal_attention,
     ) -> Float[Tensor, "b n d"]:
-        """Final hidden states (normed) over entries at the given positions and spans."""
+        """Final hidden states (normed) over entries at the given positions and spans. The one block loop:
+        training, prefill, the token step and the attention read-out differ only in ``attend``."""
         cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, self.cfg.rope_base)
         x = rms_norm(emb)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, attend=partial(attend, layer))
         return rms_norm(x)
 
     @typechecked

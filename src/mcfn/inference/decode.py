@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.core.model import GPT, rms_norm, rotary_tables
+from mcfn.core.model import GPT
 from mcfn.typecheck import typechecked
 
 
@@ -53,16 +53,15 @@ def extend(
 ) -> Float[Tensor, "1 n d"]:
     """Append ``n`` entries to the cache; returns their final hidden states (normed, as ``GPT.hidden``)."""
     n, start, end = emb.size(1), cache.length, cache.end_after(emb.size(1))
-    cos, sin = rotary_tables(positions, spans, model.cfg.head_dim, model.cfg.rope_base)
     mask = torch.ones(n, end, dtype=torch.bool, device=emb.device).tril(diagonal=start)
-    x = rms_norm(emb)
-    for i, block in enumerate(model.blocks):
-        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)
-        cache.k[i, :, :, start:end], cache.v[i, :, :, start:end] = k, v
-        y = F.scaled_dot_product_attention(q, cache.k[i, :, :, :end], cache.v[i, :, :, :end], attn_mask=mask)
-        x = block.after_attention(x, y)
+
+    def append_and_attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cache.k[layer, :, :, start:end], cache.v[layer, :, :, start:end] = k, v
+        return F.scaled_dot_product_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], attn_mask=mask)
+
+    hidden = model.hidden(emb, positions, spans, attend=append_and_attend)
     cache.length = end
-    return rms_norm(x)
+    return hidden
 
 
 @typechecked
@@ -78,18 +77,19 @@ def decode_token(
     layer for the caller to write at slot ``length``. The caches are only read (slots ``>= length`` masked),
     and the token's own key joins the softmax beside them: a graph that mutated the caches would copy them
     whole at every token, and CUDA graphs would skip it."""
-    cos, sin = rotary_tables(position, torch.ones_like(position), model.cfg.head_dim, model.cfg.rope_base)
     written = torch.arange(k_cache.size(3), device=emb.device) < length  # [c]
     scale = model.cfg.head_dim**-0.5
-    x, keys, values = rms_norm(emb), [], []
-    for i, block in enumerate(model.blocks):
-        q, k, v = block.attn.qkv(rms_norm(x), cos, sin)  # [1, h, 1, e] each
-        cached = torch.where(written, (q @ k_cache[i].transpose(-1, -2)) * scale, float("-inf"))  # [1, h, 1, c]
+    keys, values = [], []
+
+    def read_masked(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q, k, v: [1, h, 1, e]
+        cached = torch.where(written, (q @ k_cache[layer].transpose(-1, -2)) * scale, float("-inf"))  # [1, h, 1, c]
         weights = torch.softmax(torch.cat([cached, (q * k).sum(-1, keepdim=True) * scale], -1), -1)
-        x = block.after_attention(x, weights[..., :-1] @ v_cache[i] + weights[..., -1:] * v)
         keys.append(k)
         values.append(v)
-    return rms_norm(x), torch.stack(keys), torch.stack(values)
+        return weights[..., :-1] @ v_cache[layer] + weights[..., -1:] * v
+
+    hidden = model.hidden(emb, position, torch.ones_like(position), attend=read_masked)
+    return hidden, torch.stack(keys), torch.stack(values)
 
 
 class TokenDecoder:
