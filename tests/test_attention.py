@@ -17,7 +17,8 @@ from mcfn.core.attention import (
     node_mass,
 )
 from mcfn.core.nodes import Layout
-from mcfn.core.system import build_contexts, process_batch_lens, step_weights
+from mcfn.core.system import build_contexts, process_batch_lens
+from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
 from mcfn.profile import build_config
 
@@ -63,7 +64,7 @@ def test_the_teachers_mass_covers_the_window_once_per_level():
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
-        weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
+        weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
         _, mass = teacher_losses(system.base, window, hidden, wc, system.layout, weights, with_mass=True)
     layout = system.layout
     totals = [mass[:, o : o + n].sum(-1) for o, n in zip(layout.level_offsets, layout.level_sizes, strict=True)]
@@ -116,7 +117,7 @@ def test_scores_ranked_as_the_attention_beat_scores_ranked_against_it():
 def test_the_attention_target_trains_lensnet_and_only_lensnet():
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     window, noise = batch(system, seed=3)
-    weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
+    weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
     out = process_batch_lens(system, window, noise, weights)
     assert "loss_lens_attn" in out.losses and float(out.metrics["mc/lens_attn_kl"].detach()) > 0
     system.zero_grad(set_to_none=True)
@@ -131,7 +132,7 @@ def test_the_attention_target_trains_lensnet_and_only_lensnet():
 def test_without_the_weight_there_is_no_attention_term():
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))
     window, noise = batch(system)
-    out = process_batch_lens(system, window, noise, step_weights(MCConfig(), torch.device("cpu")))
+    out = process_batch_lens(system, window, noise, LossWeights.of(MCConfig(), torch.device("cpu")))
     assert "loss_lens_attn" not in out.losses
 
 
@@ -144,7 +145,7 @@ def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dy
     from torch._dynamo.testing import CompileCounterWithBackend
 
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
-    weights = step_weights(MCConfig(**system_configs()), torch.device("cpu"))
+    weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
     for i in range(3):

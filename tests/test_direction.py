@@ -6,6 +6,8 @@ gist expanded into its ``K`` children). Whichever has the lower tail loss says w
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -49,7 +51,7 @@ cases = st.tuples(roomy_layouts(), st.integers(0, 2**8), st.integers(0, 2**16))
 def test_property_I7_more_detail_that_helped_is_an_expand_target_and_the_reverse_a_collapse(case):
     shape, pick, seed = case
     system, shown, wc, gist = coarse_and_fine(shape, pick, seed)
-    nodes, temperature = system.nodes, WEIGHTS["temperature"]
+    nodes, temperature = system.nodes, WEIGHTS.temperature
     # The fine context is better: the coarse one is told to expand exactly that gist, and nothing else.
     y, _, _, rows = preference_targets(shown, torch.tensor([[2.0, 1.0]]), wc, nodes, temperature)
     assert int(rows[0, 0]) == 0, "targets land on the worse (coarse) context"
@@ -70,9 +72,9 @@ def test_property_I7_a_gradient_step_moves_every_targeted_score_toward_its_targe
     system, shown, wc, _ = coarse_and_fine(shape, pick, seed)
     tails = torch.tensor([[2.0, 1.0]] if fine_is_better else [[1.0, 2.0]])
     scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
-    weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
+    weights = dataclasses.replace(WEIGHTS, budget=torch.tensor(0.0))
     lens_losses(scores, shown, tails, wc, system.nodes, weights, use_rank=False).losses["loss_lens"].backward()
-    y, _, _, rows = preference_targets(shown, tails, wc, system.nodes, weights["temperature"])
+    y, _, _, rows = preference_targets(shown, tails, wc, system.nodes, weights.temperature)
     targeted = y != 0
     assert targeted.any()
     step = -scores.grad[rows]  # gradient descent direction on the worse context's entries

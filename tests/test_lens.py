@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, layouts, make_system
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mcfn.config import LensConfig
+from mcfn.config import MCConfig
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
-from mcfn.core.preferences import lens_losses, lens_weight_tensors, lod_map, pair_slots, preference_targets
+from mcfn.core.preferences import lens_losses, lod_map, pair_slots, preference_targets
 from mcfn.core.system import build_contexts, process_batch_lens
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import (
@@ -22,8 +22,9 @@ from mcfn.core.variants import (
     recency_cut,
     sample_variants,
 )
+from mcfn.core.weights import LossWeights
 
-WEIGHTS = lens_weight_tensors(LensConfig(), torch.device("cpu"))
+WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
 
 
 def random_setup(shape: dict, batch: int, seed: int):
@@ -45,7 +46,7 @@ def test_property_I6_legality_of_targets(case):
     shape, batch, seed = case
     system, wc, shown, tails = random_setup(shape, batch, seed)
     table, L = system.nodes, system.layout.L
-    y, _, _, rows = preference_targets(shown, tails, wc, table, WEIGHTS["temperature"])
+    y, _, _, rows = preference_targets(shown, tails, wc, table, WEIGHTS.temperature)
     lod, node, valid = wc.lod[rows], wc.node[rows], wc.valid[rows]
     assert not ((y != 0) & ~valid).any(), "no target on padding (I3)"
     assert not ((y > 0) & (lod == 0)).any(), "never + on LOD0"
@@ -80,7 +81,7 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
     shape, batch, seed = case
     system, wc, shown, tails = random_setup(shape, batch, seed)
     layout, table, T = system.layout, system.nodes, shape["T"]
-    temperature = WEIGHTS["temperature"]
+    temperature = WEIGHTS.temperature
     y, _, _, rows = preference_targets(shown, tails, wc, table, temperature)
     y_swapped, _, _, rows_swapped = preference_targets(shown, -tails, wc, table, temperature)
     assert not torch.equal(rows, rows_swapped) or layout.V == 1
@@ -108,7 +109,7 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     window = torch.zeros(1, layout.T + 1, dtype=torch.long)
     tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
     wc = assemble(tree, shown[None], window, table)
-    y, tie, _, rows = preference_targets(shown[None], torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS["temperature"])
+    y, tie, _, rows = preference_targets(shown[None], torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
     assert int(rows[0, 0]) == 1  # the coarsest cut is the worse one
     node, valid = wc.node[rows][0, 0], wc.valid[rows][0, 0]
     lod2, lod1 = layout.level_offsets[2], layout.level_offsets[1]

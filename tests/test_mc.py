@@ -11,19 +11,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mcfn.config import LensConfig, MCConfig, OptimConfig, coarsest_cover_size
+from mcfn.config import MCConfig, OptimConfig, coarsest_cover_size
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
-from mcfn.core.preferences import lens_weight_tensors
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, step_weights
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import draw_variant_noise, sample_variants
+from mcfn.core.weights import LossWeights
 from mcfn.profile import build_config
 from mcfn.shell.optim import build_optimizers
 
 VOCAB = 128
-STEP_WEIGHTS = step_weights(MCConfig(), torch.device("cpu"))
+STEP_WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
 
 
 def flat(out: StepOutput) -> dict[str, torch.Tensor]:
@@ -240,7 +240,7 @@ def test_network_is_in_the_optimizer_and_learns_in_the_training_step(network):
     in_optimizer = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
     assert all(id(p) in in_optimizer for p in module.parameters())
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    weights = lens_weight_tensors(LensConfig(), torch.device("cpu"))
+    weights = LossWeights.of(MCConfig(), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     # Output projections start at zero, so the inner matrices get gradient from the second step on.
     for _ in range(3):
@@ -283,7 +283,7 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
         for block in system.base.blocks:
             torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
-    weights = lens_weight_tensors(LensConfig(), torch.device("cpu"))
+    weights = LossWeights.of(MCConfig(), torch.device("cpu"))
     step = torch.compile(process_batch_lens, fullgraph=True, dynamic=False)
     for window, noise in _batches(system, 3):
         grads, outs = [], []

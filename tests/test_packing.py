@@ -125,8 +125,8 @@ def test_delta_nll_and_lod_metrics_match_a_hand_computation():
 
 
 def test_lens_weights_map_each_setting_to_its_term():
-    from mcfn.config import LensConfig
-    from mcfn.core.preferences import lens_weight_tensors
+    from mcfn.config import GistConfig, LensConfig, MCConfig, TeacherConfig
+    from mcfn.core.weights import LossWeights
 
     lens = LensConfig(
         weight=2.0,
@@ -137,7 +137,9 @@ def test_lens_weights_map_each_setting_to_its_term():
         temperature=13.0,
         attention_weight=17.0,
     )
-    weights = lens_weight_tensors(lens, torch.device("cpu"))
+    teacher = TeacherConfig(full_weight=19.0, distill_weight=23.0)
+    mc = MCConfig(lens=lens, teacher=teacher, gist=GistConfig(recon_weight=29.0))
+    weights = LossWeights.of(mc, torch.device("cpu"))
     expected = {
         "lens": 2.0,
         "pref": 3.0,
@@ -146,9 +148,12 @@ def test_lens_weights_map_each_setting_to_its_term():
         "rank_margin": 11.0,
         "temperature": 13.0,
         "attention": 17.0,
+        "full": 19.0,
+        "distill": 23.0,
+        "recon": 29.0,
     }
-    assert {k: float(v) for k, v in weights.items()} == expected
-    assert all(v.ndim == 0 for v in weights.values())
+    assert weights.values() == expected
+    assert all(getattr(weights, name).ndim == 0 for name in expected)
 
 
 def test_lens_metrics_match_a_hand_computation():

@@ -7,8 +7,9 @@ from test_mc import VOCAB, make_system
 
 from mcfn.config import GistConfig, MCConfig
 from mcfn.core.reconstruction import reconstruction_nll
-from mcfn.core.system import process_batch, step_weights, tree_stage
+from mcfn.core.system import process_batch, tree_stage
 from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
 
 SHAPE = {"T": 32, "K": 4, "L": 2, "W": 16, "H": 8, "N": 1}
 
@@ -59,7 +60,7 @@ def test_a_short_training_on_loss_recon_alone_lowers_it():
     first = None
     for _ in range(50):
         nll = reconstruction_nll(system.gist_decoder, system.base, tree_stage(system, window), window[:, :32], layout)
-        first = float(nll.mean()) if first is None else first
+        first = float(nll.mean().detach()) if first is None else first
         opt.zero_grad()
         nll.mean().backward()
         opt.step()
@@ -80,7 +81,7 @@ def test_the_mean_pool_control_is_the_plain_mean_of_the_children_and_recon_off_a
 
 
 def weights(gist: dict) -> dict[str, torch.Tensor]:
-    return step_weights(MCConfig(gist=GistConfig(**gist)), torch.device("cpu"))
+    return LossWeights.of(MCConfig(gist=GistConfig(**gist)), torch.device("cpu"))
 
 
 def test_the_lens_step_with_loss_recon_compiles_to_one_graph_equal_to_eager():

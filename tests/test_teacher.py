@@ -9,9 +9,10 @@ from test_mc import VOCAB, decisive, make_system
 
 from mcfn.config import MCConfig, TeacherConfig
 from mcfn.core.step import plain_step
-from mcfn.core.system import build_contexts, process_batch, step_weights
-from mcfn.core.teacher import distill_kl, teacher_weight_tensors, variant_tail_logprobs
+from mcfn.core.system import build_contexts, process_batch
+from mcfn.core.teacher import distill_kl, variant_tail_logprobs
 from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
 
 SHAPE = dict(T=32, K=4, L=2, W=16, H=8, N=2)
 
@@ -22,8 +23,9 @@ def batch(system, seed: int = 0, b: int = 2):
     return window, draw_variant_noise(system.layout, b, g, torch.device("cpu"))
 
 
-def weights(full: float, distill: float) -> dict[str, torch.Tensor]:
-    return step_weights(MCConfig(teacher=TeacherConfig(full_weight=full, distill_weight=distill)), torch.device("cpu"))
+def weights(full: float, distill: float) -> LossWeights:
+    mc = MCConfig(teacher=TeacherConfig(full_weight=full, distill_weight=distill))
+    return LossWeights.of(mc, torch.device("cpu"))
 
 
 def test_distill_kl_is_the_kl_from_the_teacher_to_the_student():
@@ -85,11 +87,6 @@ def test_the_distillation_gradient_reaches_gistnet():
     only_distill = only_distill._replace(losses={"loss_distill": only_distill.losses["loss_distill"]})
     grads = grads_of(system, only_distill)
     assert grads["gistnet"] > 0 and grads["base"] > 0
-
-
-def test_weights_are_tensors_from_the_config():
-    w = teacher_weight_tensors(TeacherConfig(full_weight=0.25, distill_weight=2.0), torch.device("cpu"))
-    assert float(w["full"]) == 0.25 and float(w["distill"]) == 2.0
 
 
 def test_the_step_with_the_teacher_is_one_graph_equal_to_eager(fresh_dynamo):

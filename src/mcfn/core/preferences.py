@@ -44,30 +44,16 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.config import LensConfig
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import NodeTable
 from mcfn.core.outputs import HIST_BINS, HIST_RANGE, StepOutput
+from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
 
 # The preference loss divides by max(Σw, floor), floor = this × samples: 1 for the default 4 samples. Per
 # sample, so that when the floor binds, the mean over processes or micro-batches of their losses is the
 # loss of the whole batch.
 WEIGHT_FLOOR_PER_SAMPLE = 0.25
-
-
-def lens_weight_tensors(lens: LensConfig, device: torch.device) -> dict[str, Tensor]:
-    """The LensNet loss weights as 0-d tensors, so that changing one never recompiles the step."""
-    values = {
-        "lens": lens.weight,
-        "pref": lens.pref_weight,
-        "budget": lens.budget_weight,
-        "rank": lens.rank_weight,
-        "rank_margin": lens.rank_margin,
-        "temperature": lens.temperature,
-        "attention": lens.attention_weight,
-    }
-    return {k: torch.tensor(v, device=device) for k, v in values.items()}
 
 
 @typechecked
@@ -163,11 +149,11 @@ def lens_losses(
     tails: Float[Tensor, "b v"],
     wc: WorkingContext,
     nodes: NodeTable,
-    weights: dict[str, Tensor],
+    weights: LossWeights,
     use_rank: bool,
 ) -> StepOutput:
     """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
-    target, tie, pair_w, rows = preference_targets(shown, tails, wc, nodes, weights["temperature"])
+    target, tie, pair_w, rows = preference_targets(shown, tails, wc, nodes, weights.temperature)
     s = scores[rows]  # [B, P, W]
     y = target.float()
     w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target
@@ -180,13 +166,13 @@ def lens_losses(
     budget = budget_term(scores, shown, wc, nodes)
 
     metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
-    total = weights["pref"] * pref + weights["budget"] * budget
+    total = weights.pref * pref + weights.budget * budget
     if use_rank:
-        rank = (w * F.relu(weights["rank_margin"] - y * s)).sum() / w.sum().clamp(min=floor)
+        rank = (w * F.relu(weights.rank_margin - y * s)).sum() / w.sum().clamp(min=floor)
         metrics["mc/lens_rank"] = rank
-        total = total + weights["rank"] * rank
+        total = total + weights.rank * rank
     metrics["mc/lens_loss"] = total
-    out = StepOutput({"loss_lens": weights["lens"] * total}, metrics, {})
+    out = StepOutput({"loss_lens": weights.lens * total}, metrics, {})
     return out.merge(lens_metrics(scores, wc.valid, s, y, w))
 
 

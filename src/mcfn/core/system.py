@@ -11,9 +11,9 @@ The step is a composition of pure stage functions, compiled as one graph::
 ``process_batch`` trains the base model and GistNet; ``process_batch_lens`` adds LensNet and its
 preference loss. They are separate functions (not one with a flag) so that each compiles to its own
 graph and a run that computes the lens loss every k-th step never recompiles. Both add the full-window
-teacher's terms (:mod:`mcfn.core.teacher`) when ``[mc.teacher]`` turns them on, a static choice. Both call their stages
-through ``run(name, fn, *args)``: plain calls in training, and in the benchmark a recorder that times
-each stage on its own, so the phase table always times the program that trains.
+teacher's terms (:mod:`mcfn.core.teacher`) when ``[mc.teacher]`` turns them on, a static choice. Each stage is
+marked with :func:`mcfn.core.stages.stage`: a plain call in training, and in the benchmark a recorder that
+times each stage on its own, so the phase table always times the program that trains.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from mcfn.config import MCConfig, RunConfig
+from mcfn.config import RunConfig
 from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble
@@ -36,12 +36,14 @@ from mcfn.core.losses import tail_mask, tail_nll, variant_losses
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
-from mcfn.core.preferences import lens_losses, lens_weight_tensors
+from mcfn.core.preferences import lens_losses
 from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
+from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
-from mcfn.core.teacher import teacher_losses, teacher_weight_tensors
+from mcfn.core.teacher import teacher_losses
 from mcfn.core.tree import Tree, build_tree
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
+from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
 
 NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
@@ -133,11 +135,13 @@ def allocator_cuts(
 # The stages of the step, in order. Each is a pure function of the system and tensors.
 
 
+@stage("tree")
 def tree_stage(system: MegaContext, window: Int[Tensor, "b t1"]) -> Tree:
     """Token embeddings and GistNet over every eligible block: the summary tree."""
     return build_tree(system.gistnet, system.base.embed(window[:, : system.layout.T]), system.layout)
 
 
+@stage("variants")
 @typechecked
 def variants_stage(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
@@ -150,15 +154,18 @@ def variants_stage(
     return torch.cat([shown[:, :keep], allocator_cuts(system, tree.detach(), window, noise)], dim=1)
 
 
+@stage("assemble")
 def assemble_stage(system: MegaContext, tree: Tree, shown: Tensor, window: Tensor) -> WorkingContext:
     return assemble(tree, shown, window, system.nodes)
 
 
+@stage("base")
 def base_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w d"]:
     """One packed base-model forward over every working context: final hidden states ``[B·V, W, D]``."""
     return system.base.hidden(wc.emb, wc.position, wc.span.float())
 
 
+@stage("losses")
 def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple[Tensor, StepOutput]:
     """Tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
     nll = system.base.nll(hidden, wc.target)
@@ -166,94 +173,82 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
     return tails, variant_losses(nll, tails, wc, system.layout)
 
 
+@stage("teacher")
 def teacher_stage(
-    system: MegaContext, window: Tensor, hidden: Tensor, wc: WorkingContext, weights: dict[str, Tensor]
+    system: MegaContext, window: Tensor, hidden: Tensor, wc: WorkingContext, weights: LossWeights
 ) -> tuple[StepOutput, Tensor | None]:
     return teacher_losses(system.base, window, hidden, wc, system.layout, weights, system.use_lens_attention)
 
 
+@stage("lens_fwd")
 def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
     return system.lensnet(wc)
 
 
+@stage("lens_loss")
 def lens_loss_stage(
     system: MegaContext,
     scores: Tensor,
     shown: Tensor,
     tails: Tensor,
     wc: WorkingContext,
-    weights: dict[str, Tensor],
+    weights: LossWeights,
     mass: Tensor | None,
 ) -> StepOutput:
     """The preference loss, and with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target."""
     out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_rank)
     if mass is None:
         return out
-    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights["attention"]))
+    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
 
 
-def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: dict[str, Tensor]) -> StepOutput:
+@stage("recon")
+def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
     """``loss_recon`` (:mod:`mcfn.core.reconstruction`); the step calls it only when ``mc.gist.recon_weight`` > 0."""
     tokens = window[:, : system.layout.T]
-    return reconstruction_loss(system.gist_decoder, system.base, tree, tokens, system.layout, weights["recon"])
+    return reconstruction_loss(system.gist_decoder, system.base, tree, tokens, system.layout, weights.recon)
 
 
-def step_weights(mc: MCConfig, device: torch.device) -> dict[str, Tensor]:
-    """Every loss weight of the step (LensNet's, the teacher's, the reconstruction's) as a 0-d tensor: changing
-    one never recompiles."""
-    recon = {"recon": torch.tensor(mc.gist.recon_weight, device=device)}
-    return {**lens_weight_tensors(mc.lens, device), **teacher_weight_tensors(mc.teacher, device), **recon}
-
-
-def call(name: str, fn: Callable, *args):
-    """How the step runs a stage by default: just call it (``name`` is for a recorder, such as the benchmark's)."""
-    return fn(*args)
-
-
-def build_contexts(
-    system: MegaContext, window: Tensor, noise: VariantNoise, run: Callable = call
-) -> tuple[WorkingContext, Tensor, Tree]:
+def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> tuple[WorkingContext, Tensor, Tree]:
     """The working contexts of a batch, the shown-node masks ``[B, V, nodes]`` they come from, and the tree."""
-    tree = run("tree", tree_stage, system, window)
-    shown = run("variants", variants_stage, system, tree, window, noise)
-    return run("assemble", assemble_stage, system, tree, shown, window), shown, tree
+    tree = tree_stage(system, window)
+    shown = variants_stage(system, tree, window, noise)
+    return assemble_stage(system, tree, shown, window), shown, tree
 
 
 def language_model_terms(
-    system: MegaContext, window: Tensor, wc: WorkingContext, weights: dict[str, Tensor], run: Callable
+    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights
 ) -> tuple[Tensor, StepOutput, Tensor | None]:
     """The packed base forward's tail NLL ``[B, V]`` and loss terms, with the teacher's when it is on, and the
     teacher's attention mass per node ``[B, nodes]`` when LensNet learns from it (else ``None``)."""
-    hidden = run("base", base_stage, system, wc)
-    tails, out = run("losses", loss_stage, system, hidden, wc)
+    hidden = base_stage(system, wc)
+    tails, out = loss_stage(system, hidden, wc)
     if not system.use_teacher:  # a config constant: static under compile
         return tails, out, None
-    teacher, mass = run("teacher", teacher_stage, system, window, hidden, wc, weights)
+    teacher, mass = teacher_stage(system, window, hidden, wc, weights)
     return tails, out.merge(teacher), mass
 
 
-def process_batch(
-    system: MegaContext, window: Tensor, noise: VariantNoise, weights: dict[str, Tensor], run: Callable = call
-) -> StepOutput:
+def with_recon(system: MegaContext, out: StepOutput, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
+    if not system.use_recon:  # a config constant: static under compile
+        return out
+    return out.merge(recon_stage(system, tree, window, weights))
+
+
+def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
     """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's and reconstruction's terms)
     and the metrics."""
-    wc, _, tree = build_contexts(system, window, noise, run)
-    out = language_model_terms(system, window, wc, weights, run)[1]
-    if system.use_recon:  # a config constant: static under compile
-        out = out.merge(run("recon", recon_stage, system, tree, window, weights))
-    return out
+    wc, _, tree = build_contexts(system, window, noise)
+    return with_recon(system, language_model_terms(system, window, wc, weights)[1], tree, window, weights)
 
 
-def process_batch_lens(
-    system: MegaContext, window: Tensor, noise: VariantNoise, weights: dict[str, Tensor], run: Callable = call
-) -> StepOutput:
+def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
-    wc, shown, tree = build_contexts(system, window, noise, run)
-    tails, out, mass = language_model_terms(system, window, wc, weights, run)
-    if system.use_recon:  # a config constant: static under compile
-        out = out.merge(run("recon", recon_stage, system, tree, window, weights))
-    scores = run("lens_fwd", lens_stage, system, wc)
-    return out.merge(run("lens_loss", lens_loss_stage, system, scores, shown, tails, wc, weights, mass))
+    wc, shown, tree = build_contexts(system, window, noise)
+    tails, out, mass = language_model_terms(system, window, wc, weights)
+    out = with_recon(system, out, tree, window, weights)
+    scores = lens_stage(system, wc)
+    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 
 @torch.no_grad()

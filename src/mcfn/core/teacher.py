@@ -26,19 +26,14 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.config import TeacherConfig
 from mcfn.core.attention import hidden_and_tail_attention, long_range_mass, node_mass
 from mcfn.core.context import WorkingContext, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.core.step import split_window
+from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
-
-
-def teacher_weight_tensors(teacher: TeacherConfig, device: torch.device) -> dict[str, Tensor]:
-    """The teacher's loss weights as 0-d tensors, so that changing one never recompiles the step."""
-    return {k: torch.tensor(getattr(teacher, f"{k}_weight"), device=device) for k in ("full", "distill")}
 
 
 @typechecked
@@ -64,7 +59,7 @@ def teacher_losses(
     hidden: Float[Tensor, "r w d"],
     wc: WorkingContext,
     layout: Layout,
-    weights: dict[str, Tensor],
+    weights: LossWeights,
     with_mass: bool = False,
 ) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
     """``loss_full`` and ``loss_distill`` (weighted), with their unweighted values as metrics; and with
@@ -89,7 +84,7 @@ def teacher_losses(
         mass = node_mass(long_range_mass(attention, recency_nll, nll[:, tail_start:]), layout)
     full_nll = nll.mean()
     out = StepOutput(
-        {"loss_full": weights["full"] * full_nll, "loss_distill": weights["distill"] * kl},
+        {"loss_full": weights.full * full_nll, "loss_distill": weights.distill * kl},
         {"train/loss_full": full_nll, "mc/distill_kl": kl},
         {},
     )

@@ -23,10 +23,10 @@ from mcfn.core.system import (
     build_contexts,
     process_batch,
     process_batch_lens,
-    step_weights,
     validation_sums,
 )
 from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
 from mcfn.data.loader import VAL_SEED
 from mcfn.inference.render import lod_string
 from mcfn.seeding import derive_seed
@@ -94,7 +94,7 @@ class MCTask:
         self.generator = torch.Generator(device=device)
         self.lens_every = mc.lens.every if mc.lens.enabled else 0
         # Loss weights are tensors: changing one during training never recompiles the step.
-        self.weights = step_weights(mc, device)
+        self.weights = LossWeights.of(mc, device)
         self.plain_steps = cfg.train.plain_steps
         self._plain: Callable = plain_step
         self._step: Callable = process_batch

@@ -38,9 +38,11 @@ from torch import Tensor
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
+from mcfn.core.stages import recording
 from mcfn.core.step import compile_step
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens, step_weights
+from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
 from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
 from mcfn.tools.eval_report import evaluate_tasks
 from mcfn.tools.evaluation import EvalSettings, default_budgets
 from mcfn.typecheck import checks
@@ -106,7 +108,7 @@ def run_benchmark(
         return tokens[:, :-1], torch.where(supervised, tokens[:, 1:], -1)  # -1: no target
 
     plain_fn = compile_fn(plain_entries_step)
-    weights = step_weights(cfg.mc, device)
+    weights = LossWeights.of(cfg.mc, device)
     step = process_batch_lens if system.lensnet is not None else process_batch
     mc_fn = partial(compile_fn(step), weights=weights)
 
@@ -215,7 +217,7 @@ def plain_entries_step(model: GPT, tokens: Tensor, targets: Tensor) -> StepOutpu
 
 
 class StageRecorder:
-    """Stands in for the step's ``run``: calls each stage and records its name, function and inputs."""
+    """Installed with :func:`mcfn.core.stages.recording`: calls each stage and records its name, function and inputs."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Callable, tuple]] = []
@@ -254,8 +256,8 @@ def time_phases(
 ) -> dict[str, float]:
     """Median forward + backward milliseconds of each stage of ``step`` (a step with its inputs bound)."""
     recorder = StageRecorder()
-    with autocast:
-        step(run=recorder)
+    with autocast, recording(recorder):
+        step()
     system.zero_grad(set_to_none=True)
     phases = {}
     for name, fn, args in recorder.calls:
@@ -315,7 +317,7 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     layout, B = system.layout, cfg.train.batch_size
     window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
     noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
-    weights = step_weights(cfg.mc, device)
+    weights = LossWeights.of(cfg.mc, device)
     token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
     settings = EvalSettings(default_budgets(layout), tasks=("corpus",))
 

@@ -1,0 +1,51 @@
+"""Every loss weight of the MegaContext step in one typed, frozen container.
+
+Each weight is a 0-d tensor on the step's device: the compiled step reads it as an input, so changing a
+value (in place, ``weights.recon.fill_(0.1)``) never recompiles, and a field that does not exist is an
+``AttributeError`` where it is read, not a missing string key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mcfn.config import MCConfig
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    lens: Tensor  # the whole LensNet loss (mc.lens.weight)
+    pref: Tensor  # its Bradley–Terry preference term
+    budget: Tensor  # its budget term
+    rank: Tensor  # its optional margin term (mc.lens.rank)
+    rank_margin: Tensor  # that term's margin
+    temperature: Tensor  # the preference pairs' weight over their ΔNLL
+    attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
+    full: Tensor  # loss_full, the full-window teacher's own next-token loss
+    distill: Tensor  # loss_distill, the teacher's tail distribution into every compressed variant
+    recon: Tensor  # loss_recon, every gist read back into its own tokens
+
+    @classmethod
+    def of(cls, mc: MCConfig, device: torch.device) -> LossWeights:
+        lens, teacher = mc.lens, mc.teacher
+        values = {
+            "lens": lens.weight,
+            "pref": lens.pref_weight,
+            "budget": lens.budget_weight,
+            "rank": lens.rank_weight,
+            "rank_margin": lens.rank_margin,
+            "temperature": lens.temperature,
+            "attention": lens.attention_weight,
+            "full": teacher.full_weight,
+            "distill": teacher.distill_weight,
+            "recon": mc.gist.recon_weight,
+        }
+        return cls(**{name: torch.tensor(float(value), device=device) for name, value in values.items()})
+
+    def values(self) -> dict[str, float]:
+        """The weights as numbers, by field name (host reads: for logs and tests, never in the step)."""
+        return {f.name: float(getattr(self, f.name)) for f in dataclasses.fields(self)}
