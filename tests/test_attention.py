@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compile_check import assert_one_graph_equals_eager
 from test_mc import VOCAB, decisive, make_system
 from test_teacher import batch
 
@@ -142,17 +143,7 @@ def test_the_attention_target_needs_the_teacher():
 
 
 def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dynamo):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
-    counter = CompileCounterWithBackend("aot_eager")
-    step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
-    for i in range(3):
-        window, noise = batch(system, seed=i)
-        out, eager = step(system, window, noise, weights), process_batch_lens(system, window, noise, weights)
-        for k in ("loss_lm", "loss_lens", "loss_lens_attn"):
-            torch.testing.assert_close(out.losses[k], eager.losses[k], atol=1e-5, rtol=1e-4)
-        if i == 0:
-            torch.compiler.set_stance("fail_on_recompile")
-    assert counter.frame_count == 1
+    batches = [(system, *batch(system, seed=i), weights) for i in range(3)]
+    assert_one_graph_equals_eager(process_batch_lens, batches)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.testing import CompileCounterWithBackend
+from compile_check import assert_one_graph_equals_eager
 
 from mcfn.config import ModelConfig
 from mcfn.core.model import GPT
@@ -21,41 +21,38 @@ def _model() -> GPT:
     return model
 
 
-def _grads(model: GPT, fn, window: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    loss = fn(model, window).total()
-    loss.backward()  # outside the compiled region
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+def _windows(shape: tuple[int, int], n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 128, shape, generator=g) for _ in range(n)]
 
 
 def test_compiled_step_equals_eager_and_never_recompiles():
+    """One graph for the whole step (no graph break, no recompile), the same loss and gradients as eager."""
     model = _model()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(plain_step, backend=counter, fullgraph=True, dynamic=False)
-    g = torch.Generator().manual_seed(0)
-    for i in range(4):
-        window = torch.randint(0, 128, (3, 17), generator=g)
-        loss_c, grads_c = _grads(model, compiled, window)
-        loss_e, grads_e = _grads(model, plain_step, window)
-        torch.testing.assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
-        for gc, ge in zip(grads_c, grads_e, strict=True):
-            torch.testing.assert_close(gc, ge, atol=1e-5, rtol=1e-4)
-        if i == 0:
-            torch.compiler.set_stance("fail_on_recompile")
-    torch.compiler.set_stance("default")
-    assert counter.frame_count == 1  # one graph for the whole step: no graph break, no recompile
+    batches = [(model, window) for window in _windows((3, 17), 4)]
+    assert_one_graph_equals_eager(
+        plain_step, batches, backend="inductor", loss=lambda out: out.total(), params=model.parameters(), rtol=1e-5
+    )
 
 
 def test_compiled_eval_has_one_graph():
     model = _model()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = torch.compile(nll_and_bytes, backend=counter, fullgraph=True, dynamic=False)
     token_bytes = torch.randint(0, 4, (128,), dtype=torch.int32)
-    for seed in range(3):
-        window = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            nll_c, bytes_c = compiled(model, window, token_bytes)
-            nll_e, bytes_e = nll_and_bytes(model, window, token_bytes)
-        torch.testing.assert_close(nll_c, nll_e, atol=1e-4, rtol=1e-5)
-        assert int(bytes_c) == int(bytes_e)
-    assert counter.frame_count == 1
+    with torch.no_grad():
+        batches = [(model, window, token_bytes) for window in _windows((2, 9), 3)]
+        assert_one_graph_equals_eager(nll_and_bytes, batches, backend="inductor", atol=1e-4, rtol=1e-5)
+
+
+def test_the_shared_check_catches_a_graph_break_and_a_recompile():
+    def branches_on_a_value(x):
+        return x * 2 if x.sum() > 0 else x  # data-dependent control flow: a graph break
+
+    def scales(x, factor: int):
+        return x * factor  # a new Python int is a new constant: a recompile
+
+    x = torch.ones(3)
+    with pytest.raises(Exception, match="(?i)data-dependent|graph break|unsupported"):
+        assert_one_graph_equals_eager(branches_on_a_value, [(x,)])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="(?i)recompil"):
+        assert_one_graph_equals_eager(scales, [(x, 2), (x, 3)])

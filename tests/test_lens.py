@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, layouts, make_system
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from mcfn.config import MCConfig
 from mcfn.core.context import assemble
@@ -165,19 +165,9 @@ def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo
     tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick the pairs'
     winners, so the targets, differently in each backend."""
     system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"granularity": granularity}))
-    counter = CompileCounterWithBackend("inductor")
-    step = torch.compile(process_batch_lens, backend=counter, fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(3)
-    for i in range(21):
+    batches = []
+    for _ in range(21):
         window = torch.randint(0, VOCAB, (2, 33), generator=g)
-        noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
-        out = step(system, window, noise, WEIGHTS)
-        eager = process_batch_lens(system, window, noise, WEIGHTS)
-        for part, reference in zip(out, eager, strict=True):  # losses, metrics, histograms
-            assert part.keys() == reference.keys()
-            for k in reference:
-                torch.testing.assert_close(part[k], reference[k], atol=1e-5, rtol=1e-4)
-        out.total().backward()
-        if i == 0:
-            torch.compiler.set_stance("fail_on_recompile")
-    assert counter.frame_count == 1
+        batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), WEIGHTS))
+    assert_one_graph_equals_eager(process_batch_lens, batches, backend="inductor", loss=lambda out: out.total())

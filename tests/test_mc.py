@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 import torch._dynamo
+from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 from hypothesis import strategies as st
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from mcfn.config import MCConfig, OptimConfig, coarsest_cover_size
 from mcfn.core.context import WorkingContext
@@ -263,13 +263,8 @@ def _batches(system: MegaContext, n: int, batch: int = 2):
 
 def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
     system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
-    counter = CompileCounterWithBackend("aot_eager")
-    step = torch.compile(process_batch, backend=counter, fullgraph=True, dynamic=False)
-    for i, (window, noise) in enumerate(_batches(system, 24)):
-        step(system, window, noise, STEP_WEIGHTS).total().backward()
-        if i == 0:
-            torch.compiler.set_stance("fail_on_recompile")
-    assert counter.frame_count == 1
+    batches = [(system, window, noise, STEP_WEIGHTS) for window, noise in _batches(system, 24)]
+    assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), against_eager=False)
 
 
 def test_compiled_mc_step_equals_eager(fresh_dynamo):
@@ -284,16 +279,7 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
             torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
     weights = LossWeights.of(MCConfig(), torch.device("cpu"))
-    step = torch.compile(process_batch_lens, fullgraph=True, dynamic=False)
-    for window, noise in _batches(system, 3):
-        grads, outs = [], []
-        for fn in (step, process_batch_lens):
-            system.zero_grad(set_to_none=True)
-            out = fn(system, window, noise, weights)
-            out.total().backward()
-            outs.append({k: v.detach() for k, v in flat(out).items()})
-            grads.append([p.grad.clone() for p in system.parameters()])
-        for k in outs[0]:
-            torch.testing.assert_close(outs[0][k], outs[1][k], atol=1e-5, rtol=1e-4)
-        for a, b in zip(*grads, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    batches = [(system, window, noise, weights) for window, noise in _batches(system, 3)]
+    assert_one_graph_equals_eager(
+        process_batch_lens, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()
+    )
