@@ -80,24 +80,19 @@ def test_nested_mc_tables_and_overrides():
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
-        ({"mc": {"lens_weight": 2.0}}, "mc.lens_weight in config is now mc.lens.weight"),
-        ({"mc": {"gist_layers": 1}}, "mc.gist_layers in config is now mc.gist.layers"),
-        ({"mc": {"alloc_iterations": 2}}, "mc.alloc_iterations in config is now mc.alloc.iterations"),
-        ({"mc": {"lens": False}}, "mc.lens in config is now mc.lens.enabled"),
+        ({"mc": {"lens_weight": 2.0}}, "unknown key mc.lens_weight"),
+        ({"mc": {"lens": {"rank": True}}}, "unknown key mc.lens.rank"),
+        ({"mc": {"variant_spend_min": 0.5}}, "unknown key mc.variant_spend_min"),
+        ({"mc": {"lens": False}}, "mc.lens in config must be a table"),
         ({"mc": {"lens": {"wieght": 1.0}}}, "unknown key mc.lens.wieght"),
         ({"mc": {"gist": 2}}, r"mc.gist in config must be a table"),
         ({"mc": {"lens": {"temperature": 0}}}, "mc.lens.temperature: must be > 0"),
         ({"mc": {"variants": 1, "alloc": {"variants": 2}}}, "mc.alloc.variants"),
     ],
 )
-def test_old_flat_mc_keys_name_their_new_home(sections, message):
+def test_a_bad_mc_table_is_refused_naming_its_key(sections, message):
     with pytest.raises(UserError, match=message):
         build_config(sections)
-
-
-def test_an_old_key_on_the_command_line_names_its_new_home():
-    with pytest.raises(UserError, match="mc.lens_every .* is now mc.lens.every"):
-        resolve("cpu-tiny", [parse_override("mc.lens_every=2")])
 
 
 def test_a_saved_config_loads_back_equal():
@@ -108,28 +103,26 @@ def test_a_saved_config_loads_back_equal():
         assert config_from_saved(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
-def test_a_checkpoint_config_from_before_the_split_still_loads():
-    from mcfn.profile import config_from_saved
+def test_a_profile_extends_another_and_says_only_what_differs(tmp_path):
+    (tmp_path / "base.toml").write_text("[train]\nsteps = 7\nbatch_size = 2\n[mc.lens]\nweight = 0.5\n")
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[train]\nsteps = 9\n[mc.lens]\nlayers = 3\n')
+    cfg = resolve(str(tmp_path / "child.toml"), [])
+    assert (cfg.train.steps, cfg.train.batch_size) == (9, 2)
+    assert (cfg.mc.lens.weight, cfg.mc.lens.layers) == (0.5, 3)
+    (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
+    with pytest.raises(UserError, match="extends itself"):
+        resolve(str(tmp_path / "loop.toml"), [])
 
-    saved = RunConfig().to_dict()
-    flat_mc = {k: v for k, v in saved["mc"].items() if k not in ("gist", "lens", "alloc")}
-    flat_mc |= {"gist_layers": 3, "lens": False, "lens_weight": 0.5, "alloc_noise": 2.0}
-    cfg = config_from_saved({**saved, "mc": flat_mc})
-    assert cfg.mc.gist.layers == 3 and not cfg.mc.lens.enabled and cfg.mc.lens.weight == 0.5
-    assert cfg.mc.alloc.noise == 2.0
 
-
-def test_a_checkpoint_config_from_before_a_key_reads_as_it_ran():
-    """LensNet's granularity came with a new default ("block"); a checkpoint without the key ran "entry"."""
-    from mcfn.profile import config_from_saved
-
-    saved = RunConfig().to_dict()
-    del saved["mc"]["lens"]["granularity"]
-    assert config_from_saved(saved).mc.lens.granularity == "entry"
-    assert RunConfig().mc.lens.granularity == "block"
+def test_the_shipped_profiles_that_extend_differ_from_their_parent_in_a_few_keys():
+    """cpu-long is cpu-tiny trained longer; gpu-h200 is gpu-h100 over twice the history."""
+    long, tiny = resolve("cpu-long", []), resolve("cpu-tiny", [])
+    assert long.model == tiny.model and long.mc == tiny.mc and long.train.steps == 5 * tiny.train.steps
+    h200, h100 = resolve("gpu-h200", []), resolve("gpu-h100", [])
+    assert h200.model == h100.model and h200.data.seq_len == 2 * h100.data.seq_len
 
 
 def test_config_hash_follows_every_setting():
     base = resolve("cpu-tiny", [])
     assert base.digest() == resolve("cpu-tiny", []).digest()
-    assert base.digest() != resolve("cpu-tiny", [parse_override("mc.lens.rank_margin=2")]).digest()
+    assert base.digest() != resolve("cpu-tiny", [parse_override("mc.lens.temperature=2")]).digest()

@@ -73,7 +73,7 @@ def test_property_I7_a_gradient_step_moves_every_targeted_score_toward_its_targe
     tails = torch.tensor([[2.0, 1.0]] if fine_is_better else [[1.0, 2.0]])
     scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
     weights = dataclasses.replace(WEIGHTS, budget=torch.tensor(0.0))
-    lens_losses(scores, shown, tails, wc, system.nodes, weights, use_rank=False).losses["loss_lens"].backward()
+    lens_losses(scores, shown, tails, wc, system.nodes, weights).losses["loss_lens"].backward()
     y, _, _, rows = preference_targets(shown, tails, wc, system.nodes, weights.temperature)
     targeted = y != 0
     assert targeted.any()

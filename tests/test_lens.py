@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch._dynamo
 from compile_check import assert_one_graph_equals_eager
@@ -119,12 +118,11 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     assert tie[0, 0][: int(valid.sum())].sum() == layout.H  # the tail's tokens: shown alike by both
 
 
-@pytest.mark.parametrize("granularity", ["entry", "block"])
-def test_lensnet_learns_where_detail_pays(granularity):
+def test_lensnet_learns_where_detail_pays():
     """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
     (tokens 20..23), and nothing else matters. After 800 steps on the preference loss alone,
     LensNet scores the coarsest context's entry that covers that block first, far above chance."""
-    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32, lens={"granularity": granularity})
+    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
     layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
@@ -141,7 +139,7 @@ def test_lensnet_learns_where_detail_pays(granularity):
             wc = assemble(tree, shown, window, table)
         detail = (layout.L - lod_map(shown, table)[..., block].amin(-1)).float() / layout.L  # [B, V]
         tails = 2.0 - detail + 0.01 * torch.rand(B, layout.V, generator=g)  # near-ties weigh ~0.02
-        loss = lens_losses(lens(wc), shown, tails, wc, table, weights, use_rank=False).losses["loss_lens"]
+        loss = lens_losses(lens(wc), shown, tails, wc, table, weights).losses["loss_lens"]
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -159,12 +157,11 @@ def test_lensnet_learns_where_detail_pays(granularity):
     assert hit >= 0.6 and hit > 3 * chance, (hit, chance)  # 0.97-1.0 over seeds 0-3; chance is 0.2
 
 
-@pytest.mark.parametrize("granularity", ["entry", "block"])
-def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo, granularity):
+def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):
     """Compiled for real (inductor, the backend training uses), on one fixed shape, against eager. The model
     tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick the pairs'
     winners, so the targets, differently in each backend."""
-    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"granularity": granularity}))
+    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2))
     g = torch.Generator().manual_seed(3)
     batches = []
     for _ in range(21):

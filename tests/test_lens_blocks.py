@@ -1,4 +1,4 @@
-"""LensNet at block granularity: the units it reads are the cut's gists and its K-aligned blocks of tokens,
+"""LensNet's units: the units it reads are the cut's gists and its K-aligned blocks of tokens,
 at most T/K of them, and every entry's score is its unit's."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from mcfn.core.lensnet import block_units, pool_blocks
 
 
 def block_contexts(shape: dict, batch: int, seed: int):
-    system, window, wc = contexts(shape, batch, seed, lens={"granularity": "block"})
+    system, window, wc = contexts(shape, batch, seed)
     return awake(system), window, wc
 
 
 @given(cases)
 def test_property_block_units_are_the_cuts_gists_and_its_aligned_token_blocks(case):
-    """Pooled, every cut is again a partition of its span in start order, in at most T/K units: each gist
+    """Pooled, every cut is again a cut in start order (gaps only where whole top-level blocks are left out), in
+    at most T/K units: each gist
     alone (its own start, span, LOD and embedding), each K-aligned block of tokens as one unit at LOD0 with
     the mean of their embeddings (span K; the recency baseline may begin inside a block); positions are the
     span centres."""
@@ -32,8 +33,12 @@ def test_property_block_units_are_the_cuts_gists_and_its_aligned_token_blocks(ca
     for r in range(wc.batch_size[0]):
         n, m = int(wc.valid[r].sum()), int(pooled.valid[r].sum())
         starts, spans, lods = (x[r, :m].tolist() for x in (pooled.start, pooled.span, pooled.lod))
-        first = starts[0]  # the recency baseline begins at T - W, the other variants at 0
-        assert starts == [first] + [a + s for a, s in zip(starts[:-1], spans[:-1], strict=True)][: m - 1]
+        first = starts[0]  # the recency baseline begins at T - W; the others at 0 or after left-out blocks
+        top = K ** shape["L"]
+        for end, following in zip([a + s for a, s in zip(starts, spans, strict=True)], starts[1:]):
+            assert end == following or (end % top == 0 and following > end and (following - end) % top == 0), (
+                "units follow each other, or a gap is whole left-out top-level blocks"
+            )
         assert starts[-1] + spans[-1] == T
         assert m == sum(k > 0 for k in wc.lod[r, :n].tolist()) + sum(
             s % K == 0 for s, k in zip(wc.start[r, :n].tolist(), wc.lod[r, :n].tolist(), strict=True) if k == 0

@@ -101,3 +101,15 @@ def test_float32_muon_follows_torch_muon_and_shares_its_state_format():
 def test_cpu_training_gets_the_float32_muon():
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
     assert type(build_optimizers(model, OptimConfig())[0]) is Float32Muon
+
+
+def test_a_checkpoint_of_another_format_is_refused_in_one_line_naming_both(tmp_path):
+    from mcfn.shell.checkpoint import CHECKPOINT_FORMAT, load_run_state
+
+    path = tmp_path / "old.pt"
+    save_checkpoint(path, {"format": CHECKPOINT_FORMAT - 1, "model": {}, "step": 3})
+    with pytest.raises(UserError, match=f"format {CHECKPOINT_FORMAT - 1}; .*format {CHECKPOINT_FORMAT} only") as e:
+        load_run_state(path)
+    assert "\n" not in str(e.value)
+    save_checkpoint(path, {"format": CHECKPOINT_FORMAT, "model": {}, "step": 3})
+    assert load_run_state(path)["step"] == 3

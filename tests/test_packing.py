@@ -35,9 +35,8 @@ def padded_contexts(system: MegaContext, window: torch.Tensor) -> WorkingContext
 
 @given(cases)
 def test_property_I3_valid_entries_ignore_padding_in_lensnet_and_the_base_model(case):
-    """Entry by entry (LensNet at block granularity: ``test_lens_blocks``)."""
     shape, batch, seed = case
-    system, window, _ = contexts(shape, batch, seed, lens={"granularity": "entry"})
+    system, window, _ = contexts(shape, batch, seed)
     wc = padded_contexts(awake(system), window)
     pad = ~wc.valid
     assert pad.any()
@@ -132,8 +131,6 @@ def test_lens_weights_map_each_setting_to_its_term():
         weight=2.0,
         pref_weight=3.0,
         budget_weight=5.0,
-        rank_weight=7.0,
-        rank_margin=11.0,
         temperature=13.0,
         attention_weight=17.0,
     )
@@ -144,8 +141,6 @@ def test_lens_weights_map_each_setting_to_its_term():
         "lens": 2.0,
         "pref": 3.0,
         "budget": 5.0,
-        "rank": 7.0,
-        "rank_margin": 11.0,
         "temperature": 13.0,
         "attention": 17.0,
         "full": 19.0,

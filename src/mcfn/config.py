@@ -137,9 +137,6 @@ class GistConfig:
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
 
 
-LENS_GRANULARITIES = ("entry", "block")
-
-
 @dataclass(frozen=True)
 class LensConfig:
     enabled: bool = True  # LensNet, its preference loss and the allocator-built variants
@@ -149,26 +146,17 @@ class LensConfig:
     weight: float = 1.0  # weight of the whole LensNet loss in the step's total
     pref_weight: float = 1.0  # Bradley-Terry preference term
     budget_weight: float = 0.1  # expansion/collapse balance term
-    rank: bool = False  # the optional margin term
-    rank_weight: float = 0.1
-    rank_margin: float = 1.0
     temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
-    # What LensNet's transformer reads: "block", one unit per gist and one per K-aligned block of tokens
-    # (mean-pooled), its score shared by the block's tokens; "entry", every working-context entry. Every
-    # decision is block-level (a gist expands, a complete group collapses), and a cut has at most T/K units:
-    # at bench-ref, 32 units instead of 768 entries.
-    granularity: str = "block"
 
     def __post_init__(self) -> None:
-        _require(self.granularity in LENS_GRANULARITIES, "mc.lens.granularity", f"must be one of {LENS_GRANULARITIES}")
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("weight", "pref_weight", "budget_weight", "rank_weight", "attention_weight"):
+        for name in ("weight", "pref_weight", "budget_weight", "attention_weight"):
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
         _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
         _require(self.every >= 1, "mc.lens.every", "must be >= 1")
@@ -210,10 +198,6 @@ class MCConfig:
     budget: int = 256  # W: working-context capacity in entries
     tail: int = 64  # H: the last H tokens, LOD0 in every variant and scored in every variant
     variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
-    # Random compressed variants spend a uniform fraction in [variant_spend_min, 1] of the spare budget
-    # (W minus the coarsest cover): below 1, some variants are mostly gists, so the base model and GistNet
-    # learn to rely on gists. The allocator's variants always fill W.
-    variant_spend_min: float = 1.0
     gist: GistConfig = field(default_factory=GistConfig)  # [mc.gist]
     lens: LensConfig = field(default_factory=LensConfig)  # [mc.lens]
     alloc: AllocConfig = field(default_factory=AllocConfig)  # [mc.alloc]
@@ -221,7 +205,6 @@ class MCConfig:
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 2, "mc.block_size", "must be >= 2")
-        _require(0.0 <= self.variant_spend_min <= 1.0, "mc.variant_spend_min", "must lie in [0, 1]")
         _require(self.lod_max >= 1, "mc.lod_max", "must be >= 1")
         _require(
             self.tail >= 1 and self.tail % self.block_size == 0,

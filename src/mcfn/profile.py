@@ -3,8 +3,9 @@
 A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[mc]``, the last with
 its own ``[mc.gist]``, ``[mc.lens]`` and ``[mc.alloc]`` tables). Unknown sections or keys, values of the wrong
 type and out-of-range values are rejected with a one-line :class:`~mcfn.errors.UserError` that names the key.
-Keys from before the ``[mc]`` split are rejected with the new key's name (``mc.lens_weight`` is now
-``mc.lens.weight``); checkpoints written before it still load.
+
+A profile may start from another: ``extends = "cpu-tiny"`` at its top takes that profile's tables, and its own
+tables then override them key by key, so it says only what differs.
 """
 
 from __future__ import annotations
@@ -20,34 +21,6 @@ from mcfn.errors import UserError
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 DEFAULT_PROFILE = "cpu-tiny"
-
-# The flat keys of the [mc] table before it was split into [mc.gist], [mc.lens] and [mc.alloc].
-RENAMED = {
-    "mc.gist_layers": "mc.gist.layers",
-    "mc.gist_width": "mc.gist.width",
-    "mc.gist_heads": "mc.gist.heads",
-    "mc.lens": "mc.lens.enabled",
-    **{
-        f"mc.lens_{key}": f"mc.lens.{key}"
-        for key in (
-            "layers",
-            "width",
-            "heads",
-            "weight",
-            "pref_weight",
-            "budget_weight",
-            "rank",
-            "rank_weight",
-            "rank_margin",
-            "temperature",
-            "every",
-        )
-    },
-    "mc.alloc_variants": "mc.alloc.variants",
-    "mc.alloc_iterations": "mc.alloc.iterations",
-    "mc.alloc_noise": "mc.alloc.noise",
-}
-
 
 _SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "mc": MCConfig}
 
@@ -71,8 +44,6 @@ def _build_table(cls: type, values: dict[str, Any], prefix: str, source: str) ->
     for key, value in values.items():
         full = f"{prefix}.{key}"
         nested = dataclasses.is_dataclass(types.get(key))
-        if full in RENAMED and (key not in fields or (nested and not isinstance(value, dict))):
-            raise UserError(f"{full} in {source} is now {RENAMED[full]}")
         if key not in fields or fields[key].metadata.get("derived"):
             raise UserError(f"unknown key {full} in {source}")
         if nested:
@@ -96,34 +67,14 @@ def build_config(sections: dict[str, dict[str, Any]], source: str = "config") ->
     return RunConfig(**built)
 
 
-def _nest_flat_mc(mc: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's ``mc`` table written before the split, in today's nested form."""
-    out: dict[str, Any] = {}
-    for key, value in mc.items():
-        renamed = RENAMED.get(f"mc.{key}") if not isinstance(value, dict) else None  # "lens" was a bool
-        dotted = (renamed or f"mc.{key}").split(".")[1:]
-        table = out
-        for part in dotted[:-1]:
-            table = table.setdefault(part, {})
-        table[dotted[-1]] = value
-    return out
-
-
 def _from_saved(cls: type, values: dict[str, Any]) -> Any:
     types = typing.get_type_hints(cls)
     return cls(**{k: _from_saved(types[k], v) if dataclasses.is_dataclass(types[k]) else v for k, v in values.items()})
 
 
-# Keys added with a default other than what came before: a checkpoint written without one ran the old way.
-ADDED_WITH_A_NEW_DEFAULT = {("lens", "granularity"): "entry"}
-
-
 def config_from_saved(sections: dict[str, dict[str, Any]]) -> RunConfig:
     """The config a checkpoint was written with, derived fields included (the file is ours, not the user's)."""
     try:
-        sections = {**sections, "mc": _nest_flat_mc(sections["mc"])}
-        for (table, key), before in ADDED_WITH_A_NEW_DEFAULT.items():
-            sections["mc"].setdefault(table, {}).setdefault(key, before)
         return RunConfig(**{name: _from_saved(cls, sections[name]) for name, cls in _SECTION_TYPES.items()})
     except (KeyError, TypeError) as e:
         raise UserError(f"checkpoint config does not match this version of mcfn ({e})") from None
@@ -136,17 +87,35 @@ def profile_path(name: str) -> Path:
     return PROFILES_DIR / f"{name}.toml"
 
 
-def load_profile(name: str) -> dict[str, dict[str, Any]]:
-    """Read a profile by name (``profiles/NAME.toml``) or by path to a ``.toml`` file."""
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over``'s keys on top, table by table."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_profile(name: str, seen: tuple[Path, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Read a profile by name (``profiles/NAME.toml``) or by path to a ``.toml`` file, on top of the profile it
+    ``extends`` (named as profiles are, a relative path from the profile's folder)."""
     path = profile_path(name)
     if not path.is_file():
         known = sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
         raise UserError(f"no profile {name!r} (looked for {path}; known: {', '.join(known)})")
+    if path.resolve() in seen:
+        raise UserError(f"profile {path} extends itself (through {', '.join(p.name for p in seen)})")
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            tables = tomllib.load(f)
     except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read profile {path}: {e}") from None
+    parent = tables.pop("extends", None)
+    if parent is None:
+        return tables
+    if not isinstance(parent, str):
+        raise UserError(f"extends in {path} must be a profile name")
+    parent_name = parent if not parent.endswith(".toml") else str(path.parent / parent)
+    return merged(load_profile(parent_name, (*seen, path.resolve())), tables)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -9,7 +9,7 @@ their (damped) rotary position, and three features added to the input: a learned
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it.
 
-At ``granularity="block"`` the transformer reads *units* instead of entries: each gist is a unit, and so
+The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
 shares. Every decision is block-level (a gist expands, a complete group of K collapses), and each unit
 covers at least K tokens, so a cut over T tokens has at most ``T/K`` units whatever the budget ``W``.
@@ -79,9 +79,9 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
 
 
 class LensNet(nn.Module):
-    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, granularity: str = "block"):
+    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout):
         super().__init__()
-        self.layout, self.head_dim, self.granularity = layout, width // n_head, granularity
+        self.layout, self.head_dim = layout, width // n_head
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
         self.feature_proj = nn.Linear(2, width, bias=False)
@@ -102,8 +102,6 @@ class LensNet(nn.Module):
     @typechecked
     def forward(self, wc: WorkingContext, layout: Layout | None = None) -> Float[Tensor, "r w"]:
         """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one)."""
-        if self.granularity == "entry":  # a config constant: static under compile
-            return self.score(wc)
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
@@ -111,7 +109,7 @@ class LensNet(nn.Module):
         return scores.gather(1, unit) * wc.valid
 
     def score(self, wc: WorkingContext) -> Float[Tensor, "r w"]:
-        """The transformer over the rows of ``wc`` (entries, or units), one score per valid one."""
+        """The transformer over the rows of ``wc`` (units), one score per valid one."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the context's last entry (the newest token), in units of the training T:

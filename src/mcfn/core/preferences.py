@@ -150,7 +150,6 @@ def lens_losses(
     wc: WorkingContext,
     nodes: NodeTable,
     weights: LossWeights,
-    use_rank: bool,
 ) -> StepOutput:
     """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
     target, tie, pair_w, rows = preference_targets(shown, tails, wc, nodes, weights.temperature)
@@ -167,10 +166,6 @@ def lens_losses(
 
     metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
     total = weights.pref * pref + weights.budget * budget
-    if use_rank:
-        rank = (w * F.relu(weights.rank_margin - y * s)).sum() / w.sum().clamp(min=floor)
-        metrics["mc/lens_rank"] = rank
-        total = total + weights.rank * rank
     metrics["mc/lens_loss"] = total
     out = StepOutput({"loss_lens": weights.lens * total}, metrics, {})
     return out.merge(lens_metrics(scores, wc.valid, s, y, w))

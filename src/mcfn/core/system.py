@@ -69,14 +69,12 @@ class MegaContext(nn.Module):
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
         )
         self.lensnet = (
-            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout, mc.lens.granularity)
+            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout)
             if mc.lens.enabled
             else None
         )
         self.alloc_variants = mc.alloc_variants
         self.alloc_noise = mc.alloc.noise
-        self.use_rank = mc.lens.rank
-        self.spend_min = mc.variant_spend_min
         self.use_teacher = mc.teacher.enabled
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
@@ -147,7 +145,7 @@ def variants_stage(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b v nodes"]:
     """The baseline and the random compressed cuts, the last ``alloc_variants`` of them replaced by the allocator's."""
-    shown = sample_variants(noise, system.nodes, system.spend_min)
+    shown = sample_variants(noise, system.nodes)
     if not system.alloc_variants:
         return shown
     keep = system.layout.V - system.alloc_variants
@@ -196,7 +194,7 @@ def lens_loss_stage(
     mass: Tensor | None,
 ) -> StepOutput:
     """The preference loss, and with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target."""
-    out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_rank)
+    out = lens_losses(scores, shown, tails, wc, system.nodes, weights)
     if mass is None:
         return out
     return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))

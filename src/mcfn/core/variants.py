@@ -33,7 +33,6 @@ class VariantNoise(TensorClass):
 
     priority: Tensor  # [B, N, n_nodes]: expansion order among a level's shown nodes (higher first)
     share: Tensor  # [B, N, L]: share of the affordable expansions taken at each level (LOD1 ignores it)
-    spend: Tensor  # [B, N]: where between ``spend_min`` and all of it a variant's spare budget lies
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
     leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
 
@@ -45,7 +44,6 @@ def draw_variant_noise(
     return VariantNoise(
         priority=torch.rand(*shape, layout.n_nodes, generator=generator, device=device),
         share=torch.rand(*shape, layout.L, generator=generator, device=device),
-        spend=torch.rand(*shape, generator=generator, device=device),
         explore=torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device),
         leave_out=torch.rand(*shape, generator=generator, device=device),
         batch_size=list(shape),
@@ -63,18 +61,16 @@ def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tens
 
 
 @typechecked
-def compressed_cuts(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.0) -> Bool[Tensor, "b n nodes"]:
+def compressed_cuts(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b n nodes"]:
     """Shown-node masks of the ``N`` compressed variants. Each leaves out the lowest-priority eligible
     top-level blocks, as many as ``leave_out`` picks uniformly between none and :func:`most_left_out`, and
-    spends a fraction of the spare budget ``W - coarsest`` drawn uniformly from ``[spend_min, 1]`` (all of
-    it when ``spend_min = 1``), plus the entries the left-out blocks freed."""
+    spends the spare budget ``W - coarsest`` plus the entries the left-out blocks freed."""
     layout, priority, share = nodes.layout, noise.priority, noise.share
     rows = priority.shape[:-1]
     top_eligible = nodes.level(nodes.eligible, layout.L).expand(*rows, -1)
     n_left_out = (noise.leave_out * (most_left_out(layout) + 1)).floor().long().clamp(max=most_left_out(layout))
     left_out = top_by_priority(top_eligible, -nodes.level(priority, layout.L), n_left_out)
-    fraction = spend_min + (1.0 - spend_min) * noise.spend
-    slack = (fraction * (layout.W - layout.coarsest_cover)).floor().long() + n_left_out
+    slack = layout.W - layout.coarsest_cover + n_left_out
     cost = layout.K - 1  # entries an expansion adds
     expanded: dict[int, Tensor] = {}
     parent_expanded = ~left_out  # the top level's "parent" is the whole history, minus what is left out
@@ -109,7 +105,6 @@ def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
     noise = VariantNoise(
         priority=zeros,
         share=zeros[..., : layout.L],
-        spend=zeros[..., 0],
         explore=zeros[:, :, None],
         leave_out=zeros[..., 0],
         batch_size=[1, 1],
@@ -143,9 +138,7 @@ def recency_cut(layout: Layout, batch: int, device: torch.device) -> Bool[Tensor
 
 
 @typechecked
-def sample_variants(noise: VariantNoise, nodes: NodeTable, spend_min: float = 1.0) -> Bool[Tensor, "b v nodes"]:
+def sample_variants(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b v nodes"]:
     """Shown-node masks ``[B, V, n_nodes]``: the recency baseline, then the ``N`` compressed variants."""
     batch = noise.batch_size[0]
-    return torch.cat(
-        [recency_cut(nodes.layout, batch, noise.priority.device), compressed_cuts(noise, nodes, spend_min)], dim=1
-    )
+    return torch.cat([recency_cut(nodes.layout, batch, noise.priority.device), compressed_cuts(noise, nodes)], dim=1)

@@ -21,8 +21,6 @@ class LossWeights:
     lens: Tensor  # the whole LensNet loss (mc.lens.weight)
     pref: Tensor  # its Bradley–Terry preference term
     budget: Tensor  # its budget term
-    rank: Tensor  # its optional margin term (mc.lens.rank)
-    rank_margin: Tensor  # that term's margin
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
@@ -36,8 +34,6 @@ class LossWeights:
             "lens": lens.weight,
             "pref": lens.pref_weight,
             "budget": lens.budget_weight,
-            "rank": lens.rank_weight,
-            "rank_margin": lens.rank_margin,
             "temperature": lens.temperature,
             "attention": lens.attention_weight,
             "full": teacher.full_weight,

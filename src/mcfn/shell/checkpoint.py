@@ -21,6 +21,9 @@ from mcfn.errors import UserError
 
 MAGIC = b"mcfn-checkpoint v1 "
 CHECKPOINT_NAME = "checkpoint.pt"
+# The layout of a run's state and its saved config. 2: the retired knobs (mc.lens.rank*, mc.lens.granularity,
+# mc.variant_spend_min) and the readers of pre-[mc]-split configs are gone.
+CHECKPOINT_FORMAT = 2
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -67,4 +70,16 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise UserError(f"checkpoint {path} cannot be loaded: {e}") from None
     if not isinstance(state, dict) or "model" not in state or "step" not in state:
         raise UserError(f"checkpoint {path} lacks model or step")
+    return state
+
+
+def load_run_state(path: Path) -> dict[str, Any]:
+    """A training run's checkpoint (resume, ``--init-from``, evaluation, generation), refused in one line when
+    another version of mcfn wrote it."""
+    state = load_checkpoint(path)
+    if (found := state.get("format")) != CHECKPOINT_FORMAT:
+        raise UserError(
+            f"checkpoint {path} has format {found}; this mcfn reads format {CHECKPOINT_FORMAT} only: train it "
+            "again, or read it with the mcfn version that wrote it"
+        )
     return state

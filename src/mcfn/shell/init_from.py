@@ -17,7 +17,7 @@ from mcfn.config import RunConfig
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import load_checkpoint, run_checkpoint
+from mcfn.shell.checkpoint import load_run_state, run_checkpoint
 
 BASE_PREFIX = "base."  # a MegaContext checkpoint's base-model entries
 
@@ -42,7 +42,7 @@ def check_same_base(saved: RunConfig, cfg: RunConfig, path: Path) -> None:
 
 def init_base_from(model: nn.Module, cfg: RunConfig, corpus_key: str, path: Path) -> int:
     """Load ``path``'s (a run directory or its checkpoint) base weights into ``model``'s base; returns its step."""
-    state = load_checkpoint(run_checkpoint(path))
+    state = load_run_state(run_checkpoint(path))
     check_same_base(config_from_saved(state["config"]), cfg, path)
     if state.get("corpus_key") != corpus_key:
         raise UserError(f"--init-from {path} was trained on a different corpus or tokenizer than this run")

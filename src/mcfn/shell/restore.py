@@ -14,7 +14,7 @@ from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import load_checkpoint, run_checkpoint
+from mcfn.shell.checkpoint import load_run_state, run_checkpoint
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Trained:
 def load_trained(path: Path, device: torch.device) -> Trained:
     """Load ``path`` (a run directory or its checkpoint file) onto ``device``, with its corpus and tokenizer."""
     ckpt = run_checkpoint(path)
-    state = load_checkpoint(ckpt)
+    state = load_run_state(ckpt)
     cfg = config_from_saved(state["config"])
     corpus = prepare_corpus(cfg.data)
     if corpus.key != state.get("corpus_key"):

@@ -23,7 +23,7 @@ from mcfn.data.loader import WindowSampler, validation_batches
 from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
+from mcfn.shell.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, load_run_state, save_checkpoint
 from mcfn.shell.devices import autocast_for, padded_vocab
 from mcfn.shell.distributed import World
 from mcfn.shell.init_from import init_base_from
@@ -31,7 +31,6 @@ from mcfn.shell.optim import build_optimizers
 from mcfn.shell.tasks import MCTask, PlainTask, build_task
 from mcfn.shell.tracking import METRICS_NAME, MetricsLog
 
-CHECKPOINT_FORMAT = 1
 # Config sections that must match a checkpoint for --resume to continue the same run.
 RESUME_MUST_MATCH = ("model", "data", "mc")
 
@@ -68,9 +67,7 @@ class Session:
 
 
 def check_resumable(state: dict[str, Any], cfg: RunConfig, corpus_key: str, path: Path) -> None:
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise UserError(f"checkpoint {path} has format {state.get('format')}, expected {CHECKPOINT_FORMAT}")
-    saved, current = config_from_saved(state["config"]).flat(), cfg.flat()  # older checkpoints read as they ran
+    saved, current = config_from_saved(state["config"]).flat(), cfg.flat()
     for key, value in current.items():
         if key.split(".")[0] in RESUME_MUST_MATCH and saved.get(key) != value:
             section = key.split(".")[0]
@@ -95,7 +92,7 @@ def _previous_state(cfg: RunConfig, out_dir: Path, resume: bool, corpus_key: str
     """The checkpoint to continue from (``resume``), after checking it fits; refuses to overwrite a run."""
     path = out_dir / CHECKPOINT_NAME
     if resume:
-        state = load_checkpoint(path)
+        state = load_run_state(path)
         check_resumable(state, cfg, corpus_key, path)
         return state
     if path.exists() or (out_dir / METRICS_NAME).exists():

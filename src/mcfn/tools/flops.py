@@ -38,7 +38,7 @@ def step_flops(cfg: RunConfig, model: nn.Module) -> float:
     blocks = sum(layout.eligible_counts[k] for k in range(1, layout.L + 1))
     flops += _transformer(_matmul_params(gist), cfg.mc.gist.layers, gist.width, B * blocks, layout.K, causal=False)
     if model.lensnet is not None:
-        read = layout.W if cfg.mc.lens.granularity == "entry" else unit_capacity(layout.W, layout)
+        read = unit_capacity(layout.W, layout)
         flops += _transformer(
             _matmul_params(model.lensnet), cfg.mc.lens.layers, cfg.lens_width, B * layout.V, read, causal=False
         )
