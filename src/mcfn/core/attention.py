@@ -14,15 +14,9 @@ from far back (a pass key's answer among 64 tail tokens). Each query is therefor
 past is worth to it (as LongPPL picks its key tokens): the recency baseline's NLL on its target less the
 full window's, floored at ``LONG_RANGE_FLOOR`` nats so a window without any long-range token still gives
 a (recency-like) target. Per working context, LensNet's scores over the entries outside the tail, through
-a softmax, are fitted to each entry's share of that weighted mass **per token of its span** (a cross-entropy,
+a softmax, are fitted to the share of that weighted mass under each entry's span (a cross-entropy,
 reported as the KL divergence): a listwise, shift-invariant target, so it ranks the entries and leaves the
 scores' offset to the preference loss.
-
-Why per token: the mass under a span grows with the span, so fitted as a plain sum it ranks a LOD2 gist
-(64 tokens of attention) far above any token, whatever the text, and LensNet learned to expand every old
-gist and give up the recent tokens: the opposite of truncation, which wins on natural text (LABLOG
-2026-11-24). The density asks what the allocator's choices ask: where the tail reads most, for each entry
-the context spends.
 """
 
 from __future__ import annotations
@@ -97,15 +91,13 @@ def attention_target_loss(
     layout: Layout,
     weight: Float[Tensor, ""],
 ) -> StepOutput:
-    """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention density (mass per
-    token of span) under each entry outside the tail, normalised over those entries, to the softmax of LensNet's
-    scores over them, averaged over contexts; ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the
-    scores rank as the attention density does)."""
+    """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention share under each
+    entry outside the tail to the softmax of LensNet's scores over those entries, averaged over contexts;
+    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does)."""
     candidates = wc.valid & (wc.start < layout.T - layout.H)
     per_row = rearrange(mass, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)  # [B·V, nodes]
-    density = per_row.gather(1, wc.node.clamp(min=0)) / wc.span.clamp(min=1).float()
-    entry_density = torch.where(candidates, density, 0.0)
-    target = entry_density / entry_density.sum(-1, keepdim=True).clamp(min=1e-9)
+    entry_mass = torch.where(candidates, per_row.gather(1, wc.node.clamp(min=0)), 0.0)
+    target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)
     log_q = torch.log_softmax(scores.masked_fill(~candidates, -torch.inf), -1)
     cross = -(target * torch.where(candidates, log_q, 0.0)).sum(-1)
     entropy = -(target * torch.log(target.clamp(min=1e-12))).sum(-1)
