@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch._dynamo
 from compile_check import assert_one_graph_equals_eager
@@ -126,7 +128,7 @@ def test_lensnet_learns_where_detail_pays():
     layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
-    weights = {**WEIGHTS, "budget": torch.tensor(0.0)}
+    weights = dataclasses.replace(WEIGHTS, budget=torch.tensor(0.0))
     block = slice(20, 24)  # tokens 20..23: inside the second LOD2 gist of the coarsest context
     g = torch.Generator().manual_seed(0)
     B = 8
