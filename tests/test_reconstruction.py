@@ -65,7 +65,7 @@ def test_a_short_training_on_loss_recon_alone_lowers_it():
         opt.zero_grad()
         nll.mean().backward()
         opt.step()
-    assert float(nll.mean()) < first - 0.5
+    assert float(nll.mean().detach()) < first - 0.5
 
 
 def test_the_mean_pool_control_is_the_plain_mean_of_the_children_and_recon_off_adds_no_term():
