@@ -35,7 +35,8 @@ def test_property_block_units_are_the_cuts_gists_and_its_aligned_token_blocks(ca
         starts, spans, lods = (x[r, :m].tolist() for x in (pooled.start, pooled.span, pooled.lod))
         first = starts[0]  # the recency baseline begins at T - W; the others at 0 or after left-out blocks
         top = K ** shape["L"]
-        for end, following in zip([a + s for a, s in zip(starts, spans, strict=True)], starts[1:]):
+        ends = [a + s for a, s in zip(starts, spans, strict=True)]
+        for end, following in zip(ends[:-1], starts[1:], strict=True):
             assert end == following or (end % top == 0 and following > end and (following - end) % top == 0), (
                 "units follow each other, or a gap is whole left-out top-level blocks"
             )
