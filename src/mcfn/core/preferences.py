@@ -27,7 +27,6 @@ Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over sampl
   Ties matter: without them an entry that is rarely told to collapse would mostly see "expand" and its
   score would grow whether detail there paid often or rarely. With them the optimum is the log-odds of
   "detail here helped", which ranks.
-* ``loss_rank`` (optional): a margin hinge, ``Σ w·relu(m - y·s) / max(Σ w, B/4)`` over targeted entries;
 * ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
   ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
   row with ``scatter_add``; its mean square keeps expansion and collapse pressure balanced, so the

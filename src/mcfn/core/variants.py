@@ -116,7 +116,7 @@ def recent_cut(layout: Layout, device: torch.device) -> Tensor:
     """``[n_nodes]``: the training-free structured cut ``recent``: from the coarsest cut, expand the newest
     shown gist while an expansion fits. Detail thus grows back from the tail, level by level, and every block
     keeps at least its coarsest gist: truncation's raw tokens, less what covering the rest costs. Eager code
-    (a loop of at most ``W / (K - 1)`` steps), computed once per budget by the evaluation."""
+    (a loop of at most ``W / (K - 1)`` steps), computed by the evaluation for every batch and budget."""
     nodes = NodeTable.of(layout, device)
     shown = coarsest_cut(layout, device).clone()
     end = nodes.start + nodes.span

@@ -130,12 +130,12 @@ def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
 
 
 @typechecked
-def carried_cut(previous: WorkingContext, view: StreamView) -> Bool[Tensor, "1 1 nodes"] | None:
+def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"] | None:
     """The shown-node mask ``[1, 1, n_nodes]`` of the view that keeps ``previous`` (a ``[1, m]`` context from
     :func:`focused_context`, absolute starts) and shows every later token at LOD0, phantoms included; entries
     before the view's origin drop out, and the blocks ``previous`` left out come back as LODmax gists, so
     that LensNet judges them again. It may exceed the view's budget by the tokens that arrived and those
-    gists. ``None`` when ``previous`` cannot be carried: it ends before the origin."""
+    gists. ``nodes`` is the view's table. ``None`` when ``previous`` cannot be carried: it ends before the origin."""
     layout = view.layout
     start, lod = previous.start[0] - view.origin, previous.lod[0]
     end = int(start[-1] + previous.span[0, -1])  # the first token ``previous`` did not cover
@@ -147,7 +147,6 @@ def carried_cut(previous: WorkingContext, view: StreamView) -> Bool[Tensor, "1 1
     shown = torch.zeros(layout.n_nodes, dtype=torch.bool, device=start.device)
     shown[node] = True
     shown[end : layout.T] = True  # LOD0 nodes are numbered first, by token
-    nodes = NodeTable.of(layout, start.device)
     return (shown | nodes.left_out(shown))[None, None]
 
 
@@ -184,7 +183,7 @@ def focused_context(
     nodes = NodeTable.of(layout, window.device)
     cut = None
     if system.lensnet is not None and previous is not None:
-        carried = carried_cut(previous, view)
+        carried = carried_cut(previous, view, nodes)
         cut = None if carried is None else warm_refocus(system, tree, window, carried, nodes)
         if cut is not None:
             steps -= 1  # the warm pass was the first step
