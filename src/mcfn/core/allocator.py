@@ -1,26 +1,31 @@
 """The focus allocator: from LensNet scores and a working context, a new working context within ``W``.
 
 It works on the shown-node mask ``[R, n_nodes]`` of a cut through the tree, and one call is one
-refocus step, fixed-shape and vectorized:
+refocus step, fixed-shape and vectorized. Scores are compared with each other, never with a fixed
+threshold: a LensNet trained on pairwise preferences ranks entries well while its zero point drifts,
+and a rule that waits for a sign would leave truncation out of reach whenever old text scores, say,
+-0.05 and the gists next to the tail -0.8.
 
-1. **Expansions** are candidates among the shown gists (LOD ≥ 1; a shown gist is always eligible). Each
-   turns one entry into its ``K`` children and costs ``K - 1`` entries.
-2. **Collapses** are candidates among the complete groups: a parent whose ``K`` children are all shown,
-   whose children all score below zero (the group's label is shared), and which is eligible (never over
-   the tail). Each turns ``K`` entries into one and frees ``K - 1``; the group's score is its children's mean.
-3. **Drops** are candidates among the shown eligible LODmax gists that score below zero: each leaves its
-   block out of the context and frees one entry.
-4. The free budget is filled first, with the highest-scoring expansions, whatever their sign. Positive
-   expansions that do not fit are then paid for by collapsing the most negative groups, one group for
-   one expansion, and what collapses cannot pay for, by dropping the most negative LODmax gists,
-   ``K - 1`` of them for one expansion, so the count never exceeds ``W``.
+1. **Expansions** are candidates among the shown gists (LOD ≥ 1). Each turns one entry into its ``K``
+   children and costs ``K - 1`` entries.
+2. **Collapses** are candidates among the complete groups: a parent whose ``K`` children are all shown and
+   which is eligible (never over the tail). Each turns ``K`` entries into one and frees ``K - 1``. A group
+   is scored by its **best** child: collapsing it gives up that child's detail too.
+3. **Drops** are candidates among the shown eligible LODmax gists: each leaves its block out of the context
+   and frees one entry.
+4. The free budget is filled first, with the highest-scoring expansions, whatever their sign. Then the
+   i-th best expansion that does not fit is paid for by the i-th lowest collapse while it scores higher;
+   what is still unpaid, by drops: an expansion is taken while it scores higher than every one of the
+   ``K - 1`` lowest remaining drops that pay for it. The count never exceeds ``W``.
 5. **Restores**: budget still free after that (less than one expansion, or nothing left to expand) shows
    left-out blocks again as their LODmax gists, newest first: the budget is used as fully as the tree allows.
 
-A collapsing group's children and a dropped gist all score below zero, and only positive expansions are
-paid for, so no two actions touch the same node. The result is again a cut, each top-level block either
-covered exactly once or left out, with the tail at LOD0 (I8). From the coarsest cut, repeated steps reach
-truncation when LensNet asks for it: recent gists expanded, old blocks left out.
+No two actions touch the same node: the expansions taken rank above every collapse and drop paid, and a
+group or a block of drops scores at least as high as any candidate inside it, so a node that is both
+expanded and paid would have to score higher than itself. The expansions paid for by drops exclude the
+children of the groups collapsed, and the drops exclude the gists expanded. The result is again a cut,
+each top-level block either covered exactly once or left out, with the tail at LOD0 (I8). From the
+coarsest cut, repeated steps reach truncation whenever LensNet scores old text below recent gists.
 
 :func:`shrink` brings a cut that grew past ``W`` (a streaming context carried over to a longer history,
 its new tokens at LOD0) back within it, by collapses alone.
@@ -29,7 +34,7 @@ its new tokens at LOD0) back within it, by collapses alone.
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.nodes import NodeTable
@@ -44,28 +49,42 @@ def allocate(
     nodes: NodeTable,
 ) -> Bool[Tensor, "r nodes"]:
     """One refocus step (see the module docstring)."""
-    layout = nodes.layout
-    cost = layout.K - 1
+    cost = nodes.layout.K - 1
     # Hidden nodes' scores are never read: candidates are shown gists and complete groups of shown children.
     can_expand = shown & (nodes.lod > 0)
-    can_collapse = nodes.collapsible(shown) & (nodes.group_reduce(node_scores, "amax") < 0)
-    can_drop = droppable(shown, nodes) & (node_scores < 0)
-    group_score = nodes.group_reduce(node_scores, "mean")
+    can_collapse = nodes.collapsible(shown)
+    group_score = nodes.group_reduce(node_scores, "amax")
+    free = nodes.layout.W - shown.sum(-1)
+    fill = torch.minimum(can_expand.sum(-1), free // cost)
+    rank = torch.arange(shown.size(-1), device=shown.device)
 
-    free = layout.W - shown.sum(-1)
-    n_expand = can_expand.sum(-1)
-    fill = torch.minimum(n_expand, free // cost)
-    wanted = (can_expand & (node_scores > 0)).sum(-1)
-    unpaid = (wanted - fill).clamp(min=0)
-    swaps = torch.minimum(unpaid, can_collapse.sum(-1))
-    left = free - fill * cost  # below one expansion's cost whenever anything is unpaid
-    by_drops = torch.minimum(unpaid - swaps, (left + can_drop.sum(-1)) // cost)
-    drops = (by_drops * cost - left).clamp(min=0)
-    expand = top_by_priority(can_expand, node_scores, fill + swaps + by_drops)
+    best_first = ranked(can_expand, node_scores, descending=True)
+    swaps = (at(best_first, fill[:, None] + rank, -torch.inf) > ranked(can_collapse, group_score)).sum(-1)
+    expand = top_by_priority(can_expand, node_scores, fill + swaps)
     collapse = top_by_priority(can_collapse, -group_score, swaps)
-    drop = top_by_priority(can_drop, -node_scores, drops)
+
+    unpaid = can_expand & ~expand & ~nodes.children_of(collapse)
+    can_drop = droppable(shown, nodes) & ~expand
+    left = free - fill * cost  # below one expansion's cost whenever anything is unpaid
+    highest_paid = at(ranked(can_drop, node_scores), (rank[None] + 1) * cost - left[:, None] - 1, torch.inf)
+    by_drops = (ranked(unpaid, node_scores, descending=True) > highest_paid).sum(-1)
+    expand = expand | top_by_priority(unpaid, node_scores, by_drops)
+    drop = top_by_priority(can_drop, -node_scores, (by_drops * cost - left).clamp(min=0))
     after = collapsed((shown & ~expand) | nodes.children_of(expand), collapse, nodes) & ~drop
     return restored(after, nodes)
+
+
+def ranked(candidates: Tensor, scores: Tensor, descending: bool = False) -> Float[Tensor, "r nodes"]:
+    """Per row, the candidates' scores sorted (lowest first, or highest first); the other slots come last,
+    as ``+inf`` (lowest first) or ``-inf``, so that no comparison takes them."""
+    blank = -torch.inf if descending else torch.inf
+    return torch.where(candidates, scores, blank).sort(-1, descending=descending).values
+
+
+def at(values: Tensor, index: Int[Tensor, "r m"], outside: float) -> Tensor:
+    """``values[r, index]``, and ``outside`` where the index lies past either end."""
+    inside = (index >= 0) & (index < values.size(-1))
+    return torch.where(inside, values.gather(-1, index.clamp(0, values.size(-1) - 1)), outside)
 
 
 def droppable(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
