@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from einops import rearrange
@@ -133,14 +134,15 @@ def test_property_I2_compressed_variants_leave_out_only_whole_eligible_blocks(ca
     assert ((~table.top_covered(sample_variants(noise, table)[:, 1:])).sum(-1) == most_left_out(layout)).all()
 
 
-def test_allocator_reaches_truncation_when_old_text_scores_below_zero():
-    """From the coarsest cut, with every node older than the last W tokens scored below zero and the newer ones
-    above (newest highest), three allocator steps give exactly the recency cut: old blocks left out, the rest
-    expanded to tokens. Truncation is a cut the policy can reach (I8)."""
+@pytest.mark.parametrize("offset", [0.0, -1000.0, 1000.0])
+def test_allocator_reaches_truncation_when_scores_fall_with_age_whatever_their_sign(offset):
+    """From the coarsest cut, with every node scored by where it ends, three allocator steps give exactly the
+    recency cut: old blocks left out, the rest expanded to tokens. Only the order counts: the same scores
+    shifted all below zero, or all above, give the same cut. Truncation is a cut the policy can reach (I8)."""
     layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1).layout
     table = NodeTable.of(layout)
     end = (table.start + table.span).float()
-    scores = torch.where(end > layout.T - layout.W, end, -100.0 + end)[None]
+    scores = (torch.where(end > layout.T - layout.W, end, -100.0 + end) + offset)[None]
     cut = coarsest_cut(layout, torch.device("cpu"))[None]
     for _ in range(3):
         before, cut = cut, allocate(cut, scores, table)
@@ -264,40 +266,68 @@ def test_allocator_pays_for_positive_expansions_beyond_the_free_budget_by_collap
     assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [1, 2]))
 
 
-def test_allocator_without_a_positive_score_swaps_nothing_when_the_budget_is_full():
+def test_allocator_swaps_when_an_expansion_outscores_a_group_whatever_the_signs():
+    """The budget is full and every score is negative: the best gist (-0.5) still takes the room of the group
+    whose best child scores -5; against a group whose best child ties it, nothing swaps."""
     layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
     nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
     cut = lod2_cut(layout, [1, 2])  # 19 entries: the budget is full
-    scores = torch.zeros(1, layout.n_nodes)
-    scores[0, nodes.parent == lod2 + 1] = -5.0  # a negative complete group, but no expansion wants the room
+    scores = torch.full((1, layout.n_nodes), -1.0)
+    scores[0, lod2] = -0.5  # LOD2 gist 0: the best expansion, if below zero
+    scores[0, nodes.parent == lod2 + 1] = -5.0
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [0, 2]))
+    scores[0, nodes.parent == lod2 + 1] = -0.5
+    scores[0, nodes.parent == lod2 + 2] = -0.5
     assert torch.equal(allocate(cut, scores, nodes), cut)
 
 
-def test_allocator_collapses_only_groups_scored_strictly_below_zero():
-    """A score of exactly zero is indifference, not a wish to collapse: with the budget full and one gist
-    wanting to expand, a complete group whose children all score 0 stays; at -0.01 it pays for the expansion.
-    Scores of nodes the cut hides are never read."""
-    layout = make_system(T=64, K=4, L=2, W=19, H=8, N=1).layout
+def test_allocator_scores_a_group_by_its_best_child_and_never_reads_hidden_nodes():
+    """A group whose children average -2.75 but whose best child scores 1.0 keeps its detail against a gist
+    scoring 1.0: collapsing it would give up that child. At 0.99 it pays for the expansion. Scores of nodes
+    the cut hides are never read."""
+    layout = make_system(T=64, K=4, L=2, W=16, H=8, N=1).layout
     nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
-    cut = lod2_cut(layout, [1, 2])  # 19 entries: the budget is full
+    cut = lod2_cut(layout, [1])  # 16 entries: the budget is full, one complete group (LOD2 gist 1's children)
     scores = torch.where(cut, 0.0, -9.0)  # hidden nodes: anything
     scores[0, lod2] = 1.0  # LOD2 gist 0 wants to expand
+    children = (nodes.parent == lod2 + 1).nonzero().flatten()
+    scores[0, children] = torch.tensor([-5.0, -5.0, -5.0, 1.0])
     assert torch.equal(allocate(cut, scores, nodes), cut)
-    scores[0, nodes.parent == lod2 + 1] = -0.01
-    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [0, 2]))
+    scores[0, children[-1]] = 0.99
+    assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [0]))
 
 
-def test_allocator_swaps_exactly_the_positive_expansions_the_free_budget_cannot_hold():
-    """Room for one expansion, three positive gists, three negative complete groups: three expansions, paid for
-    by collapsing the two most negative groups, not all three."""
+def test_allocator_pays_for_each_unpaid_expansion_by_the_lowest_group_while_it_scores_higher():
+    """Room for one expansion; gists at 0.5, 0.4, 0.3 and the rest at -3.5; groups at -5, -4, -3. The first
+    gist fills the room, the next two take the two lowest groups, and the third group (-3) stays: the next
+    expansion (-3.5) does not outscore it."""
     layout = make_system(T=128, K=4, L=2, W=29, H=8, N=1).layout
     nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
     cut = lod2_cut(layout, [0, 1, 2])  # 17 + 3 * 3 = 26 entries: free 3
-    scores = torch.zeros(1, layout.n_nodes)
+    scores = torch.full((1, layout.n_nodes), -3.5)
     scores[0, lod2 + 3 : lod2 + 6] = torch.tensor([0.5, 0.4, 0.3])
     for j, value in enumerate((-5.0, -4.0, -3.0)):
         scores[0, nodes.parent == lod2 + j] = value
     assert torch.equal(allocate(cut, scores, nodes), lod2_cut(layout, [2, 3, 4, 5]))
+
+
+def test_allocator_pays_by_drops_only_while_the_expansion_outscores_every_drop_it_takes():
+    """No complete group and the budget full: an expansion costs K - 1 = 3 drops. The LOD1 gist at -1
+    outscores the three oldest blocks (-9, -8, -7) and takes their entries. The next best expansion, a block at
+    -2, would need the next three lowest, the highest of which ties it: a tie does not swap."""
+    layout = make_system(T=128, K=4, L=2, W=17, H=8, N=1).layout
+    nodes, lod2 = NodeTable.of(layout), layout.level_offsets[2]
+    cut = coarsest_cut(layout, torch.device("cpu"))[None]  # 7 LOD2 + 2 LOD1 + 8 tokens = 17: full
+    assert int(cut.sum()) == layout.W
+    scores = torch.full((1, layout.n_nodes), -9.0)
+    scores[0, lod2 : lod2 + 7] = torch.tensor([-9.0, -8.0, -7.0, -3.0, -2.5, -2.0, -2.0])
+    scores[0, layout.level_offsets[1] + 28 : layout.level_offsets[1] + 30] = torch.tensor([-1.0, -9.5])
+    after = allocate(cut, scores, nodes)
+    check_cut(after, layout)
+    want = cut.clone()
+    want[0, lod2 : lod2 + 3] = False  # the three oldest blocks left out
+    want = expanded(want, layout.level_offsets[1] + 28, nodes)
+    assert torch.equal(after, want)
 
 
 def test_node_scores_land_on_their_nodes_and_padding_is_dropped():
