@@ -10,8 +10,9 @@ import torch
 from test_mc import VOCAB, decisive, make_system
 
 from mcfn.tools.attention import attention_mass
-from mcfn.tools.eval_report import format_eval_table, retained_with_interval, run_evaluation, spearman
-from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets
+from mcfn.tools.eval_report import format_eval_table
+from mcfn.tools.eval_stats import retained_with_interval, spearman
+from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets, evaluate
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 
@@ -44,7 +45,7 @@ def report():
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
     settings = EvalSettings(budgets=(W, T), random_contexts=4, refocus=2, tasks=("corpus",))
-    return run_evaluation(system, windows, token_bytes, None, settings)
+    return evaluate(system, windows, token_bytes, None, settings)
 
 
 def test_report_has_every_condition_and_the_headline(report):

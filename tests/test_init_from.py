@@ -41,7 +41,7 @@ def test_init_from_loads_exactly_the_base_weights(tmp_path, profile):
             assert torch.equal(a, b), f"{part}.{name}"
     # A MegaContext run's checkpoint gives its base model's weights, under the plain names.
     mc_state = {"model": {**{f"base.{k}": v for k, v in trained.items()}, "gistnet.w": torch.zeros(1)}}
-    assert base_weights(mc_state).keys() == trained.keys()
+    assert base_weights(mc_state["model"]).keys() == trained.keys()
 
 
 def test_a_two_stage_run_trains_and_says_where_it_started(tmp_path, profile, capsys):

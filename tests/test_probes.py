@@ -9,7 +9,8 @@ from conftest import make_documents
 from mcfn.data.probes import PAIRS, PROBES, QUERIES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
-from mcfn.tools.evaluation import Predictions, Scores, record
+from mcfn.tools.eval_stats import Scores
+from mcfn.tools.evaluation import Predictions, record
 
 T, H = 512, 128
 

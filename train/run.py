@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> None:
         raise UserError("--resume needs --out DIR, the run to continue")
     profile_name = Path(args.profile).stem
     out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    from mcfn.shell.loop import train  # heavy imports after the arguments are known to be good
+    from mcfn.shell.trainer import train  # heavy imports after the arguments are known to be good
 
     train(cfg, out, resume=args.resume)
 

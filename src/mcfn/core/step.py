@@ -6,6 +6,7 @@ how every step and evaluation function is compiled: one whole graph, fixed shape
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,11 @@ def plain_step(model: GPT, window: Tensor) -> StepOutput:
     inputs, targets = split_window(window)
     nll = model.nll(model.token_hidden(inputs), targets)
     return StepOutput({"loss_lm": nll.mean()}, {}, {})
+
+
+def bits_per_byte(nats: Tensor, nbytes: Tensor) -> Tensor:
+    """Bits per byte, elementwise: ``nats / (ln 2 · bytes)`` (no bytes counts as one, so the result is 0)."""
+    return nats / (math.log(2) * nbytes.clamp(min=1))
 
 
 @typechecked

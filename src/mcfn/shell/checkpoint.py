@@ -12,12 +12,16 @@ import hashlib
 import io
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from mcfn.config import RunConfig
 from mcfn.errors import UserError
+from mcfn.profile import config_from_saved
 
 MAGIC = b"mcfn-checkpoint v1 "
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -73,13 +77,63 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_run_state(path: Path) -> dict[str, Any]:
-    """A training run's checkpoint (resume, ``--init-from``, evaluation, generation), refused in one line when
-    another version of mcfn wrote it."""
-    state = load_checkpoint(path)
-    if (found := state.get("format")) != CHECKPOINT_FORMAT:
-        raise UserError(
-            f"checkpoint {path} has format {found}; this mcfn reads format {CHECKPOINT_FORMAT} only: train it "
-            "again, or read it with the mcfn version that wrote it"
-        )
-    return state
+@dataclass(frozen=True)
+class Checkpoint:
+    """A training run's checkpoint, read and verified, of this mcfn's format: what resume, ``--init-from``,
+    evaluation, generation and ``--reference`` read, with the one compatibility check they all apply."""
+
+    path: Path  # the file
+    cfg: RunConfig  # the config the run was trained with
+    step: int
+    corpus_key: str  # the corpus and tokenizer it was trained on
+    state: dict[str, Any]  # model, optimizers, rng and data_position, as :func:`run_state` wrote them
+
+    @classmethod
+    def read(cls, path: Path) -> Checkpoint:
+        """``path``'s checkpoint (a run directory or the file), refused in one line when another version of
+        mcfn wrote it."""
+        file = run_checkpoint(path)
+        state = load_checkpoint(file)
+        if (found := state.get("format")) != CHECKPOINT_FORMAT:
+            raise UserError(
+                f"checkpoint {file} has format {found}; this mcfn reads format {CHECKPOINT_FORMAT} only: train it "
+                "again, or read it with the mcfn version that wrote it"
+            )
+        return cls(file, config_from_saved(state["config"]), int(state["step"]), state.get("corpus_key", ""), state)
+
+    def check_fits(
+        self,
+        role: str,
+        corpus_key: str,
+        cfg: RunConfig | None = None,
+        same: tuple[str, ...] = (),
+        than: str = "this run",
+    ) -> None:
+        """Refuse, in one line naming ``role`` (``--resume``, ``--init-from``, ...), a checkpoint trained on
+        another corpus or tokenizer, or with another value of any config key in ``same`` (a section such as
+        ``"model"``, or one key such as ``"data.seq_len"``) than ``cfg``."""
+        if self.corpus_key != corpus_key:
+            raise UserError(f"{role} {self.path} was trained on a different corpus or tokenizer than {than}")
+        saved = self.cfg.flat()
+        for key, value in (cfg.flat() if cfg is not None else {}).items():
+            if any(key == name or key.startswith(f"{name}.") for name in same) and saved.get(key) != value:
+                raise UserError(
+                    f"{role} {self.path} was trained with {key}={saved.get(key)!r}, {than} has {value!r}: "
+                    f"they must agree on {', '.join(f'[{name}]' if '.' not in name else name for name in same)}"
+                )
+
+
+def run_state(
+    step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer], cfg: RunConfig, corpus_key: str
+) -> dict[str, Any]:
+    """What a checkpoint of a run at ``step`` holds (the layout :class:`Checkpoint` reads)."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "data_position": step,  # batch index of the next step: the sampler is a function of it
+        "model": model.state_dict(),
+        "optimizers": [opt.state_dict() for opt in optimizers],
+        "rng": {"torch": torch.get_rng_state()},
+        "config": cfg.to_dict(),
+        "corpus_key": corpus_key,
+    }

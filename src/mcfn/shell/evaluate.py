@@ -15,8 +15,8 @@ from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
-from mcfn.tools.eval_report import run_evaluation, write_eval_outputs
-from mcfn.tools.evaluation import EvalSettings, default_budgets
+from mcfn.tools.eval_report import write_eval_outputs
+from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate
 
 
 def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
@@ -51,13 +51,7 @@ def load_reference(path: Path, trained: Trained, device: torch.device) -> GPT:
     reference = load_trained(path, device)
     if isinstance(reference.model, MegaContext):
         raise UserError(f"--reference {path} is a MegaContext run; it must be a plain GPT (--no-mc) run")
-    if reference.corpus.key != trained.corpus.key:
-        raise UserError(f"--reference {path} was trained on a different corpus or tokenizer than the checkpoint")
-    if reference.cfg.data.seq_len != trained.cfg.data.seq_len:
-        raise UserError(
-            f"--reference {path} was trained at data.seq_len={reference.cfg.data.seq_len}, the checkpoint at "
-            f"{trained.cfg.data.seq_len}: full attention must see the same T"
-        )
+    reference.checkpoint.check_fits("--reference", trained.corpus.key, trained.cfg, ("data.seq_len",), "the checkpoint")
     return reference.model
 
 
@@ -93,7 +87,7 @@ def evaluate_checkpoint(
         raise UserError("--batches must be >= 1")
     windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
     settings = EvalSettings(parse_budgets(budgets, layout), random_contexts, refocus, chosen)
-    report = run_evaluation(trained.model, windows, trained.token_bytes, tok, settings, plain)
+    report = evaluate(trained.model, windows, trained.token_bytes, tok, settings, plain)
     report["checkpoint_step"] = trained.step
     report["data"] = data or f"{cfg.data.source} (validation split)"
     report["reference"] = None if reference is None else str(reference)

@@ -18,8 +18,8 @@ class Float32Muon(torch.optim.Muon):
     """torch's Muon with its Newton–Schulz orthogonalisation in fp32 instead of bf16, for the CPU.
 
     ``torch.optim.Muon`` casts every update to bf16 for the iteration. On a CPU without bf16 matrix
-    units that is emulated: on the cpu-tiny model its step took 857 ms, 2.3x the compiled forward and
-    backward. The same iteration in fp32 takes a few milliseconds. Everything else is torch's Muon:
+    units that is emulated, and the optimizer step then costs more than the compiled forward and backward
+    (BENCHMARKS.md, "Muon on the CPU"). Everything else is torch's Muon:
     param groups, hyperparameters, the ``momentum_buffer`` state and so the checkpoint format.
     GPUs keep torch's own implementation.
     """

@@ -20,8 +20,8 @@ from mcfn.data.loader import validation_batches
 from mcfn.data.probes import PROBES
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
-from mcfn.tools.eval_report import run_evaluation, write_eval_outputs
-from mcfn.tools.evaluation import EvalSettings, default_budgets
+from mcfn.tools.eval_report import write_eval_outputs
+from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate
 from mcfn.tools.report import write_report
 
 SUMMARY_NAME = "summary.json"
@@ -50,7 +50,7 @@ def final_evaluation(s: Session) -> dict | None:
     probes = cfg.final_eval_probe_batches
     tasks = PROBES if probes else ("corpus",)
     settings = EvalSettings(default_budgets(s.model.layout), tasks=tasks, probe_batches=probes)
-    report = run_evaluation(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings)
+    report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings)
     report["checkpoint_step"] = cfg.steps
     return report
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,8 +21,7 @@ from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.data.loader import WindowSampler, validation_batches
 from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
-from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, load_run_state, save_checkpoint
+from mcfn.shell.checkpoint import CHECKPOINT_NAME, Checkpoint, run_state, save_checkpoint
 from mcfn.shell.devices import autocast_for, padded_vocab
 from mcfn.shell.distributed import World
 from mcfn.shell.init_from import init_base_from
@@ -66,38 +64,35 @@ class Session:
         return self.out_dir / CHECKPOINT_NAME
 
 
-def check_resumable(state: dict[str, Any], cfg: RunConfig, corpus_key: str, path: Path) -> None:
-    saved, current = config_from_saved(state["config"]).flat(), cfg.flat()
-    for key, value in current.items():
-        if key.split(".")[0] in RESUME_MUST_MATCH and saved.get(key) != value:
-            section = key.split(".")[0]
-            raise UserError(
-                f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {value!r}; it cannot "
-                f"be resumed with a different {section} config"
-            )
-    if state["corpus_key"] != corpus_key:
-        raise UserError(f"checkpoint {path} was trained on a different corpus or tokenizer")
-    if state["step"] > cfg.train.steps:
-        raise UserError(f"checkpoint {path} is at step {state['step']}, beyond train.steps={cfg.train.steps}")
-
-
-def _restore(session: Session, state: dict[str, Any]) -> None:
-    session.model.load_state_dict(state["model"])
-    for opt, opt_state in zip(session.optimizers, state["optimizers"], strict=True):
+def _restore(session: Session, ckpt: Checkpoint) -> None:
+    session.model.load_state_dict(ckpt.state["model"])
+    for opt, opt_state in zip(session.optimizers, ckpt.state["optimizers"], strict=True):
         opt.load_state_dict(opt_state)
-    torch.set_rng_state(state["rng"]["torch"])
+    torch.set_rng_state(ckpt.state["rng"]["torch"])
 
 
-def _previous_state(cfg: RunConfig, out_dir: Path, resume: bool, corpus_key: str) -> dict[str, Any] | None:
+def _previous_state(cfg: RunConfig, out_dir: Path, resume: bool, corpus_key: str) -> Checkpoint | None:
     """The checkpoint to continue from (``resume``), after checking it fits; refuses to overwrite a run."""
     path = out_dir / CHECKPOINT_NAME
     if resume:
-        state = load_run_state(path)
-        check_resumable(state, cfg, corpus_key, path)
-        return state
+        ckpt = Checkpoint.read(path)
+        ckpt.check_fits("--resume", corpus_key, cfg, RESUME_MUST_MATCH)
+        if ckpt.step > cfg.train.steps:
+            raise UserError(f"checkpoint {path} is at step {ckpt.step}, beyond train.steps={cfg.train.steps}")
+        return ckpt
     if path.exists() or (out_dir / METRICS_NAME).exists():
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")
     return None
+
+
+def training_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSampler:
+    """Training batch ``i`` as a pure function of the seed and ``i``: corpus windows, with ``data.mix`` of them
+    carrying a long-range task."""
+    sampler = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
+    if cfg.data.mix <= 0:
+        return sampler
+    d = cfg.data
+    return MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed)
 
 
 def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.device, world: World) -> Session:
@@ -106,31 +101,22 @@ def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.devi
     corpus = prepare_corpus(cfg.data)
     vocab = padded_vocab(corpus.tokenizer.vocab_size)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    window = cfg.data.seq_len + 1
     # Windows first: a corpus too short for them is refused before anything is written.
-    sampler: WindowSampler | MixedSampler = WindowSampler(corpus.train, window, cfg.train.seed)
-    if cfg.data.mix > 0:
-        d = cfg.data
-        sampler = MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed)
-    val_batches = validation_batches(corpus.val, window, cfg.train.eval_batches, cfg.train.batch_size)
+    sampler = training_sampler(cfg, corpus)
+    val_batches = validation_batches(corpus.val, cfg.data.seq_len + 1, cfg.train.eval_batches, cfg.train.batch_size)
     state = _previous_state(cfg, out_dir, resume, corpus.key)
     if world.size > 1:  # every rank has checked the directory before rank 0 writes to it
         torch.distributed.barrier()
     task = build_task(cfg, corpus.tokenizer.token_bytes(vocab).to(device), device)
     if state is None and cfg.train.init_from:  # checked and loaded before anything is written
         init_base_from(task.model, cfg, corpus.key, Path(cfg.train.init_from))
-    start_step = state["step"] if state is not None else 0
+    start_step = state.step if state is not None else 0
     if world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    log = MetricsLog(
-        out_dir,
-        cfg.to_dict(),
-        cfg.train.wandb if world.is_main else "disabled",
-        cfg.train.wandb_project,
-        resume_step=start_step if resume else None,
-        enabled=world.is_main,
-    )
+    wandb = cfg.train.wandb if world.is_main else "disabled"
+    resume_step = start_step if resume else None
+    log = MetricsLog(out_dir, cfg.to_dict(), wandb, cfg.train.wandb_project, resume_step, enabled=world.is_main)
     session = Session(
         cfg=cfg,
         out_dir=out_dir,
@@ -158,19 +144,8 @@ def save_state(session: Session, step: int) -> None:
     """Checkpoint the session as it is before step ``step`` (rank 0 only)."""
     if not session.world.is_main:
         return
-    save_checkpoint(
-        session.ckpt_path,
-        {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "data_position": step,  # batch index of the next step: the sampler is a function of it
-            "model": session.model.state_dict(),
-            "optimizers": [opt.state_dict() for opt in session.optimizers],
-            "rng": {"torch": torch.get_rng_state()},
-            "config": session.cfg.to_dict(),
-            "corpus_key": session.corpus.key,
-        },
-    )
+    cfg, corpus_key = session.cfg, session.corpus.key
+    save_checkpoint(session.ckpt_path, run_state(step, session.model, session.optimizers, cfg, corpus_key))
 
 
 @dataclass

@@ -8,7 +8,6 @@ only on the run's seed and its index: resuming replays exactly.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -17,7 +16,7 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
-from mcfn.core.step import compile_step, nll_and_bytes, plain_step
+from mcfn.core.step import bits_per_byte, compile_step, nll_and_bytes, plain_step
 from mcfn.core.system import (
     MegaContext,
     build_contexts,
@@ -33,8 +32,8 @@ from mcfn.seeding import derive_seed
 
 
 @torch.no_grad()
-def bits_per_byte(sums_fn, batches: list[Tensor], device: torch.device) -> Tensor:
-    """Bits per byte over fixed validation batches: total nats / (ln 2 · total bytes).
+def validation_bpb(sums_fn, batches: list[Tensor], device: torch.device) -> Tensor:
+    """Bits per byte over fixed validation batches, pooled: total nats over total bytes.
 
     ``sums_fn(i, batch)`` returns summed NLL (any shape, one bpb per element) and summed bytes for batch ``i``.
     """
@@ -44,7 +43,7 @@ def bits_per_byte(sums_fn, batches: list[Tensor], device: torch.device) -> Tenso
         nll, nbytes = sums_fn(i, batch.to(device, non_blocking=True))
         total_nll = total_nll + nll.double()
         total_bytes = total_bytes + nbytes
-    return (total_nll / (math.log(2) * total_bytes.clamp(min=1))).cpu()
+    return bits_per_byte(total_nll, total_bytes).cpu()
 
 
 class PlainTask:
@@ -69,7 +68,7 @@ class PlainTask:
         return 1
 
     def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
-        bpb = bits_per_byte(lambda i, w: self._eval(self.model, w, self.token_bytes), batches, self.device)
+        bpb = validation_bpb(lambda i, w: self._eval(self.model, w, self.token_bytes), batches, self.device)
         return {"val/bpb": float(bpb)}
 
 
@@ -147,7 +146,7 @@ class MCTask:
                 self.model, window, self.noise(window.size(0), derive_seed(VAL_SEED, "val_noise", i)), self.token_bytes
             )
 
-        bpb = bits_per_byte(sums, batches, self.device)  # [V]
+        bpb = validation_bpb(sums, batches, self.device)  # [V]
         return {"val/bpb": float(bpb[1:].mean()), "val/bpb_recency": float(bpb[0])}
 
 

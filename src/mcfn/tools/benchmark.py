@@ -43,8 +43,7 @@ from mcfn.core.step import compile_step
 from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
-from mcfn.tools.eval_report import evaluate_tasks
-from mcfn.tools.evaluation import EvalSettings, default_budgets
+from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate_tasks
 from mcfn.typecheck import checks
 
 

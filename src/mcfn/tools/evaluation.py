@@ -33,13 +33,15 @@ working contexts go through the training step's own stages (tree, assembly, the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from tqdm import tqdm
 
 from mcfn.core.context import WorkingContext, assemble, tail_entries
 from mcfn.core.model import GPT
@@ -49,9 +51,11 @@ from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext, lens_stage, refocus, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
-from mcfn.data.probes import PROBES, ProbeBatch
+from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
+from mcfn.data.tokenizer import Tokenizer
 from mcfn.seeding import derive_seed
 from mcfn.tools.attention import attention_scores
+from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
 from mcfn.typecheck import typechecked
 
 CONDITIONS = ("full", "recency", "recent", "random", "attn", "lens", "lens_nogist", "oracle")
@@ -65,23 +69,6 @@ class EvalSettings:
     refocus: int = 4  # allocator iterations for the attn and lens conditions
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
-
-
-@dataclass
-class Scores:
-    """Per-window sums for one task at one budget, appended batch by batch: scored nats per condition,
-    scored bytes, whether every answer token was the argmax, the probes' depths, and LensNet's rank pairs."""
-
-    nats: dict[str, list[Tensor]] = field(default_factory=dict)
-    correct: dict[str, list[Tensor]] = field(default_factory=dict)
-    nbytes: list[Tensor] = field(default_factory=list)
-    depth: list[Tensor] = field(default_factory=list)
-    predicted: list[Tensor] = field(default_factory=list)
-    measured: list[Tensor] = field(default_factory=list)
-
-    def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
-        self.nats.setdefault(name, []).append(nats.double().cpu())
-        self.correct.setdefault(name, []).append(correct.double().cpu())
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -243,3 +230,93 @@ def score_batch(
                 gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
                 long_range = scored * (gain > LONG_RANGE_MARGIN)
             record(longrange[budget], pred, references, long_range, probe.depth)
+
+
+def evaluate_tasks(
+    system: MegaContext,
+    windows: list[Tensor],
+    token_bytes: Tensor,
+    tokenizer: Tokenizer | None,
+    settings: EvalSettings,
+    reference: torch.nn.Module | None = None,
+    progress=None,
+) -> dict:
+    """Score every task of ``settings`` on the held-out ``windows`` (each task writes its probe into them;
+    ``corpus`` alone needs no tokenizer)."""
+    was_training = system.training
+    system.eval()
+    layout, device = system.layout, token_bytes.device
+    tasks: dict[str, dict] = {}
+    for task in settings.tasks:
+        reason = misfit(task, tokenizer, layout.T, layout.H)
+        if reason is not None:  # a question longer than the scored tail: reported, not scored
+            tasks[task] = {"skipped": reason}
+            continue
+        scores = {w: Scores() for w in settings.budgets}
+        longrange = {w: Scores() for w in settings.budgets} if task == "corpus" else None
+        batches = windows if task == "corpus" else windows[: settings.probe_batches]
+        for index, batch in enumerate(batches):
+            probe = make_probe(task, batch, tokenizer, layout.H, derive_seed(PROBES.index(task), "eval_probes", index))
+            probe = ProbeBatch(probe.window.to(device), probe.answer.to(device), probe.depth)
+            score_batch(system, probe, token_bytes, settings, index, scores, longrange, reference)
+            if progress is not None:
+                progress()
+        rows = [summarise(scores[w], task, w, layout.T) for w in settings.budgets]
+        tasks[task] = {**rows[0], "sweep": rows}
+        if longrange is not None:
+            head = longrange[settings.budgets[0]]
+            tasks[task]["longrange"] = {
+                "margin_nats": LONG_RANGE_MARGIN,
+                "tokens": int(sum(int((b > 0).sum()) for b in head.nbytes)),
+                **summarise(head, task, settings.budgets[0], layout.T),
+            }
+        if task != "corpus":
+            condition = "lens" if system.lensnet is not None else "attn"
+            tasks[task]["depth_accuracy"] = {
+                "condition": condition,
+                "by_budget": {str(w): accuracy_by_depth(scores[w], condition) for w in settings.budgets},
+            }
+    system.train(was_training)
+    return tasks
+
+
+def evaluate(
+    system: MegaContext,
+    windows: list[Tensor],
+    token_bytes: Tensor,
+    tokenizer: Tokenizer,
+    settings: EvalSettings,
+    reference: torch.nn.Module | None = None,
+) -> dict:
+    """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`evaluate_tasks`
+    on the held-out ``windows`` with a progress bar on stderr. The headline keys come from ``corpus`` at the
+    first budget, and ``tasks`` holds every task; :mod:`mcfn.tools.eval_report` formats it."""
+    probes = len(windows[: settings.probe_batches])
+    total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted
+    with tqdm(total=total, desc="eval", unit="batch", file=sys.stderr, dynamic_ncols=True) as bar:
+        tasks = evaluate_tasks(system, windows, token_bytes, tokenizer, settings, reference, lambda: bar.update(1))
+    head = tasks[settings.tasks[0]]
+    layout = system.layout
+    return {
+        "T": layout.T,
+        "W": settings.budgets[0],
+        "H": layout.H,
+        "bpb": head["bpb"],
+        "retained_fraction": head["retained_fraction"],
+        "lens_rank_corr": head.get("lens_rank_corr"),
+        "sweep": [
+            {
+                "W": r["W"],
+                "compression": r["compression"],
+                **r["bpb"],
+                "retained_fraction": r["retained_fraction"],
+                "lens_rank_corr": r.get("lens_rank_corr"),
+            }
+            for r in head["sweep"]
+        ],  # fmt: skip
+        "n_windows": sum(b.size(0) for b in windows),
+        "n_windows_per_probe": sum(b.size(0) for b in windows[: settings.probe_batches]),
+        "random_contexts": settings.random_contexts,
+        "refocus": settings.refocus,
+        "tasks": tasks,
+    }

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 from hypothesis import given
+from test_context import awake, padded_contexts
 from test_mc import cases, contexts
-from test_packing import awake, padded_contexts
 
 from mcfn.core.lensnet import block_units, pool_blocks
 

@@ -1,3 +1,5 @@
+"""The optimizers: every parameter in one group, tensor learning rates, the schedule, the float32 Muon."""
+
 import pytest
 import torch
 from hypothesis import given
@@ -5,8 +7,6 @@ from hypothesis import strategies as st
 
 from mcfn.config import ModelConfig, OptimConfig
 from mcfn.core.model import GPT
-from mcfn.errors import UserError
-from mcfn.shell.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.shell.optim import Float32Muon, build_optimizers, lr_multiplier, set_lr_multiplier
 
 
@@ -41,44 +41,6 @@ def test_property_schedule_warms_up_holds_and_warms_down(total, warmup, warmdown
         assert mults[-1] == 1.0
 
 
-def test_checkpoint_roundtrip_and_corruption(tmp_path):
-    path = tmp_path / "checkpoint.pt"
-    state = {"model": {"w": torch.arange(6.0)}, "step": 3, "config": {"a": {"b": 1}}}
-    save_checkpoint(path, state)
-    loaded = load_checkpoint(path)
-    assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], torch.arange(6.0))
-
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) - 10])
-    with pytest.raises(UserError, match="corrupt"):
-        load_checkpoint(path)
-    flipped = bytearray(data)
-    flipped[-5] ^= 0xFF
-    path.write_bytes(bytes(flipped))
-    with pytest.raises(UserError, match="corrupt"):
-        load_checkpoint(path)
-    path.write_bytes(b"hello")
-    with pytest.raises(UserError, match="not an mcfn checkpoint"):
-        load_checkpoint(path)
-    with pytest.raises(UserError, match="no checkpoint"):
-        load_checkpoint(tmp_path / "missing.pt")
-
-
-def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
-    path = tmp_path / "checkpoint.pt"
-    save_checkpoint(path, {"model": {}, "step": 1})
-    before = path.read_bytes()
-
-    def broken_fsync(fd):
-        raise OSError("disk full")
-
-    monkeypatch.setattr("os.fsync", broken_fsync)
-    with pytest.raises(OSError):
-        save_checkpoint(path, {"model": {}, "step": 2})
-    assert path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temporary file left
-
-
 def test_float32_muon_follows_torch_muon_and_shares_its_state_format():
     torch.manual_seed(0)
     ours = torch.nn.Parameter(torch.randn(48, 24))
@@ -101,15 +63,3 @@ def test_float32_muon_follows_torch_muon_and_shares_its_state_format():
 def test_cpu_training_gets_the_float32_muon():
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
     assert type(build_optimizers(model, OptimConfig())[0]) is Float32Muon
-
-
-def test_a_checkpoint_of_another_format_is_refused_in_one_line_naming_both(tmp_path):
-    from mcfn.shell.checkpoint import CHECKPOINT_FORMAT, load_run_state
-
-    path = tmp_path / "old.pt"
-    save_checkpoint(path, {"format": CHECKPOINT_FORMAT - 1, "model": {}, "step": 3})
-    with pytest.raises(UserError, match=f"format {CHECKPOINT_FORMAT - 1}; .*format {CHECKPOINT_FORMAT} only") as e:
-        load_run_state(path)
-    assert "\n" not in str(e.value)
-    save_checkpoint(path, {"format": CHECKPOINT_FORMAT, "model": {}, "step": 3})
-    assert load_run_state(path)["step"] == 3

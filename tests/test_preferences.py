@@ -1,4 +1,10 @@
-"""LensNet and its targets: I6 and I7 as properties, plus learning and compile facts (the allocator: test_allocator)."""
+"""LensNet's training signal (``core/preferences.py``): I6 legality and I7 polarity as properties, I7's absolute
+direction from first principles, the metrics against a hand computation, and that LensNet learns from it in one
+compiled graph. The allocator is in test_allocator, LensNet's units in test_lensnet.
+
+I7's direction: two working contexts that differ in one block, ``coarse`` (the coarsest cut) and ``fine`` (the
+same cut with one gist expanded into its ``K`` children). Whichever has the lower tail loss says what the other
+should do there."""
 
 from __future__ import annotations
 
@@ -9,13 +15,14 @@ import torch._dynamo
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 from hypothesis import strategies as st
+from test_allocator import expanded
 from test_mc import VOCAB, decisive, layouts, make_system
 
-from mcfn.config import MCConfig
+from mcfn.config import MCConfig, coarsest_cover_size
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
-from mcfn.core.preferences import lens_losses, lod_map, pair_slots, preference_targets
-from mcfn.core.system import build_contexts, process_batch_lens
+from mcfn.core.preferences import lens_losses, lens_metrics, lod_map, pair_slots, preference_targets
+from mcfn.core.system import build_contexts, process_batch_lens, tree_stage
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import (
     coarsest_cut,
@@ -24,6 +31,7 @@ from mcfn.core.variants import (
     sample_variants,
 )
 from mcfn.core.weights import LossWeights
+from mcfn.tools.evaluation import predicted_preference
 
 WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
 
@@ -170,3 +178,102 @@ def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo
         window = torch.randint(0, VOCAB, (2, 33), generator=g)
         batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), WEIGHTS))
     assert_one_graph_equals_eager(process_batch_lens, batches, backend="inductor", loss=lambda out: out.total())
+
+
+def roomy_layouts():
+    """Layouts whose budget leaves room for one expansion of the coarsest cut."""
+    cover = lambda s: coarsest_cover_size(s["T"], s["K"], s["L"], s["H"])  # noqa: E731
+    return layouts().filter(lambda s: s["W"] >= cover(s) + s["K"] - 1)
+
+
+def coarse_and_fine(shape: dict, pick: int, seed: int):
+    """The system, the two cuts as slots ``[coarse, fine]`` of one sample, their contexts, and the gist expanded."""
+    system = make_system(**shape, seed=seed)
+    nodes = system.nodes
+    coarse = coarsest_cut(system.layout, torch.device("cpu"))
+    gists = (coarse & (nodes.lod > 0)).nonzero().flatten()
+    gist = int(gists[pick % gists.numel()])
+    fine = expanded(coarse, gist, nodes)
+    shown = torch.stack([coarse, fine])[None]  # [1, 2, nodes]
+    window = torch.randint(0, VOCAB, (1, shape["T"] + 1), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        wc = assemble(tree_stage(system, window), shown, window, nodes)
+    return system, shown, wc, gist
+
+
+roomy_cases = st.tuples(roomy_layouts(), st.integers(0, 2**8), st.integers(0, 2**16))
+
+
+@given(roomy_cases)
+def test_property_I7_more_detail_that_helped_is_an_expand_target_and_the_reverse_a_collapse(case):
+    shape, pick, seed = case
+    system, shown, wc, gist = coarse_and_fine(shape, pick, seed)
+    nodes, temperature = system.nodes, WEIGHTS.temperature
+    # The fine context is better: the coarse one is told to expand exactly that gist, and nothing else.
+    y, _, _, rows = preference_targets(shown, torch.tensor([[2.0, 1.0]]), wc, nodes, temperature)
+    assert int(rows[0, 0]) == 0, "targets land on the worse (coarse) context"
+    expected = (wc.node[0] == gist) & wc.valid[0]
+    assert torch.equal(y[0, 0], expected.long())
+    # The coarse context is better: the fine one is told to collapse the gist's K children, and nothing else.
+    y, _, _, rows = preference_targets(shown, torch.tensor([[1.0, 2.0]]), wc, nodes, temperature)
+    assert int(rows[0, 0]) == 1, "targets land on the worse (fine) context"
+    children = (nodes.parent[wc.node[1]] == gist) & wc.valid[1]
+    assert int(children.sum()) == shape["K"]
+    assert torch.equal(y[0, 0], -children.long())
+
+
+@given(roomy_cases, st.booleans())
+def test_property_I7_a_gradient_step_moves_every_targeted_score_toward_its_target(case, fine_is_better):
+    """One pair at a time, so no entry gets two targets; the pair always has targets (the expanded block)."""
+    shape, pick, seed = case
+    system, shown, wc, _ = coarse_and_fine(shape, pick, seed)
+    tails = torch.tensor([[2.0, 1.0]] if fine_is_better else [[1.0, 2.0]])
+    scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    weights = dataclasses.replace(WEIGHTS, budget=torch.tensor(0.0))
+    lens_losses(scores, shown, tails, wc, system.nodes, weights).losses["loss_lens"].backward()
+    y, _, _, rows = preference_targets(shown, tails, wc, system.nodes, weights.temperature)
+    targeted = y != 0
+    assert targeted.any()
+    step = -scores.grad[rows]  # gradient descent direction on the worse context's entries
+    assert ((step * y)[targeted] > 0).all()
+
+
+@given(roomy_cases)
+def test_property_lens_rank_corr_reads_a_preference_for_the_first_slot_as_positive(case):
+    """The evaluation correlates LensNet's preference of slot i over slot j with the measured gap
+    ``nats[j] - nats[i]`` (positive when i is better): both must be positive when i is the fine context and
+    LensNet scores its expanded gist as worth expanding."""
+    shape, pick, seed = case
+    system, shown, wc, gist = coarse_and_fine(shape, pick, seed)
+    swapped = shown.flip(1)  # slot 0 fine, slot 1 coarse
+    wc = wc[torch.tensor([1, 0])]
+    scores = torch.where(wc.node == gist, 1.0, 0.0) * wc.valid  # "expand the gist"; nothing else matters
+    preference = predicted_preference(scores, swapped, wc, system.nodes)
+    i, j = pair_slots(2, 1, torch.device("cpu"))
+    assert i.tolist() == [[0]] and j.tolist() == [[1]] and float(preference[0, 0]) > 0
+
+
+def test_lens_metrics_match_a_hand_computation():
+    """Three contexts of 4 slots (padded to 3, 2 and 1 entries); three pairs on the first: one with three
+    targets, one with a single target, one with none. The numbers are chosen so that no metric comes out
+    right by accident (the targeted scores do not sum to zero, P differs from W, ...)."""
+    scores = torch.tensor([[1.0, -2.0, 0.75, 0.0], [3.0, -1.0, 9.0, 9.0], [2.0, 0.0, 0.0, 0.0]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, False], [True, False, False, False]])
+    s = scores[:1].expand(3, 4)[None]  # [B=1, P=3, W=4]: every pair's worse context is row 0
+    y = torch.tensor([[[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    w = torch.tensor([[[0.05, 0.025, 0.1, 0.0], [0.0, 0.0, 0.05, 0.0], [0.0, 0.0, 0.0, 0.0]]])
+    out = lens_metrics(scores, valid, s, y, w)
+    m = {k: float(v) for k, v in out.metrics.items()}
+    assert m["mc/preference_agreement"] == 0.75  # the score's sign matches 3 of the 4 targets (not -2.0)
+    assert m["mc/preference_pair_count"] == 2.0 and abs(m["mc/lens_targets_per_pair"] - 4 / 3) < 1e-6
+    assert abs(m["mc/policy_score_abs_mean"] - (1 + 2 + 0.75 + 3 + 1 + 2) / 6) < 1e-6
+    rows = [torch.tensor([1.0, -2.0, 0.75]), torch.tensor([3.0, -1.0]), torch.tensor([2.0])]
+    assert abs(m["mc/policy_score_std_mean"] - float(sum(r.std(correction=0) for r in rows) / 3)) < 1e-6
+    targeted_s, signed = torch.tensor([1.0, -2.0, 0.75, 0.75]), torch.tensor([0.05, 0.025, 0.1, 0.05])
+    assert abs(m["mc/pref_span_corr"] - float(torch.corrcoef(torch.stack([targeted_s, signed]))[0, 1])) < 1e-5
+    counts = out.histograms["hist/policy_score"]
+    # Bins of width 0.25 from -4: -2.0 in bin 8, -1.0 in 12, 0.75 in 19, 1.0 in 20, 2.0 in 24, 3.0 in 28;
+    # the padding (9.0 and the zeros) is not counted.
+    assert counts.nonzero().flatten().tolist() == [8, 12, 19, 20, 24, 28] and float(counts.sum()) == 6
+    one = lens_metrics(scores, valid, s[:, :1], torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), w[:, :1])
+    assert float(one.metrics["mc/preference_agreement"]) == 1.0  # a single target, and it agrees

@@ -1,0 +1,339 @@
+"""The trainer: one object that runs a training run over a :class:`~mcfn.shell.session.Session`.
+
+Its state is everything the run holds while it loops: the session (data, task, optimizers, log), the
+``progress`` it counts, the progress bar, the stop flag a signal sets, the batch prefetcher, the memory
+history and the compile cache. Its methods are the run's steps, as torchtitan splits them:
+:meth:`Trainer.forward_backward` (one batch, in micro-batches), :meth:`Trainer.optimizer_step` (one update) and
+:meth:`Trainer.train` (evaluate, checkpoint, step, log, stop, until ``train.steps``).
+
+The trainer reads tensors back from the step only at log and eval steps; everything between is device work.
+Step ``s`` (0-based) trains on batch ``s`` with the parameters after ``s`` updates; its record in
+``metrics.jsonl`` carries that step's loss, and the validation bits-per-byte of the same parameters when
+it is an evaluation step (step 0, every ``eval_every``, and the end, ``step == steps``).
+
+A process's share of the global batch runs as ``local / micro`` micro-batches of one fixed shape (one
+compiled graph). Each micro-batch's loss is scaled by its share of the rows, so the accumulated gradient
+is the gradient of the mean over the process's rows, whatever the micro-batch size.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from mcfn.config import RunConfig
+from mcfn.core.outputs import StepOutput
+from mcfn.data.corpus import cache_root
+from mcfn.data.loader import Prefetcher
+from mcfn.errors import RunAborted
+from mcfn.shell.compile_cache import CompileCache, artifacts_path
+from mcfn.shell.devices import resolve_device
+from mcfn.shell.distributed import average_gradients, init_world, shutdown
+from mcfn.shell.memory import MemoryHistory, check_memory_snapshot
+from mcfn.shell.microbatch import check_micro_batch, fitting_micro_batch, out_of_memory_message
+from mcfn.shell.optim import current_lrs, lr_multiplier, set_lr_multiplier
+from mcfn.shell.outcome import LOD_MAPS_NAME, finish
+from mcfn.shell.session import Progress, Session, open_session, save_state
+from mcfn.shell.stopping import StopRequest
+from mcfn.shell.tasks import MCTask
+from mcfn.tools.flops import peak_flops, step_flops
+
+LOD_LEGEND = "a character per block of K tokens: 0 tokens, 1 and up gists, · not covered"
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]:
+    """Train as configured, writing metrics, checkpoints, ``summary.json`` and the report to ``out_dir``."""
+    t_start = time.perf_counter()
+    device = resolve_device(cfg.train.device)
+    check_memory_snapshot(cfg.train, device)
+    world = init_world(device.type)
+    if world.size > 1 and device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    try:
+        session = open_session(cfg, out_dir, resume, device, world)
+        return finish(session, Trainer(session).train(), t_start, say)
+    finally:
+        shutdown(world)
+
+
+@dataclass
+class StepResult:
+    loss: Tensor
+    out: StepOutput
+    grad_norm: Tensor | None
+    stop_requested: bool  # by a signal, on any rank
+    window: Tensor  # this process's rows of the batch
+    lr_mult: float
+    clock: list[float]  # perf_counter before the data, after it, after forward+backward, after the update
+
+
+class Trainer:
+    """A training run in progress (see the module docstring)."""
+
+    def __init__(self, session: Session):
+        s = self.s = session
+        cfg = s.cfg.train
+        announce(s)
+        self.progress = Progress(micro=self.choose_micro_batch(), peak_step_s=peak_step_seconds(s))
+        self.prefetch = Prefetcher(s.sampler, cfg.batch_size, s.start_step, s.device, rows=s.rows)
+        self.bar = tqdm(total=cfg.steps, initial=s.start_step, desc="train", unit="step", dynamic_ncols=True,
+                        mininterval=0.5, file=sys.stderr, disable=not s.world.is_main)  # fmt: skip
+        self.stop = StopRequest()
+        snapshot = cfg.memory_snapshot and s.world.is_main
+        self.history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, cfg.memory_snapshot_steps)
+        self.compile_cache = open_compile_cache(s)
+
+    def train(self) -> Progress:
+        """Evaluate, checkpoint, train, log, stop: one global step at a time until ``train.steps``."""
+        s, cfg, progress = self.s, self.s.cfg.train, self.progress
+        try:
+            self.stop.install()
+            for step in range(s.start_step, cfg.steps + 1):
+                record: dict[str, Any] = {"step": step}
+                last = step == cfg.steps
+                if (step % cfg.eval_every == 0 or last) and s.world.is_main:
+                    record.update(self.evaluate(step))
+                if step > s.start_step and (step % cfg.ckpt_every == 0 or last):
+                    save_state(s, step)
+                if last:
+                    s.log.log(record)
+                    break
+                logged = step % cfg.log_every == 0 or step == cfg.steps - 1
+                result = self.optimizer_step(step, logged)
+                if logged:
+                    record.update(self.step_record(result, step))
+                if s.world.is_main and cfg.lod_map_every and step % cfg.lod_map_every == 0:
+                    self.write_lod_maps(result.window, step)
+                self.bar.update(1)
+                if self.compile_cache is not None and s.world.is_main:
+                    self.compile_cache.save_if_new()
+                if message := self.history.step_done():
+                    self.bar.write(message, file=sys.stderr)
+                if len(record) > 1:
+                    s.log.log(record, result.out.histograms if logged else None)
+                if result.stop_requested:  # finish the step, checkpoint it, and leave
+                    progress.stopped_at, progress.stopped_by = step + 1, self.stop.name or "another process's signal"
+                    save_state(s, progress.stopped_at)
+                    break
+        finally:
+            self.close()
+        return progress
+
+    def close(self) -> None:
+        if message := self.history.close():
+            say(message)
+        self.stop.restore()
+        self.bar.close()
+        self.prefetch.close()
+        self.s.log.close()
+
+    def forward_backward(self, window: Tensor, step: int, micro: int | None = None) -> tuple[Tensor, StepOutput]:
+        """Backpropagate the mean loss over ``window`` (this process's rows of the global batch) in micro-batches
+        of ``micro`` rows (default: the run's); returns the loss and the step's output, detached: loss terms and
+        metrics averaged over micro-batches, histograms from the last one."""
+        s = self.s
+        micro = micro or self.progress.micro
+        local, first_row = window.size(0), s.rows.start
+        share = micro / local  # each micro-batch's part of the mean over the rows
+        loss_sum: Tensor | float = 0.0
+        scalars: list[dict[str, Tensor]] = []
+        for lo in range(0, local, micro):
+            # Compiled with CUDA graphs, a step's outputs live in buffers the next replay overwrites: mark each
+            # micro-batch as a new step, and keep only fresh tensors (sums, clones) from it.
+            torch.compiler.cudagraph_mark_step_begin()
+            with s.autocast():
+                out = s.task.train_step(window[lo : lo + micro], step, slice(first_row + lo, first_row + lo + micro))
+            loss = out.total() * share
+            loss.backward()
+            loss_sum = loss_sum + loss.detach()
+            scalars.append({k: v.detach() * share for k, v in (*out.losses.items(), *out.metrics.items())})
+        assert isinstance(loss_sum, Tensor)  # at least one micro-batch ran
+        mean = {k: sum(part[k] for part in scalars) for k in scalars[0]}
+        histograms = {k: v.detach().clone() for k, v in out.histograms.items()}
+        return loss_sum, StepOutput({k: mean[k] for k in out.losses}, {k: mean[k] for k in out.metrics}, histograms)
+
+    def optimizer_step(self, step: int, logged: bool) -> StepResult:
+        """One update: forward and backward over the micro-batches, the all-reduce, clipping, and the optimizers
+        unless the loss or gradient is non-finite. Phase times are taken on logged steps only (synchronising the
+        device there, never elsewhere)."""
+        s = self.s
+        mult = lr_multiplier(step, s.cfg.train.steps, s.cfg.optim)
+        set_lr_multiplier(s.optimizers, mult)
+        times = [clock(s, logged)]
+        window = self.prefetch.next()
+        times.append(clock(s, logged))
+        try:
+            loss, out = self.forward_backward(window, step)
+        except torch.OutOfMemoryError:
+            raise RunAborted(out_of_memory_message(self.progress.micro)) from None
+        # With several processes: the mean gradient and loss, and whether any rank was signalled.
+        signalled = self.stop.signum is not None
+        loss, stop_requested = average_gradients(list(s.model.parameters()), loss, signalled, s.world)
+        times.append(clock(s, logged))
+        clip = s.cfg.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), clip) if clip > 0 else None
+        # One host sync per step: a non-finite loss or gradient must not reach the weights.
+        if bool(torch.isfinite(loss if grad_norm is None else loss + grad_norm)):
+            for opt in s.optimizers:
+                opt.step()
+            self.progress.bad_in_a_row = 0
+        else:
+            self.skip_update(step)
+        s.model.zero_grad(set_to_none=True)
+        self.progress.window_steps += 1
+        times.append(clock(s, logged))
+        return StepResult(loss, out, grad_norm, stop_requested, window, mult, times)
+
+    def skip_update(self, step: int) -> None:
+        """Count a non-finite step; after ``train.max_bad_steps`` in a row, checkpoint the last good state and
+        stop."""
+        s, progress = self.s, self.progress
+        progress.skipped += 1
+        progress.bad_in_a_row += 1
+        self.bar.write(f"step {step:5d} | non-finite loss: update skipped ({progress.skipped} so far)", file=sys.stderr)
+        bad = progress.bad_in_a_row
+        if bad < s.cfg.train.max_bad_steps:
+            return
+        s.model.zero_grad(set_to_none=True)
+        save_state(s, step + 1)
+        s.log.log({"step": step, "train/skipped_steps": progress.skipped})
+        raise RunAborted(
+            f"the loss was non-finite {bad} steps in a row (steps {step - bad + 1}-{step}); the last good "
+            f"parameters are checkpointed in {s.ckpt_path} (step {step + 1}). Lower the learning rates "
+            f"(optim.*_lr), set optim.grad_clip, or check the data"
+        )
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Validation bits per byte of the current parameters, shown on the bar and returned for the record."""
+        s, progress = self.s, self.progress
+        s.model.eval()
+        t0 = time.perf_counter()
+        with s.autocast():
+            result = s.task.evaluate(s.val_batches)
+        s.model.train()
+        progress.eval_s.append(time.perf_counter() - t0)
+        progress.last_bpb = result["val/bpb"]
+        progress.first_bpb = progress.last_bpb if progress.first_bpb is None else progress.first_bpb
+        shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in result.items())
+        self.bar.write(f"step {step:5d} | {shown}", file=sys.stderr)
+        return result
+
+    def step_record(self, result: StepResult, step: int) -> dict[str, Any]:
+        """A logged step's record: phase times, learning rates, throughput, and every loss term and metric, read
+        back from the device in one transfer."""
+        s, progress = self.s, self.progress
+        t0, t_data, t_fwd_bwd, t_optim = result.clock
+        norm = {"grad_norm": result.grad_norm} if result.grad_norm is not None else {}
+        scalars = {"loss": result.loss, **result.out.losses, **result.out.metrics, **norm}
+        values = dict(zip(scalars, torch.stack([t.detach().float() for t in scalars.values()]).tolist(), strict=True))
+        now = time.perf_counter()
+        step_ms = (now - t0) * 1e3
+        if progress.first_step_ms is None:
+            progress.first_step_ms = step_ms
+        else:
+            progress.step_ms.append(step_ms)
+        tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
+        tok_s = progress.window_steps * tokens_per_step / (now - progress.window_start)
+        progress.window_start, progress.window_steps = time.perf_counter(), 0
+        mult = result.lr_mult
+        self.bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{tok_s:,.0f}", refresh=False)
+        return {
+            "time/data_ms": (t_data - t0) * 1e3,
+            "time/fwd_bwd_ms": (t_fwd_bwd - t_data) * 1e3,
+            "time/optim_ms": (t_optim - t_fwd_bwd) * 1e3,
+            **current_lrs(s.optimizers, mult),
+            "train/loss": values["loss"],
+            "train/skipped_steps": progress.skipped,
+            "time/step_ms": step_ms,
+            "train/tokens_per_s": tok_s,
+            # The effective batch: tokens of text per optimizer step, and the contexts the base model reads for them.
+            "train/tokens_per_step": tokens_per_step,
+            "train/variants_per_step": s.cfg.train.batch_size * s.task.contexts_per_window(step),
+            # Model FLOPs utilisation on a known GPU: FLOPs per step over the step's duration, per device.
+            **({"train/mfu": progress.peak_step_s / (step_ms / 1e3)} if progress.peak_step_s else {}),
+            "train/lr_mult": mult,
+            # Loss terms and the grad norm go under train/; metrics keep their own names (mc/..., train/...).
+            **{k if "/" in k else f"train/{k}": v for k, v in values.items() if k != "loss"},
+        }
+
+    def write_lod_maps(self, window: Tensor, step: int) -> None:
+        """Sample 0's working contexts at this step (MC runs), on the terminal and appended to ``lod_maps.txt``."""
+        if not isinstance(self.s.task, MCTask):
+            return
+        maps = self.s.task.lod_maps(window, step)
+        text = f"step {step}: sample 0's working contexts ({LOD_LEGEND})\n"
+        text += "".join(f"  {name:>9} {line}\n" for name, line in maps)
+        self.bar.write(text.rstrip("\n"), file=sys.stderr)
+        with (self.s.out_dir / LOD_MAPS_NAME).open("a") as f:
+            f.write(text)
+
+    def choose_micro_batch(self) -> int:
+        """``train.micro_batch_size``, or when it is 0: the whole local batch off GPU, else the largest that fits."""
+        s = self.s
+        local = s.rows.stop - s.rows.start
+        if s.cfg.train.micro_batch_size:
+            return check_micro_batch(s.cfg.train.micro_batch_size, local)
+        if s.device.type != "cuda":
+            return local
+        probe = s.sampler.batch(s.start_step, s.cfg.train.batch_size)[s.rows].to(s.device)
+
+        def try_step(micro: int) -> None:
+            try:
+                self.forward_backward(probe, s.start_step, micro)
+            finally:
+                s.model.zero_grad(set_to_none=True)
+
+        micro = fitting_micro_batch(try_step, local)
+        say(f"[run] micro-batch {micro} of {local} rows: the largest that fits")
+        return micro
+
+
+def open_compile_cache(s: Session) -> CompileCache | None:
+    """Compiled runs hot-load torch's portable compile cache from beside the token cache (and keep it there)."""
+    if not s.cfg.train.compile:
+        return None
+    cache = CompileCache(artifacts_path(s.cfg, cache_root(s.cfg.data) / s.corpus.key, s.device))
+    if (message := cache.load()) and s.world.is_main:
+        say(message)
+    return cache
+
+
+def announce(s: Session) -> None:
+    cfg, world = s.cfg, s.world
+    compiled = f" (compiled, {cfg.train.compile_mode})" if cfg.train.compile else ""
+    processes = f" over {world.size} processes" if world.size > 1 else ""
+    say(
+        f"[run] {s.task.mode} mode, {s.model.num_params():,} parameters, vocab {cfg.model.vocab_size}, "
+        f"T={cfg.data.seq_len}, B={cfg.train.batch_size}{processes}, {cfg.train.steps} steps on {s.device}"
+        f"{compiled} -> {s.out_dir}"
+    )
+    if s.task.mode == "mc" and cfg.train.plain_steps:
+        say(f"[run] plain phase: steps 0-{cfg.train.plain_steps - 1} train the base model alone on whole windows")
+    if cfg.train.init_from and not s.resumed:
+        say(f"[run] base model initialised from {cfg.train.init_from}")
+
+
+def peak_step_seconds(s: Session) -> float | None:
+    """How long a step would take at the peak FLOP/s of every device (MFU = this / the step time); None off a known
+    GPU. Computed once per run."""
+    peak = peak_flops(torch.cuda.get_device_name(s.device)) if s.device.type == "cuda" else None
+    return step_flops(s.cfg, s.model) / (peak * s.world.size) if peak else None
+
+
+def clock(s: Session, sync: bool) -> float:
+    """``perf_counter``, after the device's queued work when ``sync`` (so a phase's time is its own)."""
+    if sync and s.device.type == "cuda":
+        torch.cuda.synchronize(s.device)
+    return time.perf_counter()

@@ -1,0 +1,115 @@
+"""The evaluation's statistics over windows: pooled bits per byte, the retained fraction with a bootstrap
+interval, paired gains with their standard errors, the rank correlation, and one sweep row from them.
+
+``retained_fraction = (recency − lens) / (recency − full)`` is the share of full context's gain over truncation
+that the working context keeps. It is reported only where that gain is real: positive, with the lower end of
+its bootstrap 95% interval over windows above zero; otherwise it is "n/a" (``null`` in JSON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mcfn.core.step import bits_per_byte
+
+
+@dataclass
+class Scores:
+    """Per-window sums for one task at one budget, appended batch by batch: scored nats per condition,
+    scored bytes, whether every answer token was the argmax, the probes' depths, and LensNet's rank pairs."""
+
+    nats: dict[str, list[Tensor]] = field(default_factory=dict)
+    correct: dict[str, list[Tensor]] = field(default_factory=dict)
+    nbytes: list[Tensor] = field(default_factory=list)
+    depth: list[Tensor] = field(default_factory=list)
+    predicted: list[Tensor] = field(default_factory=list)
+    measured: list[Tensor] = field(default_factory=list)
+
+    def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
+        self.nats.setdefault(name, []).append(nats.double().cpu())
+        self.correct.setdefault(name, []).append(correct.double().cpu())
+
+
+BOOTSTRAP = 1000  # resamples of the windows for the retained fraction's interval
+BOOTSTRAP_SEED = 0
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman rank correlation (Pearson over ranks; ties are broken by order, rare for float losses)."""
+    if x.numel() < 3:
+        return float("nan")
+    rx = torch.argsort(torch.argsort(x)).double()
+    ry = torch.argsort(torch.argsort(y)).double()
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx * ry).sum() / (rx.norm() * ry.norm()).clamp(min=1e-12))
+
+
+def pooled_bpb(nats: Tensor, nbytes: Tensor) -> Tensor:
+    """Over the last dimension (windows): total nats / (ln 2 · total bytes)."""
+    return bits_per_byte(nats.sum(-1), nbytes.sum(-1))
+
+
+def retained_with_interval(nats: dict[str, Tensor], nbytes: Tensor) -> tuple[float | None, list[float] | None]:
+    """The retained fraction on scored bpb and its bootstrap 95% interval over windows, or None twice where
+    ``recency − full`` is not positive beyond the noise (or there is no ``lens``)."""
+    if "lens" not in nats or nbytes.sum() <= 0:
+        return None, None
+    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
+    picks = torch.randint(0, nbytes.numel(), (BOOTSTRAP, nbytes.numel()), generator=g)
+    resampled = {name: pooled_bpb(nats[name][picks], nbytes[picks]) for name in ("full", "recency", "lens")}
+    gap = resampled["recency"] - resampled["full"]
+    point_gap = float(pooled_bpb(nats["recency"], nbytes) - pooled_bpb(nats["full"], nbytes))
+    if point_gap <= 0 or float(gap.quantile(0.025)) <= 0:
+        return None, None
+    point = float(pooled_bpb(nats["recency"] - nats["lens"], nbytes)) / point_gap
+    fraction = (resampled["recency"] - resampled["lens"]) / gap
+    return point, [float(fraction.quantile(0.025)), float(fraction.quantile(0.975))]
+
+
+def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str) -> dict[str, float] | None:
+    """``bpb(worse) − bpb(better)`` on the same windows, and its standard error by bootstrap over windows."""
+    if worse not in nats or better not in nats or nbytes.sum() <= 0:
+        return None
+    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
+    picks = torch.randint(0, nbytes.numel(), (BOOTSTRAP, nbytes.numel()), generator=g)
+    resampled = pooled_bpb(nats[worse][picks] - nats[better][picks], nbytes[picks])
+    return {"bpb": float(pooled_bpb(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
+
+
+# Paired differences every sweep row reports: LensNet's gain over truncation and over the structured cut
+# ``recent``, and what its gists are worth.
+GAINS = {
+    "lens_gain": ("recency", "lens"),
+    "lens_over_recent": ("recent", "lens"),
+    "gist_worth": ("lens_nogist", "lens"),
+}
+
+
+def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
+    """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the rank correlation."""
+    nats = {name: torch.cat(parts) for name, parts in scores.nats.items()}
+    nbytes = torch.cat(scores.nbytes)
+    retained, interval = retained_with_interval(nats, nbytes)
+    row = {
+        "W": budget,
+        "compression": T / budget,
+        "bpb": {name: float(pooled_bpb(value, nbytes)) for name, value in nats.items()},
+        "retained_fraction": retained,
+        "retained_ci": interval,
+        **{name: paired_gain(nats, nbytes, *pair) for name, pair in GAINS.items()},
+    }
+    if task != "corpus":
+        row["accuracy"] = {name: float(torch.cat(parts).mean()) for name, parts in scores.correct.items()}
+    if scores.predicted:
+        row["lens_rank_corr"] = spearman(torch.cat(scores.predicted), torch.cat(scores.measured))
+    return row
+
+
+def accuracy_by_depth(scores: Scores, condition: str, bins: int = 5) -> list[float | None]:
+    """A probe's accuracy under ``condition`` in ``bins`` equal slices of the depth of its fact."""
+    depth, correct = torch.cat(scores.depth), torch.cat(scores.correct[condition])
+    which = (depth * bins).long().clamp(max=bins - 1)
+    return [float(correct[which == b].mean()) if (which == b).any() else None for b in range(bins)]
