@@ -16,7 +16,7 @@ def test_lens_weights_map_each_setting_to_its_term():
         temperature=13.0,
         attention_weight=17.0,
     )
-    teacher = TeacherConfig(full_weight=19.0, distill_weight=23.0)
+    teacher = TeacherConfig(full_weight=19.0)
     mc = MCConfig(lens=lens, teacher=teacher, gist=GistConfig(recon_weight=29.0))
     weights = LossWeights.of(mc, torch.device("cpu"))
     expected = {
@@ -26,7 +26,6 @@ def test_lens_weights_map_each_setting_to_its_term():
         "temperature": 13.0,
         "attention": 17.0,
         "full": 19.0,
-        "distill": 23.0,
         "recon": 29.0,
     }
     assert weights.values() == expected

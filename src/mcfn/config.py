@@ -179,15 +179,13 @@ class TeacherConfig:
     """The full-window teacher (:mod:`mcfn.core.teacher`): one extra base forward over all ``T`` tokens."""
 
     full_weight: float = 0.0  # next-token loss over the whole window at LOD0 (keeps ``full`` an upper bound)
-    distill_weight: float = 0.0  # KL from the full window's tail predictions to each compressed variant's
 
     def __post_init__(self) -> None:
-        for name in ("full_weight", "distill_weight"):
-            _require(getattr(self, name) >= 0, f"mc.teacher.{name}", "must be >= 0")
+        _require(self.full_weight >= 0, "mc.teacher.full_weight", "must be >= 0")
 
     @property
     def enabled(self) -> bool:
-        return self.full_weight > 0 or self.distill_weight > 0
+        return self.full_weight > 0
 
 
 @dataclass(frozen=True)
@@ -216,7 +214,7 @@ class MCConfig:
         _require(
             self.lens.attention_weight == 0 or self.teacher.enabled,
             "mc.lens.attention_weight",
-            "needs the full-window teacher: set mc.teacher.full_weight or distill_weight > 0",
+            "needs the full-window teacher: set mc.teacher.full_weight > 0",
         )
 
     @property

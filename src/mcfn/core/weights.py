@@ -24,7 +24,6 @@ class LossWeights:
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
-    distill: Tensor  # loss_distill, the teacher's tail distribution into every compressed variant
     recon: Tensor  # loss_recon, every gist read back into its own tokens
 
     @classmethod
@@ -37,7 +36,6 @@ class LossWeights:
             "temperature": lens.temperature,
             "attention": lens.attention_weight,
             "full": teacher.full_weight,
-            "distill": teacher.distill_weight,
             "recon": mc.gist.recon_weight,
         }
         return cls(**{name: torch.tensor(float(value), device=device) for name, value in values.items()})
