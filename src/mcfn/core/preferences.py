@@ -1,9 +1,8 @@
 """LensNet's training signal: pairwise preferences between the variants of a sample, all pairs at once.
 
 For a pair of variants of one sample, ``a`` is the one with the lower tail NLL and ``c`` the other.
-A score says how likely more detail at an entry is to lower the loss. Each entry ``e`` of ``c`` at LOD ``k``
-gets a target from how much detail ``a`` shows over the same text (I7), with "not covered at all" counting as
-coarser than any gist:
+Each entry ``e`` of ``c`` at LOD ``k`` gets a target from how much detail ``a`` shows over the same
+text (I7), with "not covered at all" counting as coarser than any gist:
 
 * ``+1`` (expand) where ``a`` shows more detail somewhere in ``e``'s span: ``min lod_a(span) < k``;
 * ``-1`` (collapse) where ``a`` is coarser over the **whole group** ``e`` belongs to, the span of its
@@ -11,21 +10,14 @@ coarser than any gist:
   A LODmax entry's group is its own block: ``-1`` there means ``a`` leaves the block out (a drop);
 * no target where ``a`` shows the same node: a **tie**.
 
-The better variant's entries are labelled too, mirrored: the targets that would move ``a`` towards ``c``,
-negated. Where ``c`` shows more detail than ``a`` and lost, ``a``'s gist gets ``-1`` (that detail did not pay);
-where ``c`` is coarser over a group of ``a``'s and lost, ``a``'s entries there get ``+1`` (keep them). Without
-this side, tokens could only ever be told to collapse or tie, so their scores sat below every gist's whatever
-they were worth, and an allocator that compares scores would trade recent tokens for far gists.
-
 Legality (I6) masks the rest: no ``+`` on LOD0, a ``-`` below LODmax only where the entry's complete
 aligned group of ``K`` siblings is in ``c`` and its parent is eligible (collapsing into a parent that
-overlaps the tail is not an action the allocator can take), and a ``-`` at LODmax only on an eligible gist;
-on the better variant's side the same masks hold with the signs swapped.
+overlaps the tail is not an action the allocator can take), and a ``-`` at LODmax only on an eligible gist.
 
 Each pair is weighted by how much it teaches, ``w = tanh(|ΔNLL| / τ)``: 0 for variants that score the
 same, approaching 1 for a clear winner; ``τ`` (``mc.lens.temperature``) sets the scale in nats.
 
-Losses over the flat ``[B, 2P, W]`` pair-side/entry tensors (no Python loop over samples, pairs or entries):
+Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over samples, pairs or entries):
 
 * ``loss_pref``: Bradley–Terry with ties, the logistic loss of ``σ(s)`` against the label ``(1 + y)/2``:
   1 for expand, 0 for collapse and ½ for a tie, ``Σ w·[q·softplus(-s) + (1-q)·softplus(s)] / max(Σ w, B/4)``
@@ -124,23 +116,16 @@ def preference_targets(
     wc: WorkingContext,
     nodes: NodeTable,
     temperature: Tensor,
-) -> tuple[Int[Tensor, "b q w"], Bool[Tensor, "b q w"], Float[Tensor, "b q"], Int[Tensor, "b q"]]:
-    """Targets for every pair on **both** variants' entries, ``Q = 2P`` rows: first the worse variant's
-    (:func:`detail_targets` towards the better one), then the better variant's, mirrored (the targets that
-    would move it towards the worse one, negated), and the pair weights ``w``, the same for both sides."""
+) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
+    """Targets on the worse variant's entries for every pair (:func:`detail_targets`, with the better
+    variant the one of lower tail NLL) and the pair weights ``w [B, P]``."""
     i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
     tails = tails.detach()
     ti, tj = tails.gather(1, i), tails.gather(1, j)
     better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
     weight = torch.tanh((ti - tj).abs() / temperature)
     target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
-    kept, kept_tie, kept_rows = detail_targets(shown, worse, better, wc, nodes)
-    return (
-        torch.cat([target, -kept], dim=1),
-        torch.cat([tie, kept_tie], dim=1),
-        torch.cat([weight, weight], dim=1),
-        torch.cat([rows, kept_rows], dim=1),
-    )
+    return target, tie, weight, rows
 
 
 @typechecked
@@ -167,9 +152,9 @@ def lens_losses(
 ) -> StepOutput:
     """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
     target, tie, pair_w, rows = preference_targets(shown, tails, wc, nodes, weights.temperature)
-    s = scores[rows]  # [B, 2P, W]
+    s = scores[rows]  # [B, P, W]
     y = target.float()
-    w = pair_w[..., None] * y.abs()  # [B, 2P, W]: zero where there is no target
+    w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target
     label = (1 + y) / 2  # 1 expand, 0 collapse, 1/2 tie
     labelled = (y != 0) | tie
     bt = label * F.softplus(-s) + (1 - label) * F.softplus(s)
