@@ -17,6 +17,47 @@ def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tupl
     return [x for x, _ in rows], [y for _, y in rows]
 
 
+def plot_loss_and_timings(out_dir: Path, records: list[dict[str, Any]], tokens_per_step: float) -> None:
+    """``loss.png`` (train loss and validation bpb against tokens) and ``timings.png`` (phase times per step)."""
+    val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
+    plot_panels(
+        out_dir / "loss.png",
+        "Loss and validation bits per byte",
+        "tokens",
+        [
+            ("train loss (nats)", {"train/loss": _series(records, "train/loss", tokens_per_step)}),
+            ("val bits per byte", {k: _series(records, k, tokens_per_step) for k in val_keys}),
+        ],
+    )
+    timed = [r for r in records if "time/step_ms" in r][1:]  # the first logged step includes compilation
+    plot_panels(
+        out_dir / "timings.png",
+        "Phase times per logged step (the first, which compiles, left out)",
+        "step",
+        [("ms", {k.removeprefix("time/"): _series(timed, k) for k in (*PHASES, "time/step_ms")})],
+    )
+
+
+def lensnet_section(out_dir: Path, records: list[dict[str, Any]]) -> list[str]:
+    """``lensnet.png`` and its report section, for runs that trained LensNet (else nothing)."""
+    if not any("mc/preference_agreement" in r for r in records):
+        return []
+    lens: Series = {
+        "preference agreement": _series(records, "mc/preference_agreement"),
+        "score std per context": _series(records, "mc/policy_score_std_mean"),
+        "|score| mean": _series(records, "mc/policy_score_abs_mean"),
+    }
+    plot_panels(out_dir / "lensnet.png", "LensNet", "step", [("value", lens)])
+    return [
+        "",
+        "## LensNet",
+        "",
+        "Share of preference targets whose sign LensNet's score matches, and the spread of its scores.",
+        "",
+        "![LensNet agreement and score spread](lensnet.png)",
+    ]
+
+
 def write_report(
     out_dir: Path,
     records: list[dict[str, Any]],
@@ -27,24 +68,7 @@ def write_report(
 ) -> Path:
     """Plots of the run's metric ``records`` (``metrics.jsonl``), with the summary, evaluation and latest LOD
     maps, as Markdown."""
-    tokens = float(tokens_per_step)
-    val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
-    plot_panels(
-        out_dir / "loss.png",
-        "Loss and validation bits per byte",
-        "tokens",
-        [
-            ("train loss (nats)", {"train/loss": _series(records, "train/loss", tokens)}),
-            ("val bits per byte", {k: _series(records, k, tokens) for k in val_keys}),
-        ],
-    )
-    timed = [r for r in records if "time/step_ms" in r][1:]  # the first logged step includes compilation
-    plot_panels(
-        out_dir / "timings.png",
-        "Phase times per logged step (the first, which compiles, left out)",
-        "step",
-        [("ms", {k.removeprefix("time/"): _series(timed, k) for k in (*PHASES, "time/step_ms")})],
-    )
+    plot_loss_and_timings(out_dir, records, float(tokens_per_step))
     sections = [
         f"# Run report: {out_dir.name}",
         "",
@@ -64,21 +88,7 @@ def write_report(
         "",
         "![phase timings](timings.png)",
     ]
-    if any("mc/preference_agreement" in r for r in records):
-        lens: Series = {
-            "preference agreement": _series(records, "mc/preference_agreement"),
-            "score std per context": _series(records, "mc/policy_score_std_mean"),
-            "|score| mean": _series(records, "mc/policy_score_abs_mean"),
-        }
-        plot_panels(out_dir / "lensnet.png", "LensNet", "step", [("value", lens)])
-        sections += [
-            "",
-            "## LensNet",
-            "",
-            "Share of preference targets whose sign LensNet's score matches, and the spread of its scores.",
-            "",
-            "![LensNet agreement and score spread](lensnet.png)",
-        ]
+    sections += lensnet_section(out_dir, records)
     if eval_report is not None:
         sections += ["", "## Evaluation", "", format_eval_table(eval_report), f"![budget sweep]({EVAL_PNG})"]
         sections += [
