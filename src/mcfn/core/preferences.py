@@ -178,10 +178,13 @@ def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor)
     sv, tv = s * targeted, y * w
     ms, mt = sv.sum() / n_targets, tv.sum() / n_targets
     ds, dt = (s - ms) * targeted, (tv - mt) * targeted
-    corr = (ds * dt).sum() / (ds.square().sum().sqrt() * dt.square().sum().sqrt()).clamp(min=1e-8)
+    # Square roots of clamped sums: these metrics are not trained, but a compiled joint backward still multiplies
+    # their zero tangents by sqrt's derivative, which at exactly zero is infinite and would make NaN gradients.
+    norms = ds.square().sum().clamp(min=1e-16).sqrt() * dt.square().sum().clamp(min=1e-16).sqrt()
+    corr = (ds * dt).sum() / norms.clamp(min=1e-8)
     n_valid = valid.sum(-1).clamp(min=1)
     row_mean = (scores * valid).sum(-1) / n_valid
-    row_std = (((scores - row_mean[:, None]) * valid).square().sum(-1) / n_valid).sqrt()
+    row_std = (((scores - row_mean[:, None]) * valid).square().sum(-1) / n_valid).clamp(min=1e-16).sqrt()
     hist_input = torch.where(valid, scores.detach(), 2 * HIST_RANGE)  # padding lands outside the range
     metrics = {
         "mc/preference_agreement": agreement,
