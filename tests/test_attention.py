@@ -58,6 +58,7 @@ def test_each_query_weighs_by_what_the_far_past_is_worth_to_it():
 
 def test_the_teachers_mass_covers_the_window_once_per_level():
     """Each level of the tree splits the same (weighted) mass: every token's under exactly one node a level."""
+    from mcfn.core.losses import recency_tail_nll
     from mcfn.core.teacher import teacher_losses
 
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
@@ -65,8 +66,9 @@ def test_the_teachers_mass_covers_the_window_once_per_level():
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
+        recency_nll = recency_tail_nll(system.base.nll(hidden, wc.target), wc, system.layout)
         weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
-        _, mass = teacher_losses(system.base, window, hidden, wc, system.layout, weights, with_mass=True)
+        _, mass = teacher_losses(system.base, window, recency_nll, system.layout, weights, with_mass=True)
     layout = system.layout
     totals = [mass[:, o : o + n].sum(-1) for o, n in zip(layout.level_offsets, layout.level_sizes, strict=True)]
     for total in totals[1:]:

@@ -9,9 +9,9 @@ from compile_check import assert_one_graph_equals_eager
 from test_mc import VOCAB, decisive, make_system
 
 from mcfn.config import MCConfig, TeacherConfig
+from mcfn.core.losses import recency_tail_nll, tail_nll
 from mcfn.core.step import plain_step
 from mcfn.core.system import build_contexts, process_batch
-from mcfn.core.teacher import variant_tail_logprobs
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 
@@ -39,17 +39,26 @@ def test_loss_full_is_the_plain_loss_of_the_whole_window():
     torch.testing.assert_close(out.losses["loss_full"], 0.5 * plain)
 
 
-def test_student_predictions_are_the_variants_tail_predictions():
-    """The baseline variant shows the last W tokens at LOD0: its tail predictions are the full window's, up to
-    what the older tokens change, and identical when the window is no longer than W."""
+def test_the_recency_tail_nll_is_the_full_windows_when_the_window_fits():
+    """The baseline variant shows the last W tokens at LOD0: its tail NLL, read off the packed forward, is the
+    full window's, up to what the older tokens change, and identical when the window is no longer than W."""
     system = decisive(make_system(T=16, K=4, L=1, W=16, H=8, N=1))
     window, noise = batch(system)
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
-        student = variant_tail_logprobs(system.base, hidden, wc, system.layout)[:, 0]
-        full = F.log_softmax(system.base(window[:, :-1])[:, -8:], -1)
-    torch.testing.assert_close(student, full, atol=1e-5, rtol=1e-5)
+        recency = recency_tail_nll(system.base.nll(hidden, wc.target), wc, system.layout)
+        full = F.cross_entropy(system.base(window[:, :-1])[:, -8:].transpose(1, 2), window[:, -8:], reduction="none")
+    torch.testing.assert_close(recency, full, atol=1e-5, rtol=1e-5)
+    # With W < T the variants differ: the rows read are the baseline's (slot 0 of tail_nll), not another's.
+    system = decisive(make_system(**SHAPE))
+    window, noise = batch(system)
+    with torch.no_grad():
+        wc, _, _ = build_contexts(system, window, noise)
+        nll = system.base.nll(system.base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
+        recency, tails = recency_tail_nll(nll, wc, system.layout), tail_nll(nll, wc, system.layout)
+    torch.testing.assert_close(recency.mean(-1), tails[:, 0])
+    assert not torch.allclose(tails[:, 0], tails[:, 1])
 
 
 def test_the_step_with_the_teacher_is_one_graph_equal_to_eager(fresh_dynamo):

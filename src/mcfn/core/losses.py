@@ -16,7 +16,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from mcfn.core.context import WorkingContext
+from mcfn.core.context import WorkingContext, tail_entries
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.typecheck import typechecked
@@ -36,6 +36,14 @@ def tail_mask(wc: WorkingContext, layout: Layout) -> Bool[Tensor, "r w"]:
 def tail_nll(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> Float[Tensor, "b v"]:
     tail = tail_mask(wc, layout)
     return rearrange((nll * tail).sum(-1) / layout.H, "(b v) -> b v", v=layout.V)
+
+
+@typechecked
+def recency_tail_nll(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> Float[Tensor, "b h"]:
+    """The recency baseline's (slot 0's) NLL at each of the last ``H`` targets: its last ``H`` valid entries."""
+    baseline = slice(None, None, layout.V)
+    first = wc.valid[baseline].sum(-1) - layout.H
+    return tail_entries(nll[baseline, :, None], first, layout.H)[..., 0]
 
 
 @typechecked

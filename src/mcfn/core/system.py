@@ -32,7 +32,7 @@ from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
-from mcfn.core.losses import tail_mask, tail_nll, variant_losses
+from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
@@ -164,18 +164,18 @@ def base_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w d"
 
 
 @stage("losses")
-def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple[Tensor, StepOutput]:
-    """Tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
+def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple[Tensor, Tensor, StepOutput]:
+    """Per-entry NLL ``[B·V, W]``, tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
     nll = system.base.nll(hidden, wc.target)
     tails = tail_nll(nll, wc, system.layout)
-    return tails, variant_losses(nll, tails, wc, system.layout)
+    return nll, tails, variant_losses(nll, tails, wc, system.layout)
 
 
 @stage("teacher")
 def teacher_stage(
-    system: MegaContext, window: Tensor, hidden: Tensor, wc: WorkingContext, weights: LossWeights
+    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights
 ) -> tuple[StepOutput, Tensor | None]:
-    return teacher_losses(system.base, window, hidden, wc, system.layout, weights, system.use_lens_attention)
+    return teacher_losses(system.base, window, recency_nll, system.layout, weights, system.use_lens_attention)
 
 
 @stage("lens_fwd")
@@ -220,10 +220,10 @@ def language_model_terms(
     """The packed base forward's tail NLL ``[B, V]`` and loss terms, with the teacher's when it is on, and the
     teacher's attention mass per node ``[B, nodes]`` when LensNet learns from it (else ``None``)."""
     hidden = base_stage(system, wc)
-    tails, out = loss_stage(system, hidden, wc)
+    nll, tails, out = loss_stage(system, hidden, wc)
     if not system.use_teacher:  # a config constant: static under compile
         return tails, out, None
-    teacher, mass = teacher_stage(system, window, hidden, wc, weights)
+    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights)
     return tails, out.merge(teacher), mass
 
 

@@ -13,13 +13,10 @@ predictions into the gists was measured and retired: LABLOG 2026-11-24.)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.attention import hidden_and_tail_attention, long_range_mass, node_mass
-from mcfn.core.context import WorkingContext, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
@@ -29,26 +26,18 @@ from mcfn.typecheck import typechecked
 
 
 @typechecked
-def variant_tail_logprobs(
-    base: GPT, hidden: Float[Tensor, "r w d"], wc: WorkingContext, layout: Layout
-) -> Float[Tensor, "b v h c"]:
-    """Log-probabilities of every variant's tail targets: the tail is the last ``H`` valid entries (I4)."""
-    tail = tail_entries(hidden, wc.valid.sum(-1) - layout.H, layout.H)
-    return rearrange(F.log_softmax(base.logits(tail), -1), "(b v) h c -> b v h c", v=layout.V)
-
-
-@typechecked
 def teacher_losses(
     base: GPT,
     window: Int[Tensor, "b t1"],
-    hidden: Float[Tensor, "r w d"],
-    wc: WorkingContext,
+    recency_nll: Float[Tensor, "b h"],
     layout: Layout,
     weights: LossWeights,
     with_mass: bool = False,
 ) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
     """``loss_full`` (weighted), with its unweighted value as a metric; and with ``with_mass``, the tail's
-    long-range attention mass under every tree node ``[B, nodes]`` (else ``None``)."""
+    long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
+    the full window predicts each tail target than the recency baseline (``recency_nll``, read off the packed
+    forward: :func:`mcfn.core.losses.recency_tail_nll`)."""
     inputs, targets = split_window(window)
     tail_start = layout.T - layout.H
     if with_mass:  # a config constant: static under compile
@@ -62,8 +51,6 @@ def teacher_losses(
     nll = base.nll(full_hidden, targets)  # [B, T]
     mass = None
     if with_mass:
-        recency = variant_tail_logprobs(base, hidden, wc, layout)[:, 0]
-        recency_nll = -recency.gather(-1, targets[:, tail_start:, None])[..., 0]
         mass = node_mass(long_range_mass(attention, recency_nll, nll[:, tail_start:]), layout)
     full_nll = nll.mean()
     return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass

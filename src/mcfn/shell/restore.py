@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,11 +18,14 @@ from mcfn.shell.checkpoint import Checkpoint
 
 @dataclass
 class Trained:
-    cfg: RunConfig
     model: nn.Module  # MegaContext, or GPT for a --no-mc run
     corpus: Corpus
     token_bytes: Tensor  # [vocab] bytes per token id, on the model's device
-    checkpoint: Checkpoint  # what it was read from
+    checkpoint: Checkpoint  # what it was read from, without its payload (the weights are in the model)
+
+    @property
+    def cfg(self) -> RunConfig:
+        return self.checkpoint.cfg
 
     @property
     def step(self) -> int:
@@ -38,4 +42,5 @@ def load_trained(path: Path, device: torch.device) -> Trained:
     model.load_state_dict(ckpt.state["model"])
     model.eval()
     token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
-    return Trained(cfg=cfg, model=model, corpus=corpus, token_bytes=token_bytes, checkpoint=ckpt)
+    # Keep the file's identity (path, config, step, corpus) for later checks, not its optimizer states.
+    return Trained(model=model, corpus=corpus, token_bytes=token_bytes, checkpoint=dataclasses.replace(ckpt, state={}))

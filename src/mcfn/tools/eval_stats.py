@@ -52,13 +52,18 @@ def pooled_bpb(nats: Tensor, nbytes: Tensor) -> Tensor:
     return bits_per_byte(nats.sum(-1), nbytes.sum(-1))
 
 
+def bootstrap_picks(windows: int) -> Tensor:
+    """``[BOOTSTRAP, windows]`` window indices drawn with replacement, the same for every statistic and run."""
+    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
+    return torch.randint(0, windows, (BOOTSTRAP, windows), generator=g)
+
+
 def retained_with_interval(nats: dict[str, Tensor], nbytes: Tensor) -> tuple[float | None, list[float] | None]:
     """The retained fraction on scored bpb and its bootstrap 95% interval over windows, or None twice where
     ``recency − full`` is not positive beyond the noise (or there is no ``lens``)."""
     if "lens" not in nats or nbytes.sum() <= 0:
         return None, None
-    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
-    picks = torch.randint(0, nbytes.numel(), (BOOTSTRAP, nbytes.numel()), generator=g)
+    picks = bootstrap_picks(nbytes.numel())
     resampled = {name: pooled_bpb(nats[name][picks], nbytes[picks]) for name in ("full", "recency", "lens")}
     gap = resampled["recency"] - resampled["full"]
     point_gap = float(pooled_bpb(nats["recency"], nbytes) - pooled_bpb(nats["full"], nbytes))
@@ -73,8 +78,7 @@ def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str
     """``bpb(worse) − bpb(better)`` on the same windows, and its standard error by bootstrap over windows."""
     if worse not in nats or better not in nats or nbytes.sum() <= 0:
         return None
-    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
-    picks = torch.randint(0, nbytes.numel(), (BOOTSTRAP, nbytes.numel()), generator=g)
+    picks = bootstrap_picks(nbytes.numel())
     resampled = pooled_bpb(nats[worse][picks] - nats[better][picks], nbytes[picks])
     return {"bpb": float(pooled_bpb(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
 
