@@ -4,10 +4,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_mc import make_system
 
 from mcfn.config import ModelConfig, OptimConfig
 from mcfn.core.model import GPT
-from mcfn.shell.optim import Float32Muon, build_optimizers, lr_multiplier, set_lr_multiplier
+from mcfn.shell.optim import Float32Muon, build_optimizers, clip_gradients, lr_multiplier, set_lr_multiplier
 
 
 def test_every_parameter_is_in_exactly_one_optimizer():
@@ -63,3 +64,18 @@ def test_float32_muon_follows_torch_muon_and_shares_its_state_format():
 def test_cpu_training_gets_the_float32_muon():
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
     assert type(build_optimizers(model, OptimConfig())[0]) is Float32Muon
+
+
+def test_a_lensnet_gradient_spike_does_not_scale_the_base_models_step():
+    """LensNet and the rest are clipped apart: a LensNet gradient 1000 times the clip leaves the base model's
+    gradient (within the clip) as it was, and LensNet's is brought to the clip; the joint norm is reported."""
+    system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
+    for name, p in system.named_parameters():
+        p.grad = torch.full_like(p, 1000.0 if name.startswith("lensnet.") else 1e-4)
+    rest = [p for name, p in system.named_parameters() if not name.startswith("lensnet.")]
+    rest_before = torch.cat([p.grad.flatten() for p in rest]).clone()
+    joint, lens = clip_gradients(system, 1.0)
+    assert torch.equal(torch.cat([p.grad.flatten() for p in rest]), rest_before)
+    lens_after = torch.cat([p.grad.flatten() for p in system.lensnet.parameters()]).norm()
+    torch.testing.assert_close(lens_after, torch.tensor(1.0), rtol=1e-4, atol=0)
+    assert float(lens) > 1000 and float(joint) >= float(lens)

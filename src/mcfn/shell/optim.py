@@ -9,7 +9,7 @@ is a Python number baked into a graph.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from mcfn.config import OptimConfig
 
@@ -111,3 +111,16 @@ def set_lr_multiplier(optimizers: list[torch.optim.Optimizer], mult: float) -> N
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"].fill_(group["base_lr"] * mult)
+
+
+def clip_gradients(model: nn.Module, clip: float) -> tuple[Tensor, Tensor]:
+    """Clip LensNet's gradient and the rest's (base model, GistNet, decoder) to ``clip`` each, and return the
+    joint norm and LensNet's, both before clipping. One joint clip would couple them: LensNet's loss is a policy
+    objective of its own, and a gradient spike there (its pair-level term sums over whole contexts, norms of
+    20-100 against the rest's 1-2) scaled the base model's step down with it (LABLOG 2026-11-24, third session)."""
+    lens, rest = [], []
+    for name, p in model.named_parameters():
+        (lens if name.startswith("lensnet.") else rest).append(p)
+    norms = [nn.utils.clip_grad_norm_(group, clip) for group in (rest, lens) if group]
+    lens_norm = norms[1] if len(norms) > 1 else torch.zeros_like(norms[0])
+    return torch.stack(norms).square().sum().sqrt(), lens_norm

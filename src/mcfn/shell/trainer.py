@@ -38,7 +38,7 @@ from mcfn.shell.devices import resolve_device
 from mcfn.shell.distributed import average_gradients, init_world, shutdown
 from mcfn.shell.memory import MemoryHistory, check_memory_snapshot
 from mcfn.shell.microbatch import check_micro_batch, fitting_micro_batch, out_of_memory_message
-from mcfn.shell.optim import current_lrs, lr_multiplier, set_lr_multiplier
+from mcfn.shell.optim import clip_gradients, current_lrs, lr_multiplier, set_lr_multiplier
 from mcfn.shell.outcome import LOD_MAPS_NAME, finish
 from mcfn.shell.session import Progress, Session, open_session, save_state
 from mcfn.shell.stopping import StopRequest
@@ -73,6 +73,7 @@ class StepResult:
     loss: Tensor
     out: StepOutput
     grad_norm: Tensor | None
+    grad_norm_lens: Tensor | None
     stop_requested: bool  # by a signal, on any rank
     window: Tensor  # this process's rows of the batch
     lr_mult: float
@@ -183,7 +184,7 @@ class Trainer:
         loss, stop_requested = average_gradients(list(s.model.parameters()), loss, signalled, s.world)
         times.append(clock(s, logged))
         clip = s.cfg.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), clip) if clip > 0 else None
+        grad_norm, lens_norm = clip_gradients(s.model, clip) if clip > 0 else (None, None)
         # One host sync per step: a non-finite loss or gradient must not reach the weights.
         if bool(torch.isfinite(loss if grad_norm is None else loss + grad_norm)):
             for opt in s.optimizers:
@@ -194,7 +195,7 @@ class Trainer:
         s.model.zero_grad(set_to_none=True)
         self.progress.window_steps += 1
         times.append(clock(s, logged))
-        return StepResult(loss, out, grad_norm, stop_requested, window, mult, times)
+        return StepResult(loss, out, grad_norm, lens_norm, stop_requested, window, mult, times)
 
     def skip_update(self, step: int) -> None:
         """Count a non-finite step; after ``train.max_bad_steps`` in a row, checkpoint the last good state and
@@ -235,7 +236,9 @@ class Trainer:
         back from the device in one transfer."""
         s, progress = self.s, self.progress
         t0, t_data, t_fwd_bwd, t_optim = result.clock
-        norm = {"grad_norm": result.grad_norm} if result.grad_norm is not None else {}
+        norm = {}
+        if result.grad_norm is not None:
+            norm = {"grad_norm": result.grad_norm, "grad_norm_lens": result.grad_norm_lens}
         scalars = {"loss": result.loss, **result.out.losses, **result.out.metrics, **norm}
         values = dict(zip(scalars, torch.stack([t.detach().float() for t in scalars.values()]).tolist(), strict=True))
         now = time.perf_counter()
