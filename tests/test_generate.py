@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, make_system
 
 from mcfn.core.step import compile_step
-from mcfn.core.tree import build_tree
+from mcfn.core.system import history_tree
 from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
@@ -79,14 +79,18 @@ def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo
     assert full_compiled.tolist() == full_eager.tolist()
 
 
-def test_streaming_tree_gists_equal_the_batch_tree():
-    """Gists built as tokens trickle in equal the ones the training path builds for the same text."""
-    system = decisive_system()
+@pytest.mark.parametrize("source", ["embedding", "hidden"])
+def test_streaming_tree_gists_equal_the_batch_tree(source: str):
+    """Gists built as tokens trickle in (in chunks that straddle blocks and top-level blocks) equal the ones the
+    training path builds for the same text, whatever the gists read."""
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=3, lens_width=8, gist={"source": source}))
+    with torch.no_grad():  # a GistNet that reads its features: its output projection starts at zero
+        torch.nn.init.normal_(system.gistnet.out_proj.weight, std=0.5)
     tokens = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(1))
     stream = StreamingTree(system, torch.device("cpu"))
     for chunk in tokens.split(5):
         stream.append(chunk)
-    tree = build_tree(system.gistnet, system.base.embed(tokens[None]), system.layout)
+    tree = history_tree(system, tokens[None])
     layout = system.layout
     for k in range(1, L + 1):
         n = layout.eligible_counts[k]

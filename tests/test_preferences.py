@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch._dynamo
 from compile_check import assert_one_graph_equals_eager
@@ -21,7 +22,15 @@ from test_mc import VOCAB, decisive, layouts, make_system
 from mcfn.config import MCConfig, coarsest_cover_size
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
-from mcfn.core.preferences import lens_losses, lens_metrics, lod_map, pair_slots, preference_targets
+from mcfn.core.preferences import (
+    detail_targets,
+    lens_losses,
+    lens_metrics,
+    lod_map,
+    pair_margin,
+    pair_slots,
+    preference_targets,
+)
 from mcfn.core.system import build_contexts, process_batch_lens, tree_stage
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import (
@@ -31,7 +40,6 @@ from mcfn.core.variants import (
     sample_variants,
 )
 from mcfn.core.weights import LossWeights
-from mcfn.tools.evaluation import predicted_preference
 
 WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
 
@@ -128,15 +136,20 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     assert tie[0, 0][: int(valid.sum())].sum() == layout.H  # the tail's tokens: shown alike by both
 
 
-def test_lensnet_learns_where_detail_pays():
+@pytest.mark.parametrize("term", ["pref", "pair"])
+def test_lensnet_learns_where_detail_pays(term: str):
     """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
-    (tokens 20..23), and nothing else matters. After 800 steps on the preference loss alone,
-    LensNet scores the coarsest context's entry that covers that block first, far above chance."""
+    (tokens 20..23), and nothing else matters. After 800 steps on one preference term alone (the entry-wise
+    one, or the pair-level one), LensNet scores the coarsest context's entry that covers that block first,
+    far above chance."""
     system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
     layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
-    weights = dataclasses.replace(WEIGHTS, budget=torch.tensor(0.0))
+    zero, one = torch.tensor(0.0), torch.tensor(1.0)
+    weights = dataclasses.replace(
+        WEIGHTS, budget=zero, pref=one if term == "pref" else zero, pair=one if term == "pair" else zero
+    )
     block = slice(20, 24)  # tokens 20..23: inside the second LOD2 gist of the coarsest context
     g = torch.Generator().manual_seed(0)
     B = 8
@@ -238,6 +251,30 @@ def test_property_I7_a_gradient_step_moves_every_targeted_score_toward_its_targe
     assert ((step * y)[targeted] > 0).all()
 
 
+@given(roomy_cases, st.booleans())
+def test_property_the_pair_term_credits_both_sides_of_a_pair(case, fine_is_better):
+    """``loss_pair`` alone: a gradient step moves the worse context's targeted scores toward its targets (towards
+    the better one) and the better context's away from theirs (its own detail, or its coarseness, is what won):
+    when the fine context wins, the K children it shows are credited on themselves, tokens included."""
+    shape, pick, seed = case
+    system, shown, wc, _ = coarse_and_fine(shape, pick, seed)
+    tails = torch.tensor([[2.0, 1.0]] if fine_is_better else [[1.0, 2.0]])
+    scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    zero = torch.tensor(0.0)
+    weights = dataclasses.replace(WEIGHTS, pref=zero, budget=zero, pair=torch.tensor(1.0))
+    lens_losses(scores, shown, tails, wc, system.nodes, weights).losses["loss_lens"].backward()
+    better, worse = (1, 0) if fine_is_better else (0, 1)
+    step = -scores.grad
+    y_worse, _, rows_worse = detail_targets(shown, torch.tensor([[better]]), torch.tensor([[worse]]), wc, system.nodes)
+    y_better, _, rows_better = detail_targets(
+        shown, torch.tensor([[worse]]), torch.tensor([[better]]), wc, system.nodes
+    )
+    assert (y_worse != 0).any() and (y_better != 0).any()
+    assert ((step[rows_worse] * y_worse)[y_worse != 0] > 0).all()
+    assert ((step[rows_better] * y_better)[y_better != 0] < 0).all()
+    assert (step[rows_better][y_better == 0] == 0).all() and (step[rows_worse][y_worse == 0] == 0).all()
+
+
 @given(roomy_cases)
 def test_property_lens_rank_corr_reads_a_preference_for_the_first_slot_as_positive(case):
     """The evaluation correlates LensNet's preference of slot i over slot j with the measured gap
@@ -248,8 +285,8 @@ def test_property_lens_rank_corr_reads_a_preference_for_the_first_slot_as_positi
     swapped = shown.flip(1)  # slot 0 fine, slot 1 coarse
     wc = wc[torch.tensor([1, 0])]
     scores = torch.where(wc.node == gist, 1.0, 0.0) * wc.valid  # "expand the gist"; nothing else matters
-    preference = predicted_preference(scores, swapped, wc, system.nodes)
     i, j = pair_slots(2, 1, torch.device("cpu"))
+    preference = pair_margin(scores, swapped, i, j, wc, system.nodes)
     assert i.tolist() == [[0]] and j.tolist() == [[1]] and float(preference[0, 0]) > 0
 
 

@@ -13,6 +13,7 @@ def test_lens_weights_map_each_setting_to_its_term():
         weight=2.0,
         pref_weight=3.0,
         budget_weight=5.0,
+        pair_weight=7.0,
         temperature=13.0,
         attention_weight=17.0,
     )
@@ -23,6 +24,7 @@ def test_lens_weights_map_each_setting_to_its_term():
         "lens": 2.0,
         "pref": 3.0,
         "budget": 5.0,
+        "pair": 7.0,
         "temperature": 13.0,
         "attention": 17.0,
         "full": 19.0,

@@ -117,6 +117,7 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
 
 
 GIST_KINDS = ("gistnet", "mean")
+GIST_SOURCES = ("embedding", "hidden")
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,10 @@ class GistConfig:
     heads: int = 2
     # "gistnet": the learned summary; "mean": the plain mean of the children, the control a GistNet must beat.
     kind: str = "gistnet"
+    # What a LOD1 gist's transformer reads: "embedding", the tokens' input embeddings; "hidden", the base model's
+    # own hidden states over each top-level block read on its own (detached). Either way the gist stays anchored
+    # at the mean of its tokens' embeddings, the space the base model reads.
+    source: str = "embedding"
     # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
     recon_weight: float = 0.0
 
@@ -134,6 +139,7 @@ class GistConfig:
         _require(self.width >= 0, "mc.gist.width", "must be >= 0")
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
         _require(self.kind in GIST_KINDS, "mc.gist.kind", f"must be one of {', '.join(GIST_KINDS)}")
+        _require(self.source in GIST_SOURCES, "mc.gist.source", f"must be one of {', '.join(GIST_SOURCES)}")
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
 
 
@@ -146,6 +152,9 @@ class LensConfig:
     weight: float = 1.0  # weight of the whole LensNet loss in the step's total
     pref_weight: float = 1.0  # Bradley-Terry preference term
     budget_weight: float = 0.1  # expansion/collapse balance term
+    # Pair-level Bradley-Terry: the sum of the scores on every entry two variants differ in predicts which is
+    # better (mcfn.core.preferences.pair_margin), so raw tokens that won are credited too.
+    pair_weight: float = 0.0
     temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
@@ -156,7 +165,7 @@ class LensConfig:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("weight", "pref_weight", "budget_weight", "attention_weight"):
+        for name in ("weight", "pref_weight", "budget_weight", "pair_weight", "attention_weight"):
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
         _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
         _require(self.every >= 1, "mc.lens.every", "must be >= 1")

@@ -2,8 +2,10 @@
 
 A small bidirectional transformer (the GPT's own block without the causal mask) at its own width,
 usually half the model's, since it runs over every eligible token and must stay cheap. It reads the
-``K`` children (token embeddings for LOD1, LOD1 gists for LOD2), adds a learned embedding of the level
-it is building, mean-pools the result and adds a projection of that to the mean of the children. The
+``K`` children (token embeddings for LOD1, LOD1 gists for LOD2), or in their place ``features`` of the same
+children (the base model's hidden states over the tokens, ``mc.gist.source = "hidden"``), adds a learned
+embedding of the level it is building, mean-pools the result and adds a projection of that to the mean of the
+children. The
 projection starts at zero, so a new GistNet's gist is the plain average of its children, already in
 the embedding space the base model reads. With ``mean_only`` it stays that average (``mc.gist.kind = "mean"``):
 the control that tells whether the learned part carries anything.
@@ -43,13 +45,17 @@ class GistNet(nn.Module):
         nn.init.zeros_(self.out_proj.weight)
 
     @typechecked
-    def forward(self, children: Float[Tensor, "m k d"], level: int) -> Float[Tensor, "m d"]:
-        """Gists of ``m`` blocks of ``k`` children each, building LOD ``level`` (1-based)."""
+    def forward(
+        self, children: Float[Tensor, "m k d"], level: int, features: Float[Tensor, "m k d"] | None = None
+    ) -> Float[Tensor, "m d"]:
+        """Gists of ``m`` blocks of ``k`` children each, building LOD ``level`` (1-based): the children's mean
+        plus what the transformer reads from ``features`` (the children themselves when ``None``)."""
         if self.mean_only:  # a config constant: static under compile
             return children.mean(dim=1)
         positions = torch.arange(children.size(1), device=children.device, dtype=torch.float32)[None]
         cos, sin = rotary_tables(positions, torch.ones_like(positions), self.head_dim, 10000.0)
-        x = self.in_proj(rms_norm(children)) + self.level_emb[level - 1]
+        read = children if features is None else features
+        x = self.in_proj(rms_norm(read)) + self.level_emb[level - 1]
         for block in self.blocks:
             x = block(x, cos, sin)
         return children.mean(dim=1) + self.out_proj(rms_norm(x).mean(dim=1))

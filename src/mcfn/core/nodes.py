@@ -69,6 +69,11 @@ class Layout:
         return (self.T,) + tuple((self.T - self.H) // self.K**k for k in range(1, self.L + 1))
 
     @property
+    def top_span(self) -> int:
+        """Tokens under one top-level (LODmax) gist."""
+        return self.K**self.L
+
+    @property
     def coarsest_cover(self) -> int:
         return coarsest_cover_size(self.T, self.K, self.L, self.H)
 

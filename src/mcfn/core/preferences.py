@@ -27,6 +27,13 @@ Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over sampl
   Ties matter: without them an entry that is rarely told to collapse would mostly see "expand" and its
   score would grow whether detail there paid often or rarely. With them the optimum is the log-odds of
   "detail here helped", which ranks.
+* ``loss_pair`` (weight ``mc.lens.pair_weight``, 0 by default): Bradley–Terry on whole pairs,
+  ``Σ w·softplus(-m) / max(Σ w, B/4)`` with the margin ``m`` = :func:`pair_margin` of the better over the
+  worse: the scores of the worse variant's entries times their targets towards the better one, minus the same
+  on the better variant's entries towards the worse. The scores are then additive shares of the loss gap, and
+  evidence lands on both sides: a raw token that the better variant keeps and the worse one collapses is
+  credited on the token itself, which the entry-wise term, labelling the worse side only, never does (a token
+  there can only be told to collapse or tie).
 * ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
   ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
   row with ``scatter_add``; its mean square keeps expansion and collapse pressure balanced, so the
@@ -109,6 +116,15 @@ def detail_targets(
     return expand.long() - collapse.long(), valid & (finest_inside == lod), rows
 
 
+def ordered_pairs(tails: Float[Tensor, "b v"], temperature: Tensor) -> tuple[Tensor, Tensor, Float[Tensor, "b p"]]:
+    """Every pair of variant slots as ``better, worse [B, P]`` by tail NLL, with its weight ``w [B, P]``."""
+    i, j = pair_slots(tails.size(1), tails.size(0), tails.device)
+    tails = tails.detach()
+    ti, tj = tails.gather(1, i), tails.gather(1, j)
+    better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
+    return better, worse, torch.tanh((ti - tj).abs() / temperature)
+
+
 @typechecked
 def preference_targets(
     shown: Bool[Tensor, "b v nodes"],
@@ -119,13 +135,25 @@ def preference_targets(
 ) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
     """Targets on the worse variant's entries for every pair (:func:`detail_targets`, with the better
     variant the one of lower tail NLL) and the pair weights ``w [B, P]``."""
-    i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
-    tails = tails.detach()
-    ti, tj = tails.gather(1, i), tails.gather(1, j)
-    better, worse = torch.where(ti <= tj, i, j), torch.where(ti <= tj, j, i)
-    weight = torch.tanh((ti - tj).abs() / temperature)
+    better, worse, weight = ordered_pairs(tails, temperature)
     target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
     return target, tie, weight, rows
+
+
+@typechecked
+def pair_margin(
+    scores: Float[Tensor, "r w"],
+    shown: Bool[Tensor, "b v nodes"],
+    i: Int[Tensor, "b p"],
+    j: Int[Tensor, "b p"],
+    wc: WorkingContext,
+    nodes: NodeTable,
+) -> Float[Tensor, "b p"]:
+    """LensNet's preference of slot ``i`` over slot ``j``, ``[B, P]``: ``Σ s·y`` over ``j``'s entries with the I7
+    targets that move ``j`` towards ``i``, minus the same with the roles swapped."""
+    y_j, _, rows_j = detail_targets(shown, i, j, wc, nodes)
+    y_i, _, rows_i = detail_targets(shown, j, i, wc, nodes)
+    return (scores[rows_j] * y_j).sum(-1) - (scores[rows_i] * y_i).sum(-1)
 
 
 @typechecked
@@ -151,7 +179,8 @@ def lens_losses(
     weights: LossWeights,
 ) -> StepOutput:
     """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
-    target, tie, pair_w, rows = preference_targets(shown, tails, wc, nodes, weights.temperature)
+    better, worse, pair_w = ordered_pairs(tails, weights.temperature)
+    target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
     s = scores[rows]  # [B, P, W]
     y = target.float()
     w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target
@@ -162,9 +191,12 @@ def lens_losses(
     floor = WEIGHT_FLOOR_PER_SAMPLE * shown.size(0)
     pref = (w_pref * bt).sum() / w_pref.sum().clamp(min=floor)
     budget = budget_term(scores, shown, wc, nodes)
+    margin = pair_margin(scores, shown, better, worse, wc, nodes)
+    pair = (pair_w * F.softplus(-margin)).sum() / pair_w.sum().clamp(min=floor)
 
-    metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
-    total = weights.pref * pref + weights.budget * budget
+    metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget, "mc/lens_pair": pair}
+    metrics["mc/lens_pair_agreement"] = ((margin > 0).float() * pair_w).sum() / pair_w.sum().clamp(min=1e-6)
+    total = weights.pref * pref + weights.budget * budget + weights.pair * pair
     metrics["mc/lens_loss"] = total
     out = StepOutput({"loss_lens": weights.lens * total}, metrics, {})
     return out.merge(lens_metrics(scores, wc.valid, s, y, w))

@@ -92,7 +92,7 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b n 
 def most_left_out(layout: Layout) -> int:
     """How many top-level blocks a compressed variant may leave out: all eligible ones but those that the
     budget beyond the tail can fill with detail, so that no variant wastes its budget."""
-    top = layout.K**layout.L
+    top = layout.top_span
     kept = -(-(layout.W - layout.H) // top)
     return max(0, layout.eligible_counts[layout.L] - kept)
 

@@ -21,6 +21,7 @@ class LossWeights:
     lens: Tensor  # the whole LensNet loss (mc.lens.weight)
     pref: Tensor  # its Bradley–Terry preference term
     budget: Tensor  # its budget term
+    pair: Tensor  # its pair-level Bradley–Terry term
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
@@ -33,6 +34,7 @@ class LossWeights:
             "lens": lens.weight,
             "pref": lens.pref_weight,
             "budget": lens.budget_weight,
+            "pair": lens.pair_weight,
             "temperature": lens.temperature,
             "attention": lens.attention_weight,
             "full": teacher.full_weight,

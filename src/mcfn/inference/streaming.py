@@ -79,8 +79,24 @@ class StreamingTree:
             below, level = self.levels[k - 1], self.levels[k]
             complete = below.length // K
             if complete > level.length:
-                children = below.rows[level.length * K : complete * K].view(-1, K, below.data.size(1))
-                level.append(self.system.gistnet(children, level=k))
+                first, dim = level.length * K, below.data.size(1)
+                children = below.rows[first : complete * K].view(-1, K, dim)
+                features = self.features(first, complete * K) if k == 1 else None
+                by_block = None if features is None else features.view(-1, K, dim)
+                level.append(self.system.gistnet(children, level=k, features=by_block))
+
+    def features(self, first: int, end: int) -> Tensor | None:
+        """What LOD1's GistNet reads for tokens ``[first, end)``: ``None`` (their embeddings) unless the gists
+        come from the base model's hidden states, which it computes here, each top-level block read on its own
+        from its start as in training (:func:`mcfn.core.tree.block_hidden`)."""
+        if not self.system.gist_from_hidden:
+            return None
+        top, parts = self.layout.top_span, []
+        for block_start in range(first // top * top, end, top):
+            tokens = self.tokens.rows[block_start : min(block_start + top, end)]
+            hidden = self.system.base.token_hidden(tokens[None])[0]
+            parts.append(hidden[max(first - block_start, 0) :])
+        return torch.cat(parts)
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,7 @@ def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
     """The layout over a history of ``n`` tokens, or over its most recent part that ``budget`` entries can
     cover: past about ``budget·K^L`` tokens even the coarsest cover is too big, and the oldest top-level
     gists are dropped, ``K^L`` tokens at a time."""
-    K, top = layout.K, layout.K**layout.L
+    K, top = layout.K, layout.top_span
     tail_start = max(0, (n - layout.H) // K * K)
 
     def fitted(origin: int) -> tuple[Layout, int]:

@@ -25,7 +25,7 @@ argmax.
 ``lens_rank_corr`` is the Spearman correlation, over all pairs of a window's random contexts, between
 LensNet's predicted preference and the measured gap in scored nats. LensNet's predicted preference of ``a``
 over ``b`` is ``Σ s·y`` over ``b``'s entries with the I7 targets that move ``b`` towards ``a``, minus the same
-with the roles swapped (:func:`mcfn.core.preferences.detail_targets`).
+with the roles swapped (:func:`mcfn.core.preferences.pair_margin`).
 
 Everything runs eagerly under ``no_grad``: the evaluation sweeps several budgets, each its own shape. The
 working contexts go through the training step's own stages (tree, assembly, the base model's forward).
@@ -46,7 +46,7 @@ from tqdm import tqdm
 from mcfn.core.context import WorkingContext, assemble, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.preferences import detail_targets, pair_slots
+from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext, lens_stage, refocus, tree_stage
 from mcfn.core.tree import Tree
@@ -106,17 +106,6 @@ def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tens
     return tail_predictions(base, base.token_hidden(inputs), first, targets[:, -tail:])
 
 
-@typechecked
-def predicted_preference(
-    scores: Float[Tensor, "r w"], shown: Bool[Tensor, "b m nodes"], wc: WorkingContext, nodes: NodeTable
-) -> Float[Tensor, "b p"]:
-    """LensNet's preference of slot ``i`` over slot ``j`` for every pair ``i < j`` of a window's contexts."""
-    i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
-    y_j, _, rows_j = detail_targets(shown, i, j, wc, nodes)  # move j towards i
-    y_i, _, rows_i = detail_targets(shown, j, i, wc, nodes)  # move i towards j
-    return (scores[rows_j] * y_j).sum(-1) - (scores[rows_i] * y_i).sum(-1)
-
-
 def budget_contexts(
     system: MegaContext, tree: Tree, window: Tensor, nodes: NodeTable, settings: EvalSettings, generator
 ) -> tuple[Tensor, dict[str, slice]]:
@@ -172,7 +161,8 @@ def predict_budget(
         B, S = shown.shape[:2]
         rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
         random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
-        preference = predicted_preference(lens_stage(system, random_wc), random, random_wc, nodes)
+        i, j = pair_slots(random.size(1), B, random.device)
+        preference = pair_margin(lens_stage(system, random_wc), random, i, j, random_wc, nodes)
     return Predictions(nll, hit, slots, preference)
 
 
