@@ -162,7 +162,7 @@ def test_lensnet_learns_where_detail_pays(term: str):
             wc = assemble(tree, shown, window, table)
         detail = (layout.L - lod_map(shown, table)[..., block].amin(-1)).float() / layout.L  # [B, V]
         tails = 2.0 - detail + 0.01 * torch.rand(B, layout.V, generator=g)  # near-ties weigh ~0.02
-        loss = lens_losses(lens(wc), shown, tails, wc, table, weights).losses["loss_lens"]
+        loss = lens_losses(lens(wc), shown, tails, wc, table, weights, with_pair=term == "pair").losses["loss_lens"]
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -262,7 +262,7 @@ def test_property_the_pair_term_credits_both_sides_of_a_pair(case, fine_is_bette
     scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
     zero = torch.tensor(0.0)
     weights = dataclasses.replace(WEIGHTS, pref=zero, budget=zero, pair=torch.tensor(1.0))
-    lens_losses(scores, shown, tails, wc, system.nodes, weights).losses["loss_lens"].backward()
+    lens_losses(scores, shown, tails, wc, system.nodes, weights, with_pair=True).losses["loss_lens"].backward()
     better, worse = (1, 0) if fine_is_better else (0, 1)
     step = -scores.grad
     y_worse, _, rows_worse = detail_targets(shown, torch.tensor([[better]]), torch.tensor([[worse]]), wc, system.nodes)
@@ -314,3 +314,18 @@ def test_lens_metrics_match_a_hand_computation():
     assert counts.nonzero().flatten().tolist() == [8, 12, 19, 20, 24, 28] and float(counts.sum()) == 6
     one = lens_metrics(scores, valid, s[:, :1], torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), w[:, :1])
     assert float(one.metrics["mc/preference_agreement"]) == 1.0  # a single target, and it agrees
+
+
+def test_the_lens_step_with_the_pair_term_is_one_graph_equal_to_eager(fresh_dynamo):
+    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"pair_weight": 1.0}))
+    assert system.use_pair
+    weights = dataclasses.replace(WEIGHTS, pair=torch.tensor(1.0))
+    g = torch.Generator().manual_seed(4)
+    batches = []
+    for _ in range(3):
+        window = torch.randint(0, VOCAB, (2, 33), generator=g)
+        batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), weights))
+    assert_one_graph_equals_eager(
+        process_batch_lens, batches, loss=lambda out: out.total(), params=system.lensnet.parameters()
+    )
+    assert "mc/lens_pair" in process_batch_lens(*batches[0]).metrics

@@ -177,8 +177,10 @@ def lens_losses(
     wc: WorkingContext,
     nodes: NodeTable,
     weights: LossWeights,
+    with_pair: bool = False,
 ) -> StepOutput:
-    """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
+    """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics; ``loss_pair`` only
+    ``with_pair`` (a config constant, ``mc.lens.pair_weight > 0``: the step does not pay for a term that is off)."""
     better, worse, pair_w = ordered_pairs(tails, weights.temperature)
     target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
     s = scores[rows]  # [B, P, W]
@@ -191,12 +193,15 @@ def lens_losses(
     floor = WEIGHT_FLOOR_PER_SAMPLE * shown.size(0)
     pref = (w_pref * bt).sum() / w_pref.sum().clamp(min=floor)
     budget = budget_term(scores, shown, wc, nodes)
-    margin = pair_margin(scores, shown, better, worse, wc, nodes)
-    pair = (pair_w * F.softplus(-margin)).sum() / pair_w.sum().clamp(min=floor)
 
-    metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget, "mc/lens_pair": pair}
-    metrics["mc/lens_pair_agreement"] = ((margin > 0).float() * pair_w).sum() / pair_w.sum().clamp(min=1e-6)
-    total = weights.pref * pref + weights.budget * budget + weights.pair * pair
+    metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
+    total = weights.pref * pref + weights.budget * budget
+    if with_pair:  # a config constant: static under compile
+        margin = pair_margin(scores, shown, better, worse, wc, nodes)
+        pair = (pair_w * F.softplus(-margin)).sum() / pair_w.sum().clamp(min=floor)
+        metrics["mc/lens_pair"] = pair
+        metrics["mc/lens_pair_agreement"] = ((margin > 0).float() * pair_w).sum() / pair_w.sum().clamp(min=1e-6)
+        total = total + weights.pair * pair
     metrics["mc/lens_loss"] = total
     out = StepOutput({"loss_lens": weights.lens * total}, metrics, {})
     return out.merge(lens_metrics(scores, wc.valid, s, y, w))

@@ -78,6 +78,7 @@ class MegaContext(nn.Module):
         self.alloc_noise = mc.alloc.noise
         self.use_teacher = mc.teacher.enabled
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
+        self.use_pair = mc.lens.enabled and mc.lens.pair_weight > 0
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -201,7 +202,7 @@ def lens_loss_stage(
     mass: Tensor | None,
 ) -> StepOutput:
     """The preference loss, and with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target."""
-    out = lens_losses(scores, shown, tails, wc, system.nodes, weights)
+    out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_pair)
     if mass is None:
         return out
     return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
