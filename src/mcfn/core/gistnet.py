@@ -5,8 +5,7 @@ usually half the model's, since it runs over every eligible token and must stay 
 ``K`` children (token embeddings for LOD1, LOD1 gists for LOD2), or in their place ``features`` of the same
 children (the base model's hidden states over the tokens, ``mc.gist.source = "hidden"``), adds a learned
 embedding of the level it is building, mean-pools the result and adds a projection of that to the mean of the
-children. The
-projection starts at zero, so a new GistNet's gist is the plain average of its children, already in
+children. The projection starts at zero, so a new GistNet's gist is the plain average of its children, already in
 the embedding space the base model reads. With ``mean_only`` it stays that average (``mc.gist.kind = "mean"``):
 the control that tells whether the learned part carries anything.
 """

@@ -151,9 +151,15 @@ def pair_margin(
 ) -> Float[Tensor, "b p"]:
     """LensNet's preference of slot ``i`` over slot ``j``, ``[B, P]``: ``Σ s·y`` over ``j``'s entries with the I7
     targets that move ``j`` towards ``i``, minus the same with the roles swapped."""
-    y_j, _, rows_j = detail_targets(shown, i, j, wc, nodes)
-    y_i, _, rows_i = detail_targets(shown, j, i, wc, nodes)
-    return (scores[rows_j] * y_j).sum(-1) - (scores[rows_i] * y_i).sum(-1)
+    return pull_towards(scores, shown, i, j, wc, nodes) - pull_towards(scores, shown, j, i, wc, nodes)
+
+
+def pull_towards(
+    scores: Tensor, shown: Tensor, to: Tensor, moved: Tensor, wc: WorkingContext, nodes: NodeTable
+) -> Tensor:
+    """``Σ s·y [B, P]`` over slot ``moved``'s entries with the I7 targets that move it towards slot ``to``."""
+    y, _, rows = detail_targets(shown, to, moved, wc, nodes)
+    return (scores[rows] * y).sum(-1)
 
 
 @typechecked
@@ -197,7 +203,8 @@ def lens_losses(
     metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
     total = weights.pref * pref + weights.budget * budget
     if with_pair:  # a config constant: static under compile
-        margin = pair_margin(scores, shown, better, worse, wc, nodes)
+        # The worse side's pull is the entry-wise term's own targets; only the better side's is new.
+        margin = (s * y).sum(-1) - pull_towards(scores, shown, worse, better, wc, nodes)
         pair = (pair_w * F.softplus(-margin)).sum() / pair_w.sum().clamp(min=floor)
         metrics["mc/lens_pair"] = pair
         metrics["mc/lens_pair_agreement"] = ((margin > 0).float() * pair_w).sum() / pair_w.sum().clamp(min=1e-6)
