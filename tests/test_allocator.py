@@ -34,15 +34,17 @@ def token_coverage(shown: torch.Tensor, layout) -> torch.Tensor:
 
 
 def check_cut(shown: torch.Tensor, layout) -> None:
-    """A valid working context (I2): every top-level block covered exactly once or left out whole, and only
-    a block whose LODmax gist is eligible may be left out; the tail at LOD0; within W."""
+    """A valid working context (I2): text covered at most once; what is left out is a union of whole spans of
+    droppable gists (eligible, at LODmax, or with ``leave_out = "gist"`` at any level from LOD1), so each
+    aligned block of ``K^lowest_drop`` tokens is covered whole or left out whole, and only an eligible one is
+    left out; the tail at LOD0; within W."""
     coverage = token_coverage(shown, layout)
     assert (coverage <= 1).all(), "disjoint spans (I2)"
-    top = layout.K**layout.L
-    blocks = rearrange(coverage, "... (n s) -> ... n s", s=top)
-    assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "a block is covered whole or left out whole (I2)"
-    may_leave_out = torch.arange(layout.T // top) < layout.eligible_counts[layout.L]
-    assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible top-level block is left out (I2)"
+    unit = layout.K**layout.lowest_drop
+    blocks = rearrange(coverage, "... (n s) -> ... n s", s=unit)
+    assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "text is left out in whole droppable spans (I2)"
+    may_leave_out = torch.arange(layout.T // unit) < layout.eligible_counts[layout.lowest_drop]
+    assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible gist's span is left out (I2)"
     assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
     assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
     eligible = NodeTable.of(layout).eligible
@@ -52,23 +54,23 @@ def check_cut(shown: torch.Tensor, layout) -> None:
 def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> None:
     """Only legal actions (I6, I8): every node that appeared is a child of a gist that was shown and is gone
     (an expansion), a parent that was hidden, whose complete group of K children was shown and is all gone
-    (a collapse), or the LODmax gist of a block that was left out (a restore); every node that disappeared
-    is accounted for by one of those, or is an eligible LODmax gist whose block is now left out (a drop)."""
-    L = table.layout.L
+    (a collapse), or a droppable gist whose text was left out (a restore); every node that disappeared is
+    accounted for by one of those, or is a droppable gist whose text is now left out (a drop)."""
     explained = torch.zeros_like(before)
-    was_covered, is_covered = table.top_covered(before), table.top_covered(after)
-    top = table.layout.level_offsets[L]
-    for r, n in (before & ~after & (table.lod == L)).nonzero().tolist():
-        if not is_covered[r, n - top]:  # dropped (else expanded, explained below)
-            assert bool(table.eligible[n]), "only an eligible LODmax gist is dropped"
+    was_covered = table.covered_inside(before) | table.covered_above(before)
+    is_out = ~(table.covered_inside(after) | table.covered_above(after))
+    droppable = table.droppable_entry(torch.arange(table.layout.n_nodes))
+    for r, n in (before & ~after & (table.lod > 0)).nonzero().tolist():
+        if is_out[r, n]:  # dropped (else expanded or collapsed, explained below)
+            assert bool(droppable[n]), "only a droppable gist is dropped"
             explained[r, n] = True
     for r, n in (after & ~before).nonzero().tolist():
         parent = int(table.parent[n])
         children = table.parent == n
         if parent >= 0 and before[r, parent] and not after[r, parent]:
             explained[r, parent] = True  # expanded: its children appear
-        elif int(table.lod[n]) == L and not was_covered[r, n - top]:
-            pass  # restored: a left-out block comes back as its LODmax gist
+        elif not was_covered[r, n]:
+            assert bool(droppable[n]), "only a droppable gist is restored"  # its text was left out
         else:
             assert int(children.sum()) == K and before[r, children].all() and not after[r, children].any(), (
                 "a node appeared that is neither an expanded gist's child nor a collapsed complete group's parent"
@@ -119,19 +121,29 @@ def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, 
 
 
 @given(cases)
-def test_property_I2_compressed_variants_leave_out_only_whole_eligible_blocks(case):
-    """Every compressed variant is a cut (I2–I4) that leaves out at most :func:`most_left_out` top-level blocks,
-    each freeing one entry for detail; with the noise at its top every variant leaves that many out."""
+def test_property_I2_compressed_variants_leave_out_only_whole_eligible_spans(case):
+    """Every compressed variant is a cut (I2–I4). Under ``leave_out = "top"`` it leaves out at most
+    :func:`most_left_out` top-level blocks, each freeing one entry for detail, and with the noise at its top
+    exactly that many; under ``"gist"`` the LOD1 share of the noise buys tokens by leaving LOD1 blocks out."""
     shape, batch, seed = case
     layout = make_system(**shape, seed=seed).layout
     table = NodeTable.of(layout)
     noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     cuts = sample_variants(noise, table)[:, 1:]
     check_cut(rearrange(cuts, "b n x -> (b n) x"), layout)
-    n_left_out = (~table.top_covered(cuts)).sum(-1)
-    assert (n_left_out <= most_left_out(layout)).all()
-    noise.leave_out = torch.full_like(noise.leave_out, 0.999)
-    assert ((~table.top_covered(sample_variants(noise, table)[:, 1:])).sum(-1) == most_left_out(layout)).all()
+    if layout.leave_out == "top":
+        n_left_out = (~table.top_covered(cuts)).sum(-1)
+        assert (n_left_out <= most_left_out(layout)).all()
+        noise.leave_out = torch.full_like(noise.leave_out, 0.999)
+        assert ((~table.top_covered(sample_variants(noise, table)[:, 1:])).sum(-1) == most_left_out(layout)).all()
+    else:  # LOD1 drops pay for more tokens: with the LOD1 share at its top a variant shows at least as many
+        tokens = {}
+        for share in (0.0, 0.999):
+            noise.share[..., 0] = share
+            varied = sample_variants(noise, table)[:, 1:]
+            check_cut(rearrange(varied, "b n x -> (b n) x"), layout)
+            tokens[share] = table.level(varied, 0).sum(-1)
+        assert (tokens[0.999] >= tokens[0.0]).all()
 
 
 @pytest.mark.parametrize("offset", [0.0, -1000.0, 1000.0])
@@ -149,6 +161,33 @@ def test_allocator_reaches_truncation_when_scores_fall_with_age_whatever_their_s
         check_cut(cut, layout)
         check_actions(before, cut, table, layout.K)
     assert torch.equal(cut, recency_cut(layout, 1, torch.device("cpu"))[:, 0])
+
+
+def test_allocator_under_gist_leave_out_reaches_a_far_block_of_tokens_beside_the_recent_window():
+    """T=64, K=4, L=2, W=32, H=8, ``leave_out = "gist"``: scores rank the LOD1 block [4,8) first, then the
+    newest text. From the coarsest cut the allocator reaches a block-sparse cut: tokens [4,8) and the newest
+    tokens, the rest of the first top-level block left out, which ``"top"`` cannot do (it must cover the
+    block's other LOD1 spans with gists, or leave out the far block with them)."""
+    cuts = {}
+    for rule in ("top", "gist"):
+        layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1, leave_out=rule).layout
+        table = NodeTable.of(layout)
+        end = (table.start + table.span).float()
+        far = (table.start >= 4) & (table.start + table.span <= 8)  # LOD1 [4,8) and its tokens
+        scores = torch.where(far | (table.lod == 2) & (table.start == 0), 1000.0, end)[None]
+        cut = coarsest_cut(layout, torch.device("cpu"))[None]
+        for _ in range(4):
+            before, cut = cut, allocate(cut, scores, table)
+            check_cut(cut, layout)
+            check_actions(before, cut, table, layout.K)
+        cuts[rule] = cut[0]
+    layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1, leave_out="gist").layout
+    want = torch.zeros(layout.n_nodes, dtype=torch.bool)
+    want[4:8] = True
+    want[36:64] = True  # 28 newest tokens: with [4,8), the whole budget
+    assert torch.equal(cuts["gist"], want)
+    top_tokens = cuts["top"][:64]
+    assert not (top_tokens[4:8].all() and not cuts["top"][:4].any() and not cuts["top"][64:66].any())
 
 
 def test_recent_cut_is_the_newest_detail_first_built_by_hand():

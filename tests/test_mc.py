@@ -43,6 +43,7 @@ def make_system(
     teacher: dict | None = None,
     lens: dict | None = None,
     gist: dict | None = None,
+    leave_out: str = "top",
 ) -> MegaContext:
     cfg = build_config(
         {
@@ -54,6 +55,7 @@ def make_system(
                 "budget": W,
                 "tail": H,
                 "variants": N,
+                "leave_out": leave_out,
                 "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
                 "lens": {"width": lens_width, **(lens or {})},
                 "teacher": teacher or {},
@@ -91,7 +93,8 @@ def layouts(draw) -> dict:
     H = K * draw(st.one_of(st.just(T // K - 1), st.integers(1, T // K - 1)))
     low = max(H, coarsest_cover_size(T, K, L, H))
     W = draw(st.one_of(st.just(low), st.just(T), st.integers(low, T)))
-    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": draw(st.integers(1, 3))}
+    N, leave_out = draw(st.integers(1, 3)), draw(st.sampled_from(["top", "gist"]))
+    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": N, "leave_out": leave_out}
 
 
 cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
@@ -134,18 +137,24 @@ def test_property_I1_alignment_each_gist_is_gistnet_of_exactly_its_aligned_child
 
 
 @given(cases)
-def test_property_I2_partition_compressed_variants_cover_everything_baseline_the_recent_W(case):
+def test_property_I2_partition_compressed_variants_cover_what_they_keep_once_baseline_the_recent_W(case):
+    """Entries are disjoint and in increasing order; the baseline is the last W tokens; a compressed variant
+    reaches the end of the window, and each gap in it is text left out in whole aligned spans of droppable
+    gists (top-level blocks, or with ``leave_out = "gist"`` any LOD1-aligned block), before the tail."""
     shape, batch, seed = case
     _, _, wc = contexts(shape, batch, seed)
-    T, W, V = shape["T"], shape["W"], shape["N"] + 1
+    T, W, V, H = shape["T"], shape["W"], shape["N"] + 1, shape["H"]
+    unit = shape["K"] ** (1 if shape["leave_out"] == "gist" else shape["L"])
     for r, starts, spans, lods in valid_rows(wc):
-        assert all(a + s == b for a, s, b in zip(starts[:-1], spans[:-1], starts[1:], strict=True)), (
-            "disjoint, increasing, no gaps"
-        )
+        ends = [a + s for a, s in zip(starts, spans, strict=True)]
+        assert all(e <= b for e, b in zip(ends[:-1], starts[1:], strict=True)), "disjoint, increasing"
         if r % V == 0:
             assert starts == list(range(T - W, T)) and set(lods) == {0}
-        else:
-            assert starts[0] == 0 and starts[-1] + spans[-1] == T
+            continue
+        assert ends[-1] == T
+        gaps = [(a, b) for a, b in zip([0, *ends[:-1]], starts, strict=True) if a < b]
+        for gap_start, gap_end in gaps:
+            assert gap_start % unit == 0 and gap_end % unit == 0 and gap_end <= T - H, "left out in whole spans"
 
 
 @given(cases)

@@ -67,21 +67,24 @@ def test_property_I6_legality_of_targets(case):
     lod, node, valid = wc.lod[rows], wc.node[rows], wc.valid[rows]
     assert not ((y != 0) & ~valid).any(), "no target on padding (I3)"
     assert not ((y > 0) & (lod == 0)).any(), "never + on LOD0"
-    assert not ((y < 0) & (lod == L) & ~table.eligible[node]).any(), "a - on LODmax (a drop) only on an eligible gist"
+    droppable = table.droppable_entry(node)
+    assert not ((y < 0) & (lod == L) & ~droppable).any(), "a - on LODmax (a drop) only on an eligible gist"
     parent = table.parent[node]
     i, j = pair_slots(shown.size(1), shown.size(0), shown.device)
     better = torch.where(rows % system.layout.V == j, i, j)  # the other slot of each pair
-    covered = table.top_covered(shown)  # [B, V, top]
+    covered = table.covered_inside(shown) | table.covered_above(shown)  # [B, V, nodes]
     for b in range(y.size(0)):
         for p in range(y.size(1)):
+            out_in_better = ~covered[b, better[b, p]][node[b, p]]  # [W]: better shows none of the entry's text
             for e in ((y[b, p] < 0) & (lod[b, p] == L)).nonzero().flatten().tolist():
-                block = int(node[b, p, e]) - system.layout.level_offsets[L]
-                assert not covered[b, better[b, p], block], "a drop target only where the better variant leaves out"
-            collapsing = ((y[b, p] < 0) & (lod[b, p] < L)).nonzero().flatten()
-            for e in collapsing.tolist():
+                assert out_in_better[e], "a drop target only where the better variant leaves out"
+            collapsing = ((y[b, p] < 0) & (lod[b, p] < L) & ~(droppable[b, p] & out_in_better)).nonzero().flatten()
+            for e in collapsing.tolist():  # not a drop, so a group collapse
                 siblings = (parent[b, p] == parent[b, p, e]) & (lod[b, p] == lod[b, p, e]) & valid[b, p]
                 assert int(siblings.sum()) == shape["K"], "a collapse acts on a complete group"
                 assert (y[b, p][siblings] == -1).all(), "the collapse label is shared by every sibling"
+            if system.layout.leave_out == "top":
+                assert not (droppable[b, p] & (lod[b, p] < L)).any(), "below LODmax nothing is droppable"
 
 
 def token_targets(y: torch.Tensor, rows: torch.Tensor, wc, T: int) -> torch.Tensor:
@@ -134,6 +137,34 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     for e in range(int(valid.sum())):
         assert int(y[0, 0, e]) == want.get(int(node[e]), 0), f"entry for node {int(node[e])}"
     assert tie[0, 0][: int(valid.sum())].sum() == layout.H  # the tail's tokens: shown alike by both
+
+
+def test_under_gist_leave_out_a_far_block_that_won_teaches_drops_on_its_lod1_siblings():
+    """I7 with ``leave_out = "gist"``: the better variant (slot 0) shows tokens [4,8) and the newest tokens and
+    leaves out the rest of [0,16); the worse one (slot 1) covers [0,16) with four LOD1 gists. Its LOD1 gist
+    over [4,8) gets +, the three over [0,4), [8,12), [12,16) get − each as a drop of its own (their parent's
+    span is not left out whole, so no group collapse explains them); under ``"top"`` they get none."""
+    for rule, want_siblings in (("gist", -1), ("top", 0)):
+        system = make_system(T=64, K=4, L=2, W=32, H=8, N=1, leave_out=rule)
+        layout, table = system.layout, system.nodes
+        lod1, lod2 = layout.level_offsets[1], layout.level_offsets[2]
+        better = torch.zeros(layout.n_nodes, dtype=torch.bool)
+        better[4:8] = True
+        better[36:64] = True
+        worse = torch.zeros(layout.n_nodes, dtype=torch.bool)
+        worse[lod1 : lod1 + 4] = True  # [0,16) as LOD1 gists
+        worse[lod2 + 1 : lod2 + 3] = True  # [16,48) as LOD2 gists
+        worse[48:64] = True
+        shown = torch.stack([better, worse])[None]
+        window = torch.zeros(1, layout.T + 1, dtype=torch.long)
+        tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
+        wc = assemble(tree, shown, window, table)
+        y, _, _, rows = preference_targets(shown, torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
+        node, valid = wc.node[rows][0, 0], wc.valid[rows][0, 0]
+        want = {lod1 + 1: 1, lod1 + 0: want_siblings, lod1 + 2: want_siblings, lod1 + 3: want_siblings}
+        want |= {lod2 + 1: -1, lod2 + 2: 1}  # [16,32) left out by the better one (a drop); [32,48) has tokens
+        for e in range(int(valid.sum())):
+            assert int(y[0, 0, e]) == want.get(int(node[e]), 0), f"{rule}: entry for node {int(node[e])}"
 
 
 @pytest.mark.parametrize("term", ["pref", "pair"])

@@ -117,6 +117,7 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
 
 
 GIST_KINDS = ("gistnet", "mean")
+LEAVE_OUT_RULES = ("top", "gist")
 GIST_SOURCES = ("embedding", "hidden")
 
 
@@ -204,6 +205,9 @@ class MCConfig:
     lod_max: int = 2  # highest level of detail in the tree
     budget: int = 256  # W: working-context capacity in entries
     tail: int = 64  # H: the last H tokens, LOD0 in every variant and scored in every variant
+    # What a cut may leave out (DESIGN I2): "top", whole top-level blocks only; "gist", the span of any eligible
+    # gist, so that a far block's tokens can be shown without covering the rest of its top-level block.
+    leave_out: str = "top"
     variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
     gist: GistConfig = field(default_factory=GistConfig)  # [mc.gist]
     lens: LensConfig = field(default_factory=LensConfig)  # [mc.lens]
@@ -219,6 +223,7 @@ class MCConfig:
             "must be a positive multiple of mc.block_size",
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
+        _require(self.leave_out in LEAVE_OUT_RULES, "mc.leave_out", f"must be one of {', '.join(LEAVE_OUT_RULES)}")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
         _require(
             self.lens.attention_weight == 0 or self.teacher.enabled,

@@ -11,20 +11,23 @@ and a rule that waits for a sign would leave truncation out of reach whenever ol
 2. **Collapses** are candidates among the complete groups: a parent whose ``K`` children are all shown and
    which is eligible (never over the tail). Each turns ``K`` entries into one and frees ``K - 1``. A group
    is scored by its **best** child: collapsing it gives up that child's detail too.
-3. **Drops** are candidates among the shown eligible LODmax gists: each leaves its block out of the context
-   and frees one entry.
+3. **Drops** are candidates among the shown eligible LODmax gists (with ``mc.leave_out = "gist"``, the shown
+   eligible gists of every level) outside the groups collapsed: each leaves its span out of the context and
+   frees one entry.
 4. The free budget is filled first, with the highest-scoring expansions, whatever their sign. Then the
    i-th best expansion that does not fit is paid for by the i-th lowest collapse while it scores higher;
    what is still unpaid, by drops: an expansion is taken while it scores higher than every one of the
    ``K - 1`` lowest remaining drops that pay for it. The count never exceeds ``W``.
 5. **Restores**: budget still free after that (less than one expansion, or nothing left to expand) shows
-   left-out blocks again as their LODmax gists, newest first: the budget is used as fully as the tree allows.
+   left-out text again, each time the largest droppable node whose text is out, newest first: the budget is
+   used as fully as the tree allows.
 
 No two actions touch the same node: the expansions taken rank above every collapse and drop paid, and a
 group or a block of drops scores at least as high as any candidate inside it, so a node that is both
 expanded and paid would have to score higher than itself. The expansions paid for by drops exclude the
-children of the groups collapsed, and the drops exclude the gists expanded. The result is again a cut,
-each top-level block either covered exactly once or left out, with the tail at LOD0 (I8). From the
+children of the groups collapsed, and the drops exclude the gists expanded and the groups collapsed. The
+result is again a cut, its text covered exactly once or left out in the spans of droppable gists, with the
+tail at LOD0 (I8). From the
 coarsest cut, repeated steps reach truncation whenever LensNet scores old text below recent gists.
 
 :func:`shrink` brings a cut that grew past ``W`` (a streaming context carried over to a longer history,
@@ -64,7 +67,7 @@ def allocate(
     collapse = top_by_priority(can_collapse, -group_score, swaps)
 
     unpaid = can_expand & ~expand & ~nodes.children_of(collapse)
-    can_drop = droppable(shown, nodes) & ~expand
+    can_drop = droppable(shown, nodes) & ~expand & ~nodes.children_of(collapse)
     left = free - fill * cost  # below one expansion's cost whenever anything is unpaid
     highest_paid = at(ranked(can_drop, node_scores), (rank[None] + 1) * cost - left[:, None] - 1, torch.inf)
     by_drops = (ranked(unpaid, node_scores, descending=True) > highest_paid).sum(-1)
@@ -88,12 +91,13 @@ def at(values: Tensor, index: Int[Tensor, "r m"], outside: float) -> Tensor:
 
 
 def droppable(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
-    """The shown gists a drop can leave out: eligible LODmax gists."""
+    """The shown gists a drop can leave out (:meth:`NodeTable.droppable_entry`)."""
     return shown & nodes.droppable_entry(torch.arange(nodes.layout.n_nodes, device=shown.device))
 
 
 def restored(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
-    """``shown`` with as many left-out blocks as its free budget allows shown again as LODmax gists, newest first."""
+    """``shown`` with as much left-out text as its free budget allows shown again, newest first, each piece as the
+    largest droppable node whose text is out (:meth:`NodeTable.left_out`)."""
     free = (nodes.layout.W - shown.sum(-1)).clamp(min=0)
     absent = nodes.left_out(shown)
     return shown | top_by_priority(absent, nodes.start.float(), torch.minimum(free, absent.sum(-1)))

@@ -7,14 +7,16 @@ LOD(k+1) node ``j // K``; a parent's **group** is its ``K`` children.
 A node is **eligible** when its span ends before the tail ``[T-H, T)``: only eligible gists can be
 shown (I4), so only they are ever computed. At each level the eligible nodes are a prefix.
 
-A cut may **leave text out**, in whole top-level blocks: an eligible LODmax gist can be *dropped* (the
-block's text is then not in the working context at all, coarser than any gist, I7) and a left-out block
-can be *restored* as its LODmax gist. So truncation, and every cut between it and full coverage, is a cut
-(when ``T - W`` is a multiple of ``K^L``, the recency baseline itself).
+A cut may **leave text out**: an eligible LODmax gist can be *dropped* (the block's text is then not in the
+working context at all, coarser than any gist, I7) and a left-out block can be *restored* as its LODmax gist.
+So truncation, and every cut between it and full coverage, is a cut (when ``T - W`` is a multiple of
+``K^L``, the recency baseline itself). With ``mc.leave_out = "gist"`` any eligible gist can be dropped, not
+only a LODmax one: a cut can then show one far block's tokens and leave the rest of its top-level block out,
+as block-sparse attention keeps a few far blocks beside the recent window.
 
 Every rule about the tree that the variants, the allocator, LensNet's targets and its budget term need
 lives in :class:`NodeTable`, so they cannot drift apart (I6, I8): a collapse needs a complete group of
-``K`` shown siblings whose parent is eligible; a drop needs a shown eligible LODmax gist.
+``K`` shown siblings whose parent is eligible; a drop needs a shown eligible gist of a droppable level.
 """
 
 from __future__ import annotations
@@ -38,11 +40,26 @@ class Layout:
     W: int  # working-context capacity
     H: int  # supervised tail, LOD0 in every variant
     N: int  # compressed variants per sample
+    leave_out: str = "top"  # what a cut may leave out: "top" (whole top-level blocks) or "gist" (any gist's span)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Layout:
         mc = cfg.mc
-        return cls(T=cfg.data.seq_len, K=mc.block_size, L=mc.lod_max, W=mc.budget, H=mc.tail, N=mc.variants)
+        return cls(
+            T=cfg.data.seq_len,
+            K=mc.block_size,
+            L=mc.lod_max,
+            W=mc.budget,
+            H=mc.tail,
+            N=mc.variants,
+            leave_out=mc.leave_out,
+        )
+
+    @property
+    def lowest_drop(self) -> int:
+        """The lowest LOD of a gist that a drop may leave out: ``L`` (whole top-level blocks) unless the cut
+        may leave out the span of any gist (``mc.leave_out = "gist"``)."""
+        return 1 if self.leave_out == "gist" else self.L
 
     @property
     def V(self) -> int:  # variants per sample, the recency baseline first
@@ -146,16 +163,20 @@ class NodeTable:
         return self.complete_groups(shown) & self.eligible
 
     def legal_collapse(self, node: Int[Tensor, "*rows w"], collapsible: Bool[Tensor, "*rows nodes"]) -> Tensor:
-        """Per entry (node ids ``[..., w]``), whether it may take part in a collapse in its row: below LODmax,
-        its parent is ``collapsible`` there (``[..., n_nodes]``, the same leading dimensions); at LODmax, it is
-        an eligible gist, which collapses into nothing (a drop: its block is left out)."""
+        """Per entry (node ids ``[..., w]``), whether it may take part in a collapse in its row: as one of a
+        group, below LODmax, when its parent is ``collapsible`` there (``[..., n_nodes]``, the same leading
+        dimensions), or on its own as a **drop** (:meth:`droppable_entry`: its span is then left out)."""
+        return self.legal_group_collapse(node, collapsible) | self.droppable_entry(node)
+
+    def legal_group_collapse(self, node: Int[Tensor, "*rows w"], collapsible: Bool[Tensor, "*rows nodes"]) -> Tensor:
+        """Per entry, whether it is below LODmax and its parent is ``collapsible`` in its row."""
         parent = self.parent[node].clamp(min=0)
-        below_top = (self.lod[node] < self.layout.L) & collapsible.gather(-1, parent)
-        return below_top | self.droppable_entry(node)
+        return (self.lod[node] < self.layout.L) & collapsible.gather(-1, parent)
 
     def droppable_entry(self, node: Tensor) -> Tensor:
-        """Per entry, whether it is an eligible LODmax gist: one that can be left out."""
-        return (self.lod[node] == self.layout.L) & self.eligible[node]
+        """Per entry, whether it is an eligible gist that a cut may leave out: at LODmax, or with
+        ``mc.leave_out = "gist"`` at any level from LOD1 up (:attr:`Layout.lowest_drop`)."""
+        return (self.lod[node] >= self.layout.lowest_drop) & self.eligible[node]
 
     def collapse_group(self, node: Tensor) -> Tensor:
         """Per entry, the node whose span a collapse label is read over: the parent below LODmax, the entry
@@ -164,16 +185,34 @@ class NodeTable:
 
     def top_covered(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows top"]:
         """Per top-level block, whether a cut shows anything inside it."""
-        covered = self.level(shown, 0)
+        return self.level(self.covered_inside(shown), self.layout.L)
+
+    def covered_inside(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
+        """Per node, whether a cut shows the node itself or anything inside its span."""
+        levels = [self.level(shown, 0)]
         for k in range(1, self.layout.L + 1):
-            covered = rearrange(covered, "... (n k) -> ... n k", k=self.layout.K).any(-1) | self.level(shown, k)
-        return covered
+            below = rearrange(levels[-1], "... (n k) -> ... n k", k=self.layout.K).any(-1)
+            levels.append(below | self.level(shown, k))
+        return torch.cat(levels, dim=-1)
+
+    def covered_above(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
+        """Per node, whether a cut shows one of its ancestors (then the node's text is in the cut, coarser)."""
+        above = torch.zeros_like(self.level(shown, self.layout.L))
+        levels = [above]
+        for k in range(self.layout.L - 1, -1, -1):
+            above = (above | self.level(shown, k + 1)).repeat_interleave(self.layout.K, dim=-1)
+            levels.insert(0, above)
+        return torch.cat(levels, dim=-1)
 
     def left_out(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
-        """The LODmax gists of the blocks a cut leaves out (as a ``[..., n_nodes]`` mask): what a restore shows."""
-        absent = ~self.top_covered(shown) & self.level(self.eligible, self.layout.L)
-        below = torch.zeros_like(shown[..., : self.layout.level_offsets[self.layout.L]])
-        return torch.cat([below, absent], dim=-1)
+        """The largest droppable nodes whose text a cut leaves out (a ``[..., n_nodes]`` mask): what a restore
+        shows. A node's text is out when neither it, nor anything inside it, nor an ancestor is shown; it is the
+        largest such node when it is top-level or its parent's span has something shown inside it."""
+        inside = self.covered_inside(shown)
+        out = ~inside & ~self.covered_above(shown)
+        parent_inside = inside.gather(-1, self.parent.clamp(min=0).expand_as(inside))
+        largest = (self.lod == self.layout.L) | parent_inside
+        return out & largest & self.droppable_entry(torch.arange(self.layout.n_nodes, device=shown.device))
 
     def legal_expand(self, node: Int[Tensor, "*rows w"]) -> Tensor:
         """Per entry, whether it may be expanded: a gist (a token has no children)."""

@@ -7,12 +7,13 @@ text (I7), with "not covered at all" counting as coarser than any gist:
 * ``+1`` (expand) where ``a`` shows more detail somewhere in ``e``'s span: ``min lod_a(span) < k``;
 * ``-1`` (collapse) where ``a`` is coarser over the **whole group** ``e`` belongs to, the span of its
   parent: ``min lod_a(parent span) > k``. The label is computed from the parent, so every sibling shares it.
-  A LODmax entry's group is its own block: ``-1`` there means ``a`` leaves the block out (a drop);
+  ``-1`` also where ``e`` is a droppable gist (an eligible LODmax gist, or any eligible gist with
+  ``mc.leave_out = "gist"``) and ``a`` leaves its whole span out: a drop, a label of that entry alone;
 * no target where ``a`` shows the same node: a **tie**.
 
 Legality (I6) masks the rest: no ``+`` on LOD0, a ``-`` below LODmax only where the entry's complete
 aligned group of ``K`` siblings is in ``c`` and its parent is eligible (collapsing into a parent that
-overlaps the tail is not an action the allocator can take), and a ``-`` at LODmax only on an eligible gist.
+overlaps the tail is not an action the allocator can take), and a ``-`` as a drop only on a droppable gist.
 
 Each pair is weighted by how much it teaches, ``w = tanh(|ΔNLL| / τ)``: 0 for variants that score the
 same, approaching 1 for a clear winner; ``τ`` (``mc.lens.temperature``) sets the scale in nats.
@@ -111,8 +112,10 @@ def detail_targets(
     coarser_over_group = mins_better.gather(2, group) > lod
     collapsible = nodes.collapsible(shown)  # [B, V, nodes]
     collapsible_in_worse = collapsible.gather(1, repeat(worse, "b p -> b p n", n=collapsible.size(-1)))
+    left_out_by_better = finest_inside > nodes.layout.L  # better shows nothing of this entry's span
     expand = valid & nodes.legal_expand(node) & finer_inside
-    collapse = valid & nodes.legal_collapse(node, collapsible_in_worse) & coarser_over_group
+    as_group = nodes.legal_group_collapse(node, collapsible_in_worse) & coarser_over_group
+    collapse = valid & (as_group | (nodes.droppable_entry(node) & left_out_by_better))
     return expand.long() - collapse.long(), valid & (finest_inside == lod), rows
 
 

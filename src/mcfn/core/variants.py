@@ -6,7 +6,8 @@
   top-level blocks (none to all but what the budget can fill with detail; each frees one entry), and
   spends the spare budget on expansions, top level first: at each level above LOD1 it expands a random share of
   what it could afford, among its shown nodes in a random order; at LOD1 it expands as many as still
-  fit. So variants of a sample use about the same budget and differ in *where* the detail goes (which
+  fit (with ``mc.leave_out = "gist"``, a random share more, paid for by leaving other LOD1 blocks out). So
+  variants of a sample use about the same budget and differ in *where* the detail goes (which
   blocks are tokens, which are LOD1, which LOD2): their tail losses say where detail pays.
 
 The randomness comes in as :class:`VariantNoise`, drawn by the caller on the device with a seeded
@@ -32,7 +33,9 @@ class VariantNoise(TensorClass):
     """Uniform noise for the compressed variants of a batch (batch_size ``[B, N]``)."""
 
     priority: Tensor  # [B, N, n_nodes]: expansion order among a level's shown nodes (higher first)
-    share: Tensor  # [B, N, L]: share of the affordable expansions taken at each level (LOD1 ignores it)
+    # [B, N, L]: share of the affordable expansions taken at each level; at LOD1, of the further ones that drops
+    # pay for (mc.leave_out = "gist" only)
+    share: Tensor
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
     leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
 
@@ -79,14 +82,36 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b n 
         eligible = nodes.level(nodes.eligible, k)
         candidates = parent_expanded & eligible
         affordable = torch.minimum(candidates.sum(-1), slack // cost)
-        take = affordable if k == 1 else (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
+        take = (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
+        dropped = torch.zeros_like(candidates)
+        if k == 1:
+            take, dropped = lod1_expansions(candidates, nodes.level(priority, 1), share[..., 0], slack, nodes)
         chosen = top_by_priority(candidates, nodes.level(priority, k), take)
         slack = slack - take * cost
         expanded[k] = chosen | (parent_expanded & ~eligible)  # nodes overlapping the tail are always expanded
-        shown_levels[k] = parent_expanded & ~expanded[k]
+        shown_levels[k] = parent_expanded & ~expanded[k] & ~dropped
         parent_expanded = expanded[k].repeat_interleave(layout.K, dim=-1)
     shown_levels[0] = parent_expanded
     return torch.cat([shown_levels[k] for k in range(layout.L + 1)], dim=-1)
+
+
+def lod1_expansions(
+    candidates: Tensor, priority: Tensor, share: Tensor, slack: Tensor, nodes: NodeTable
+) -> tuple[Tensor, Tensor]:
+    """How many of the LOD1 ``candidates`` a variant expands, and which of the others it drops (a mask over
+    LOD1). As many as fit, highest priority first; with ``mc.leave_out = "gist"`` also a ``share`` of the
+    further ones that dropping the lowest-priority candidates could pay for, from none to all but what the
+    expansions need: variants from full coverage to a few blocks of tokens with the rest left out."""
+    K, cost = nodes.layout.K, nodes.layout.K - 1
+    count = candidates.sum(-1)
+    affordable = torch.minimum(count, slack // cost)
+    if nodes.layout.lowest_drop > 1:
+        return affordable, torch.zeros_like(candidates)
+    most = torch.maximum(affordable, torch.minimum(count, (slack + count) // K))
+    take = affordable + (share * (most - affordable + 1)).floor().long().clamp(max=most - affordable)
+    chosen = top_by_priority(candidates, priority, take)
+    drops = (take * cost - slack).clamp(min=0)
+    return take, top_by_priority(candidates & ~chosen, -priority, drops)
 
 
 def most_left_out(layout: Layout) -> int:
