@@ -27,8 +27,8 @@ group or a block of drops scores at least as high as any candidate inside it, so
 expanded and paid would have to score higher than itself. The expansions paid for by drops exclude the
 children of the groups collapsed, and the drops exclude the gists expanded and the groups collapsed. The
 result is again a cut, its text covered exactly once or left out in the spans of droppable gists, with the
-tail at LOD0 (I8). From the
-coarsest cut, repeated steps reach truncation whenever LensNet scores old text below recent gists.
+tail at LOD0 (I8). From the coarsest cut, repeated steps reach truncation whenever LensNet scores old text below
+recent gists.
 
 :func:`shrink` brings a cut that grew past ``W`` (a streaming context carried over to a longer history,
 its new tokens at LOD0) back within it, by collapses alone.

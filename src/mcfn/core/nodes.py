@@ -178,11 +178,6 @@ class NodeTable:
         ``mc.leave_out = "gist"`` at any level from LOD1 up (:attr:`Layout.lowest_drop`)."""
         return (self.lod[node] >= self.layout.lowest_drop) & self.eligible[node]
 
-    def collapse_group(self, node: Tensor) -> Tensor:
-        """Per entry, the node whose span a collapse label is read over: the parent below LODmax, the entry
-        itself at LODmax (a drop acts on that one block)."""
-        return torch.where(self.lod[node] < self.layout.L, self.parent[node].clamp(min=0), node)
-
     def top_covered(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows top"]:
         """Per top-level block, whether a cut shows anything inside it."""
         return self.level(self.covered_inside(shown), self.layout.L)

@@ -104,7 +104,7 @@ def detail_targets(
     B, V = shown.size(0), shown.size(1)
     rows = torch.arange(B, device=shown.device)[:, None] * V + worse  # [B, P]
     node, lod, valid = wc.node[rows], wc.lod[rows], wc.valid[rows]  # [B, P, W]
-    group = nodes.collapse_group(node)
+    group = nodes.parent[node].clamp(min=0)  # a group collapse is read over the parent's span
     mins = node_min_lod(shown, nodes)  # [B, V, nodes]
     mins_better = mins.gather(1, repeat(better, "b p -> b p n", n=mins.size(-1)))  # [B, P, nodes]
     finest_inside = mins_better.gather(2, node)
