@@ -86,7 +86,6 @@ def test_nested_mc_tables_and_overrides():
         ({"mc": {"lens": False}}, "mc.lens in config must be a table"),
         ({"mc": {"lens": {"wieght": 1.0}}}, "unknown key mc.lens.wieght"),
         ({"mc": {"gist": 2}}, r"mc.gist in config must be a table"),
-        ({"mc": {"gist": {"carrier": "hidden"}}}, "mc.gist.carrier: must be one of embedding, kv"),
         ({"mc": {"lens": {"temperature": 0}}}, "mc.lens.temperature: must be > 0"),
         ({"mc": {"variants": 1, "alloc": {"variants": 2}}}, "mc.alloc.variants"),
     ],

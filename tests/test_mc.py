@@ -44,11 +44,10 @@ def make_system(
     lens: dict | None = None,
     gist: dict | None = None,
     leave_out: str = "top",
-    n_layer: int = 1,
 ) -> MegaContext:
     cfg = build_config(
         {
-            "model": {"n_layer": n_layer, "n_head": 2, "n_embd": 16},
+            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
             "data": {"seq_len": T},
             "mc": {
                 "block_size": K,

@@ -119,7 +119,6 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
 GIST_KINDS = ("gistnet", "mean")
 LEAVE_OUT_RULES = ("top", "gist")
 GIST_SOURCES = ("embedding", "hidden")
-GIST_CARRIERS = ("embedding", "kv")
 
 
 @dataclass(frozen=True)
@@ -133,11 +132,6 @@ class GistConfig:
     # own hidden states over each top-level block read on its own (detached). Either way the gist stays anchored
     # at the mean of its tokens' embeddings, the space the base model reads.
     source: str = "embedding"
-    # How the base model reads a gist: "embedding", one input vector that goes through every layer like a token;
-    # "kv", in every layer the mean of its tokens' keys and values from the base model's own forward over their
-    # top-level block (detached), in place of the keys and values its embedding would make. Training and
-    # train.eval only: streaming generation reads embedding gists.
-    carrier: str = "embedding"
     # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
     recon_weight: float = 0.0
 
@@ -147,7 +141,6 @@ class GistConfig:
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
         _require(self.kind in GIST_KINDS, "mc.gist.kind", f"must be one of {', '.join(GIST_KINDS)}")
         _require(self.source in GIST_SOURCES, "mc.gist.source", f"must be one of {', '.join(GIST_SOURCES)}")
-        _require(self.carrier in GIST_CARRIERS, "mc.gist.carrier", f"must be one of {', '.join(GIST_CARRIERS)}")
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
 
 

@@ -25,11 +25,11 @@ import math
 
 import torch
 from einops import rearrange
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.model import GPT, causal_attention, with_gist_kv
+from mcfn.core.model import GPT, causal_attention
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.typecheck import typechecked
@@ -54,12 +54,9 @@ def hidden_and_tail_attention(
     spans: Float[Tensor, "#r n"],
     first: Int[Tensor, " r"],
     tail: int,
-    gist_kv: Float[Tensor, "r n layers 2 heads e"] | None = None,
-    is_gist: Bool[Tensor, "r n"] | None = None,
 ) -> tuple[Float[Tensor, "r n d"], Float[Tensor, "r h n"]]:
     """Final hidden states (normed, with gradient) and, for each of the ``tail`` query entries from ``first``
-    on, its causal attention probabilities over the entries, summed over layers and heads (detached). The
-    ``is_gist`` entries are read through ``gist_kv`` when given (:func:`mcfn.core.model.with_gist_kv`)."""
+    on, its causal attention probabilities over the entries, summed over layers and heads (detached)."""
     query = first[:, None] + torch.arange(tail, device=emb.device)  # [r, h]
     future = torch.arange(emb.size(1), device=emb.device)[None, None, :] > query[:, :, None]  # [r, h, n]
     pick = rearrange(query, "r h -> r 1 h 1")
@@ -73,7 +70,7 @@ def hidden_and_tail_attention(
         per_layer.append(torch.softmax(logits, -1).sum(1))
         return causal_attention(layer, q, k, v)
 
-    hidden = base.hidden(emb, positions, spans, attend=with_gist_kv(causal_and_read_out, gist_kv, is_gist))
+    hidden = base.hidden(emb, positions, spans, attend=causal_and_read_out)
     return hidden, sum(per_layer)  # summed in layer order, as a running total would
 
 

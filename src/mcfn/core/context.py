@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-from einops import rearrange
+from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from tensordict import TensorClass
 from torch import Tensor
 
-from mcfn.core.model import GPT, LayerAttention, causal_attention, with_gist_kv
 from mcfn.core.nodes import NodeTable
 from mcfn.core.tree import Tree
 from mcfn.typecheck import typechecked
@@ -29,7 +28,6 @@ class WorkingContext(TensorClass):
     node: Tensor  # [R, W] int64: node id in the tree layout
     target: Tensor  # [R, W] int64: the token right after the span (I5); -1 for padding
     valid: Tensor  # [R, W] bool
-    kv: Tensor | None = None  # [R, W, layers, 2, heads, head_dim]: the tree's pooled keys and values (carrier "kv")
 
 
 @typechecked
@@ -49,9 +47,8 @@ def assemble(
     valid = torch.arange(W, device=shown.device) < shown.sum(-1, keepdim=True)
     node = torch.where(valid, node, 0)
     flat = rearrange(node, "b v w -> b (v w)")
-    emb = gather_rows(tree.emb, flat)
+    emb = torch.gather(tree.emb, 1, repeat(flat, "b n -> b n d", d=tree.emb.size(-1)))
     emb = emb * rearrange(valid, "b v w -> b (v w) 1")
-    kv = None if tree.kv is None else rearrange(gather_rows(tree.kv, flat), "b (v w) ... -> (b v) w ...", v=V)
     start, span, lod = start_of[node], nodes.span[node], nodes.lod[node]
     target = torch.gather(window, 1, rearrange(start + span, "b v w -> b (v w)"))
     target = torch.where(valid, rearrange(target, "b (v w) -> b v w", v=V), -1)
@@ -66,24 +63,7 @@ def assemble(
         "valid": valid,
     }
     packed = {k: v if k == "emb" else rearrange(v, "b v w -> (b v) w") for k, v in packed.items()}
-    return WorkingContext(**packed, kv=kv, batch_size=[B * V, W])
-
-
-def gather_rows(x: Tensor, index: Int[Tensor, "b n"]) -> Tensor:
-    """``x[b, index[b, i], ...]`` for a ``[B, nodes, ...]`` tensor: ``[B, n, ...]``."""
-    return torch.gather(x, 1, index.view(*index.shape, *(1,) * (x.dim() - 2)).expand(-1, -1, *x.shape[2:]))
-
-
-def context_attention(wc: WorkingContext, attend: LayerAttention = causal_attention) -> LayerAttention:
-    """How the base model attends over ``wc``: ``attend``, with the gists read through their pooled keys and
-    values when the tree carries them (:func:`mcfn.core.model.with_gist_kv`)."""
-    return with_gist_kv(attend, wc.kv, wc.lod > 0)
-
-
-@typechecked
-def context_hidden(base: GPT, wc: WorkingContext) -> Float[Tensor, "r w d"]:
-    """The base model's final hidden states over the working contexts ``wc``, each read causally."""
-    return base.hidden(wc.emb, wc.position, wc.span.float(), attend=context_attention(wc))
+    return WorkingContext(**packed, batch_size=[B * V, W])
 
 
 @typechecked
@@ -91,4 +71,4 @@ def tail_entries(x: Float[Tensor, "r w d"], first: Int[Tensor, " r"], tail: int)
     """Each row's ``tail`` entries from ``first`` on: the tail, the last ``H`` valid entries of a working
     context (I4), or the last ``H`` positions of a plain window."""
     index = first[:, None] + torch.arange(tail, device=first.device)
-    return gather_rows(x, index)
+    return x.gather(1, repeat(index, "r h -> r h d", d=x.size(-1)))

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -66,26 +66,6 @@ masked read or a tail read-out elsewhere (``inference.decode``, ``core.attention
 def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Each entry attends to itself and the entries before it (the training forward)."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-@typechecked
-def with_gist_kv(
-    attend: LayerAttention,
-    kv: Float[Tensor, "b n layers 2 h e"] | None,
-    is_gist: Bool[Tensor, "b n"] | None,
-) -> LayerAttention:
-    """``attend`` with the keys and values of the ``is_gist`` entries replaced, in every layer, by the given
-    ones (``mc.gist.carrier = "kv"``): such an entry is read through what ``kv`` says, not through what its own
-    input embedding became. ``attend`` itself when ``kv`` is ``None`` (the embedding carrier)."""
-    if kv is None or is_gist is None:
-        return attend
-    swap = rearrange(is_gist, "b n -> b 1 n 1")
-
-    def attend_gists_by_kv(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        given = rearrange(kv[:, :, layer], "b n two h e -> two b h n e").to(k.dtype)
-        return attend(layer, q, torch.where(swap, given[0], k), torch.where(swap, given[1], v))
-
-    return attend_gists_by_kv
 
 
 class SelfAttention(nn.Module):

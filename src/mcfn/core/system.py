@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.attention import attention_target_loss
-from mcfn.core.context import WorkingContext, assemble, context_hidden
+from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
 from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
@@ -41,7 +41,7 @@ from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
 from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses
-from mcfn.core.tree import Tree, block_hidden, block_kv, build_tree
+from mcfn.core.tree import Tree, block_hidden, build_tree
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
@@ -65,7 +65,6 @@ class MegaContext(nn.Module):
             mean_only=mc.gist.kind == "mean",
         )
         self.gist_from_hidden = mc.gist.source == "hidden"
-        self.gist_by_kv = mc.gist.carrier == "kv"
         self.use_recon = mc.gist.recon_weight > 0
         self.gist_decoder = (
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
@@ -143,12 +142,9 @@ def tree_stage(system: MegaContext, window: Int[Tensor, "b t1"]) -> Tree:
 
 
 def history_tree(system: MegaContext, tokens: Int[Tensor, "b t"]) -> Tree:
-    """The summary tree over ``tokens`` (``t`` = the layout's ``T``), from what ``mc.gist.source`` names, with the
-    pooled keys and values when ``mc.gist.carrier = "kv"``."""
-    top = system.layout.top_span
-    features = block_hidden(system.base, tokens, top) if system.gist_from_hidden else None
-    token_kv = block_kv(system.base, tokens, top) if system.gist_by_kv else None
-    return build_tree(system.gistnet, system.base.embed(tokens), system.layout, features, token_kv)
+    """The summary tree over ``tokens`` (``t`` = the layout's ``T``), from what ``mc.gist.source`` names."""
+    features = block_hidden(system.base, tokens, system.layout.top_span) if system.gist_from_hidden else None
+    return build_tree(system.gistnet, system.base.embed(tokens), system.layout, features)
 
 
 @stage("variants")
@@ -172,7 +168,7 @@ def assemble_stage(system: MegaContext, tree: Tree, shown: Tensor, window: Tenso
 @stage("base")
 def base_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w d"]:
     """One packed base-model forward over every working context: final hidden states ``[B·V, W, D]``."""
-    return context_hidden(system.base, wc)
+    return system.base.hidden(wc.emb, wc.position, wc.span.float())
 
 
 @stage("losses")

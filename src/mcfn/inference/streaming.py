@@ -33,7 +33,6 @@ from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.system import MegaContext, refocus
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
-from mcfn.errors import UserError
 from mcfn.typecheck import typechecked
 
 
@@ -62,11 +61,6 @@ class StreamingTree:
     """Token ids, token embeddings and the complete gists of every level, for one stream."""
 
     def __init__(self, system: MegaContext, device: torch.device):
-        if system.gist_by_kv:
-            raise UserError(
-                'streaming generation reads embedding gists; a run trained with mc.gist.carrier = "kv" is '
-                "evaluated with train.eval"
-            )
         self.system, self.layout = system, system.layout
         dim = system.base.cfg.n_embd
         self.tokens = GrowingRows(None, torch.int64, device)

@@ -25,9 +25,7 @@ def attention_mass(base: GPT, wc: WorkingContext, tail: int) -> Float[Tensor, "r
     """Per entry, the causal attention probability mass it receives from the last ``tail`` valid entries (the
     tail, I4), summed over queries, layers and heads (:func:`mcfn.core.attention.hidden_and_tail_attention`)."""
     first = wc.valid.sum(-1) - tail
-    attention = hidden_and_tail_attention(
-        base, wc.emb, wc.position, wc.span.float(), first, tail, wc.kv, wc.lod > 0
-    )[1]
+    attention = hidden_and_tail_attention(base, wc.emb, wc.position, wc.span.float(), first, tail)[1]
     return attention.sum(1) * wc.valid
 
 

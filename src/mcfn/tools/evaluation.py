@@ -11,8 +11,7 @@ under these conditions at the same budget ``W``:
 * ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
 * ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context (it may
   leave blocks out, down to truncation);
-* ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding (and pooled keys and values,
-  under ``mc.gist.carrier = "kv"``) zeroed: ``lens_nogist −
+* ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
 * ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
 * ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
@@ -44,7 +43,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.core.context import WorkingContext, assemble, context_hidden, tail_entries
+from mcfn.core.context import WorkingContext, assemble, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
@@ -96,7 +95,7 @@ def context_predictions(
     wc = assemble(tree, shown, window, nodes)
     first = wc.valid.sum(-1) - layout.H  # the tail is the last H valid entries (I4)
     targets = repeat(split_window(window)[1][:, layout.T - layout.H :], "b h -> (b s) h", s=shown.size(1))
-    nll, hit = tail_predictions(base, context_hidden(base, wc), first, targets)
+    nll, hit = tail_predictions(base, base.hidden(wc.emb, wc.position, wc.span.float()), first, targets)
     return *(rearrange(x, "(b s) h -> b s h", b=window.size(0)) for x in (nll, hit)), wc
 
 
@@ -147,13 +146,6 @@ class Predictions:
     preference: Tensor | None  # [B, P]: LensNet's preference between every pair of the random contexts
 
 
-def zeroed_gists(tree: Tree, nodes: NodeTable) -> Tree:
-    """``tree`` with every gist's embedding, and its pooled keys and values if it has them, set to zero."""
-    is_token = rearrange(nodes.lod == 0, "n -> 1 n")
-    kv = None if tree.kv is None else tree.kv * is_token[..., None, None, None, None]
-    return Tree(emb=tree.emb * is_token[..., None], kv=kv, batch_size=tree.batch_size)
-
-
 def predict_budget(
     system: MegaContext, tree: Tree, window: Tensor, budget: int, settings: EvalSettings, generator
 ) -> Predictions:
@@ -162,7 +154,7 @@ def predict_budget(
     nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
     preference = None
     if system.lensnet is not None:
-        nogist = zeroed_gists(tree, nodes)
+        nogist = Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
         ablated = context_predictions(system, nogist, shown[:, slots["lens"]], window, nodes)
         slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
         nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
