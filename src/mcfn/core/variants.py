@@ -83,13 +83,13 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b n 
         candidates = parent_expanded & eligible
         affordable = torch.minimum(candidates.sum(-1), slack // cost)
         if k == 1:
-            take, dropped = lod1_expansions(
+            take, chosen, dropped = lod1_expansions(
                 candidates, nodes.level(priority, 1), share[..., 0], slack, affordable, nodes
             )
         else:
             take = (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
+            chosen = top_by_priority(candidates, nodes.level(priority, k), take)
             dropped = torch.zeros_like(candidates)
-        chosen = top_by_priority(candidates, nodes.level(priority, k), take)
         slack = slack - take * cost
         expanded[k] = chosen | (parent_expanded & ~eligible)  # nodes overlapping the tail are always expanded
         shown_levels[k] = parent_expanded & ~expanded[k] & ~dropped
@@ -100,21 +100,21 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b n 
 
 def lod1_expansions(
     candidates: Tensor, priority: Tensor, share: Tensor, slack: Tensor, affordable: Tensor, nodes: NodeTable
-) -> tuple[Tensor, Tensor]:
-    """How many of the LOD1 ``candidates`` a variant expands, and which of the others it drops (a mask over
-    LOD1). As many as fit, highest priority first; with ``mc.leave_out = "gist"`` also a ``share`` of the
-    further ones that dropping the lowest-priority candidates could pay for, from none to all but what the
-    expansions need: variants from full coverage to a few blocks of tokens with the rest left out. ``affordable``:
-    the expansions the ``slack`` pays for without drops."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """How many of the LOD1 ``candidates`` a variant expands, which ones, and which of the others it drops (both
+    masks over LOD1). As many as fit, highest priority first; with ``mc.leave_out = "gist"`` also a ``share`` of
+    the further ones that dropping the lowest-priority candidates could pay for, from none to all but what the
+    expansions need: variants from full coverage to a few blocks of tokens with the rest left out.
+    ``affordable``: the expansions the ``slack`` pays for without drops."""
     K, cost = nodes.layout.K, nodes.layout.K - 1
     count = candidates.sum(-1)
     if nodes.layout.lowest_drop > 1:
-        return affordable, torch.zeros_like(candidates)
+        return affordable, top_by_priority(candidates, priority, affordable), torch.zeros_like(candidates)
     most = torch.maximum(affordable, torch.minimum(count, (slack + count) // K))
     take = affordable + (share * (most - affordable + 1)).floor().long().clamp(max=most - affordable)
     chosen = top_by_priority(candidates, priority, take)
     drops = (take * cost - slack).clamp(min=0)
-    return take, top_by_priority(candidates & ~chosen, -priority, drops)
+    return take, chosen, top_by_priority(candidates & ~chosen, -priority, drops)
 
 
 def most_left_out(layout: Layout) -> int:
