@@ -59,7 +59,7 @@ def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> N
     explained = torch.zeros_like(before)
     was_covered = table.covered_inside(before) | table.covered_above(before)
     is_out = ~(table.covered_inside(after) | table.covered_above(after))
-    droppable = table.droppable_entry(torch.arange(table.layout.n_nodes))
+    droppable = table.droppable
     for r, n in (before & ~after & (table.lod > 0)).nonzero().tolist():
         if is_out[r, n]:  # dropped (else expanded or collapsed, explained below)
             assert bool(droppable[n]), "only a droppable gist is dropped"

@@ -67,7 +67,7 @@ def allocate(
     collapse = top_by_priority(can_collapse, -group_score, swaps)
 
     unpaid = can_expand & ~expand & ~nodes.children_of(collapse)
-    can_drop = droppable(shown, nodes) & ~expand & ~nodes.children_of(collapse)
+    can_drop = shown & nodes.droppable & ~expand & ~nodes.children_of(collapse)
     left = free - fill * cost  # below one expansion's cost whenever anything is unpaid
     highest_paid = at(ranked(can_drop, node_scores), (rank[None] + 1) * cost - left[:, None] - 1, torch.inf)
     by_drops = (ranked(unpaid, node_scores, descending=True) > highest_paid).sum(-1)
@@ -88,11 +88,6 @@ def at(values: Tensor, index: Int[Tensor, "r m"], outside: float) -> Tensor:
     """``values[r, index]``, and ``outside`` where the index lies past either end."""
     inside = (index >= 0) & (index < values.size(-1))
     return torch.where(inside, values.gather(-1, index.clamp(0, values.size(-1) - 1)), outside)
-
-
-def droppable(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
-    """The shown gists a drop can leave out (:meth:`NodeTable.droppable_entry`)."""
-    return shown & nodes.droppable_entry(torch.arange(nodes.layout.n_nodes, device=shown.device))
 
 
 def restored(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:

@@ -178,6 +178,11 @@ class NodeTable:
         ``mc.leave_out = "gist"`` at any level from LOD1 up (:attr:`Layout.lowest_drop`)."""
         return (self.lod[node] >= self.layout.lowest_drop) & self.eligible[node]
 
+    @property
+    def droppable(self) -> Bool[Tensor, " nodes"]:
+        """Per node, whether a cut may leave it out (:meth:`droppable_entry` of every node id)."""
+        return self.droppable_entry(torch.arange(self.layout.n_nodes, device=self.lod.device))
+
     def top_covered(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows top"]:
         """Per top-level block, whether a cut shows anything inside it."""
         return self.level(self.covered_inside(shown), self.layout.L)
@@ -207,7 +212,7 @@ class NodeTable:
         out = ~inside & ~self.covered_above(shown)
         parent_inside = inside.gather(-1, self.parent.clamp(min=0).expand_as(inside))
         largest = (self.lod == self.layout.L) | parent_inside
-        return out & largest & self.droppable_entry(torch.arange(self.layout.n_nodes, device=shown.device))
+        return out & largest & self.droppable
 
     def legal_expand(self, node: Int[Tensor, "*rows w"]) -> Tensor:
         """Per entry, whether it may be expanded: a gist (a token has no children)."""
