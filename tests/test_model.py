@@ -3,11 +3,12 @@ import math
 
 import pytest
 import torch
+from einops import rearrange
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mcfn.config import ModelConfig
-from mcfn.core.model import GPT, apply_rotary, rotary_tables
+from mcfn.core.model import GPT, SelfAttention, apply_rotary, rotary_tables
 
 
 def tiny_model(seed: int = 0, vocab: int = 64) -> GPT:
@@ -77,6 +78,31 @@ def test_attention_is_causal():
     a, b = model(tokens), model(changed)
     torch.testing.assert_close(a[:, :6], b[:, :6])
     assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_attention_gain_sets_how_sharply_each_head_reads():
+    """A head's gain scales its logits: at zero it reads the plain mean of the values before each entry; at a
+    large gain it reads mostly its best-aligned key, which QK-norm alone never lets it do."""
+    torch.manual_seed(0)
+    attn = SelfAttention(16, 2, causal=True)
+    x = torch.randn(1, 6, 16)
+    cos, sin = rotary_tables(torch.arange(6.0)[None], torch.ones(1, 6), 8, 10000.0)
+    v = rearrange(attn.c_v(x), "b n (h e) -> b h n e", h=2)
+    causal_mean = v.cumsum(2) / torch.arange(1, 7.0)[:, None]
+    with torch.no_grad():
+        attn.gain.copy_(torch.tensor([0.0, 1.0]))
+    heads = attn.attend(x, cos, sin)
+    torch.testing.assert_close(heads[:, 0], causal_mean[:, 0])
+    assert not torch.allclose(heads[:, 1], causal_mean[:, 1], atol=1e-3)
+    q, k, _ = attn.qkv(x, cos, sin)
+    with torch.no_grad():
+        attn.gain.fill_(50.0)
+    sharp_q, _, _ = attn.qkv(x, cos, sin)
+    torch.testing.assert_close(sharp_q[:, 1], 50.0 * q[:, 1])
+    weights = torch.softmax(
+        (sharp_q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(torch.ones(6, 6).triu(1).bool(), -torch.inf), -1
+    )
+    assert weights[0, :, -1].max() > 0.99
 
 
 def test_initial_state_is_identity_blocks_and_uniform_predictions():

@@ -20,6 +20,8 @@ def test_every_parameter_is_in_exactly_one_optimizer():
     assert in_muon | in_adamw == {id(p) for p in model.parameters()}
     assert id(model.wte.weight) in in_adamw and id(model.lm_head.weight) in in_adamw
     assert isinstance(muon, torch.optim.Muon)
+    gain_group = next(g for g in adamw.param_groups if g["name"] == "gain")
+    assert {id(p) for p in gain_group["params"]} == {id(b.attn.gain) for b in model.blocks}
 
 
 def test_learning_rates_are_tensors_updated_in_place():

@@ -78,6 +78,7 @@ class OptimConfig:
     matrix_lr: float = 0.02  # Muon, for the 2-D block matrices
     embedding_lr: float = 0.3  # AdamW, token embedding
     unembedding_lr: float = 0.008  # AdamW, output head
+    gain_lr: float = 0.02  # AdamW, the attention heads' gains (one scalar per head)
     weight_decay: float = 0.0
     adam_beta1: float = 0.8
     adam_beta2: float = 0.95
@@ -87,7 +88,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
-        for name in ("matrix_lr", "embedding_lr", "unembedding_lr"):
+        for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "gain_lr"):
             _require(getattr(self, name) > 0, f"optim.{name}", "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         _require(0 <= self.adam_beta1 < 1, "optim.adam_beta1", "must be in [0, 1)")

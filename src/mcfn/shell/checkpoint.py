@@ -27,7 +27,8 @@ MAGIC = b"mcfn-checkpoint v1 "
 CHECKPOINT_NAME = "checkpoint.pt"
 # The layout of a run's state and its saved config. 2: the retired knobs (mc.lens.rank*, mc.lens.granularity,
 # mc.variant_spend_min) and the readers of pre-[mc]-split configs are gone. 3: mc.teacher.distill_weight is gone.
-CHECKPOINT_FORMAT = 3
+# 4: every attention head has a learned gain (attn.gain).
+CHECKPOINT_FORMAT = 4
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:

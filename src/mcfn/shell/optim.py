@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule.
 
 Muon (torch's own) for the 2-D matrices inside the blocks; AdamW for the embedding and the head, whose
-rows are looked up or read out one token at a time and do not suit orthogonalised updates. Learning
+rows are looked up or read out one token at a time and do not suit orthogonalised updates, and for the
+attention heads' scalar gains. Learning
 rates live in the param groups as 0-d tensors updated in place, so nothing that changes during training
 is a Python number baked into a graph.
 """
@@ -57,17 +58,20 @@ class Float32Muon(torch.optim.Muon):
 
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
 HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
+GAINS = ("attn.gain",)  # one scalar per attention head: AdamW at the gain rate
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
     """Muon for every 2-D matrix inside the networks (fp32 orthogonalisation off CUDA); AdamW for embeddings
     and the output head."""
-    embeddings, heads, matrices = [], [], []
+    embeddings, heads, gains, matrices = [], [], [], []
     for name, p in model.named_parameters():
         if name.endswith(EMBEDDINGS):
             embeddings.append(p)
         elif name.endswith(HEADS):
             heads.append(p)
+        elif name.endswith(GAINS):
+            gains.append(p)
         elif p.ndim == 2:
             matrices.append(p)
         else:
@@ -77,14 +81,18 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
     muon_cls = torch.optim.Muon if fused else Float32Muon
     muon = muon_cls(matrices, lr=lr(cfg.matrix_lr), weight_decay=cfg.weight_decay)
     adamw = torch.optim.AdamW(
-        [{"params": embeddings, "lr": lr(cfg.embedding_lr)}, {"params": heads, "lr": lr(cfg.unembedding_lr)}],
+        [
+            {"params": embeddings, "lr": lr(cfg.embedding_lr)},
+            {"params": heads, "lr": lr(cfg.unembedding_lr)},
+            {"params": gains, "lr": lr(cfg.gain_lr)},
+        ],
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay,
         fused=fused,
         foreach=False if not fused else None,
     )
     optimizers = [muon, adamw]
-    for opt, names in zip(optimizers, (["matrix"], ["embedding", "unembedding"]), strict=True):
+    for opt, names in zip(optimizers, (["matrix"], ["embedding", "unembedding", "gain"]), strict=True):
         for group, name in zip(opt.param_groups, names, strict=True):
             group["base_lr"] = float(group["lr"])
             group["name"] = name  # logged as train/lr/<name>
