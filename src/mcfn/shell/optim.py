@@ -2,9 +2,8 @@
 
 Muon (torch's own) for the 2-D matrices inside the blocks; AdamW for the embedding and the head, whose
 rows are looked up or read out one token at a time and do not suit orthogonalised updates, and for the
-attention heads' scalar gains. Learning
-rates live in the param groups as 0-d tensors updated in place, so nothing that changes during training
-is a Python number baked into a graph.
+attention heads' scalar gains. Learning rates live in the param groups as 0-d tensors updated in place, so
+nothing that changes during training is a Python number baked into a graph.
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ GAINS = ("attn.gain",)  # one scalar per attention head: AdamW at the gain rate
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
-    """Muon for every 2-D matrix inside the networks (fp32 orthogonalisation off CUDA); AdamW for embeddings
-    and the output head."""
+    """Muon for every 2-D matrix inside the networks (fp32 orthogonalisation off CUDA); AdamW for embeddings,
+    the output heads and the attention gains."""
     embeddings, heads, gains, matrices = [], [], [], []
     for name, p in model.named_parameters():
         if name.endswith(EMBEDDINGS):
