@@ -1,16 +1,21 @@
 """The packed working contexts (``core/context.py``): I3 (padding touches nothing valid, in LensNet and the base
-model), and gists at their span's centre with the packed forward reading their spans."""
+model), gists at their span's centre with the packed forward reading their spans, and I11 (a cut is chosen from
+nothing after its horizon)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from hypothesis import given
-from test_mc import cases, contexts
+from hypothesis import strategies as st
+from test_mc import VOCAB, cases, contexts
 
-from mcfn.core.context import WorkingContext, assemble
-from mcfn.core.system import MegaContext, base_stage, tree_stage
+from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.system import MegaContext, base_stage, refocus, tree_stage
 from mcfn.core.variants import coarsest_cut
+from mcfn.tools.attention import attention_scores
 
 
 def awake(system: MegaContext) -> MegaContext:
@@ -72,3 +77,41 @@ def test_property_gists_sit_at_their_span_centre_and_the_packed_forward_reads_th
             targets = window[r // (shape["N"] + 1)][wc.start[r, :n] + wc.span[r, :n]]
             direct = F.cross_entropy(logits[0], targets, reduction="none")
             torch.testing.assert_close(packed[r, :n], direct, atol=1e-5, rtol=1e-5)
+
+
+def assert_chosen_before(shape: dict, batch: int, seed: int, horizon: torch.Tensor) -> None:
+    """Rewriting every token after ``horizon [batch]`` changes neither what :func:`seen_until` lets a scorer read
+    nor the cuts that LensNet or the ``attn`` focus choose from the coarsest cut."""
+    system, window, _ = contexts(shape, batch, seed)
+    system = awake(system).eval()
+    T, H = shape["T"], shape["H"]
+    after = torch.arange(T + 1)[None] > horizon[:, None]
+    noise = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(1))
+    rewritten = torch.where(after, noise, window)
+    start = coarsest_cut(system.layout, torch.device("cpu"))[None, None].expand(batch, 1, -1)
+    for name, scorer in {"lens": None, "attn": partial(attention_scores, system.base, H)}.items():
+        cuts = [
+            refocus(system, tree_stage(system, w), w, start, system.nodes, iterations=2, scorer=scorer, horizon=horizon)
+            for w in (window, rewritten)
+        ]
+        assert torch.equal(*cuts), name
+    seen = [seen_until(assemble(tree_stage(system, w), start, w, system.nodes), horizon) for w in (window, rewritten)]
+    assert torch.equal(seen[0].valid, seen[1].valid) and not (seen[0].valid & (seen[0].start > horizon[:, None])).any()
+    with torch.no_grad():
+        torch.testing.assert_close(system.lensnet(seen[0]), system.lensnet(seen[1]))
+
+
+@given(cases, st.data())
+def test_property_I11_a_cut_is_chosen_from_nothing_after_its_horizon(case, data):
+    """I11 on any tree shape, at any horizon inside the tail (the first scored prediction's position)."""
+    shape, batch, seed = case
+    T, H = shape["T"], shape["H"]
+    horizon = data.draw(st.lists(st.integers(T - H, T - 1), min_size=batch, max_size=batch))
+    assert_chosen_before(shape, batch, seed, torch.tensor(horizon))
+
+
+def test_I11_on_a_shape_where_the_tail_would_change_the_cuts():
+    """A shape with room to choose (many of Hypothesis' smallest draw none): read past the horizon, both scorers'
+    cuts would change here (checked by taking ``seen_until`` out of :func:`refocus`)."""
+    shape = {"T": 64, "K": 4, "L": 2, "W": 32, "H": 8, "N": 2, "leave_out": "top"}
+    assert_chosen_before(shape, 2, 3, torch.tensor([56, 60]))

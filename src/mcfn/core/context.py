@@ -67,6 +67,26 @@ def assemble(
 
 
 @typechecked
+def seen_until(wc: WorkingContext, horizon: Int[Tensor, " r"]) -> WorkingContext:
+    """``wc`` with every entry that starts after ``horizon[r]`` made padding: what a scorer may read when the cut
+    it chooses serves the predictions from position ``horizon`` on. A cut chosen from text that it is then
+    scored on would be picked with the answers in view (a selector that sees the tail's tokens picks the far
+    blocks that hold them). Starts increase along a row, so the valid entries stay a prefix (I3)."""
+    valid = wc.valid & (wc.start <= horizon[:, None])
+    return WorkingContext(
+        emb=wc.emb * valid[..., None],
+        position=wc.position,
+        start=wc.start,
+        span=wc.span,
+        lod=wc.lod,
+        node=wc.node,
+        target=torch.where(valid, wc.target, -1),
+        valid=valid,
+        batch_size=wc.batch_size,
+    )
+
+
+@typechecked
 def tail_entries(x: Float[Tensor, "r w d"], first: Int[Tensor, " r"], tail: int) -> Float[Tensor, "r h d"]:
     """Each row's ``tail`` entries from ``first`` on: the tail, the last ``H`` valid entries of a working
     context (I4), or the last ``H`` positions of a plain window."""

@@ -4,7 +4,8 @@
 ``< 0``: this entry and its siblings can be collapsed into their parent at little cost.
 
 A small **bidirectional** transformer (the GPT's block without the causal mask), so that old entries
-see the recent text they are judged against. Padding is masked out of attention. Entries carry
+see the recent text they are judged against. It reads a context only up to the horizon (I11): the tail
+it is scored on stays unseen. Padding is masked out of attention. Entries carry
 their (damped) rotary position, and three features added to the input: a learned embedding of the
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it.
@@ -112,8 +113,8 @@ class LensNet(nn.Module):
         """The transformer over the rows of ``wc`` (units), one score per valid one."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
-        # Distance back from the context's last entry (the newest token), in units of the training T:
-        # during training the context ends at T; while streaming it ends wherever the text has got to.
+        # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
+        # training T: in training that is the tail's first token; while streaming, the newest real token.
         now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
         features = torch.stack(
             (torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), (now - end).float() / T), dim=-1

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.attention import attention_target_loss
-from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
 from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
@@ -102,19 +102,24 @@ def refocus(
     explore: Tensor | None = None,
     iterations: int = 1,
     scorer: Callable[[WorkingContext], Tensor] | None = None,
+    horizon: Int[Tensor, " b"] | None = None,
 ) -> Bool[Tensor, "b a nodes"]:
     """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: each iteration scores the current
     context with ``scorer`` (LensNet by default; signed scores per entry ``[R, W]``), adds ``alloc_noise``
     times the exploration noise ``explore [B, A, I, nodes]`` if given (then ``I`` iterations), and
-    reallocates. ``nodes`` may be another layout's (a streaming view)."""
+    reallocates. The scorer reads each context up to ``horizon [B]`` (:func:`seen_until`; by default the start
+    of the tail, the first prediction the cut serves). ``nodes`` may be another layout's (a streaming view)."""
     scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
     B, A = cut.shape[:2]
+    if horizon is None:
+        horizon = torch.full((B,), nodes.layout.T - nodes.layout.H, device=window.device)
+    seen = repeat(horizon, "b -> (b a)", a=A)
     iterations = explore.size(2) if explore is not None else iterations
     cut = rearrange(cut, "b a n -> (b a) n")
     with torch.no_grad():
         for it in range(iterations):
             wc = assemble(tree, rearrange(cut, "(b a) n -> b a n", b=B), window, nodes)
-            scores = node_scores_of(scorer(wc), wc.node, wc.valid, nodes.layout.n_nodes)
+            scores = node_scores_of(scorer(seen_until(wc, seen)), wc.node, wc.valid, nodes.layout.n_nodes)
             if explore is not None:
                 scores = scores + system.alloc_noise * rearrange(explore[:, :, it], "b a n -> (b a) n")
             cut = allocate(cut, scores, nodes)
@@ -188,7 +193,9 @@ def teacher_stage(
 
 @stage("lens_fwd")
 def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
-    return system.lensnet(wc)
+    """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to the tail's first token."""
+    horizon = torch.full((wc.batch_size[0],), system.layout.T - system.layout.H, device=wc.start.device)
+    return system.lensnet(seen_until(wc, horizon))
 
 
 @stage("lens_loss")

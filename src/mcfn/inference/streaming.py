@@ -28,7 +28,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from mcfn.core.allocator import allocate, node_scores_of, shrink
-from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.system import MegaContext, refocus
 from mcfn.core.tree import Tree
@@ -168,15 +168,22 @@ def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) ->
 
 @typechecked
 def warm_refocus(
-    system: MegaContext, tree: Tree, window: Int[Tensor, "1 t1"], cut: Bool[Tensor, "1 1 nodes"], nodes: NodeTable
+    system: MegaContext,
+    tree: Tree,
+    window: Int[Tensor, "1 t1"],
+    cut: Bool[Tensor, "1 1 nodes"],
+    nodes: NodeTable,
+    horizon: Int[Tensor, " 1"],
 ) -> Bool[Tensor, "1 1 nodes"] | None:
-    """One LensNet pass over a carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens), then
-    :func:`~mcfn.core.allocator.shrink` (repeated while each call still frees room) and
-    :func:`~mcfn.core.allocator.allocate` with the same scores; ``None`` if it cannot get within budget."""
+    """One LensNet pass over a carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens), reading it up to
+    ``horizon`` (the last real token), then :func:`~mcfn.core.allocator.shrink` (repeated while each call still
+    frees room) and :func:`~mcfn.core.allocator.allocate` with the same scores; ``None`` if it cannot get within
+    budget."""
     shown, size = cut[0], int(cut.sum())
     wide = nodes.with_sizes(W=max(size, nodes.layout.W))  # room to assemble the grown cut
     wc = assemble(tree, cut, window, wide)
-    scores = node_scores_of(system.lensnet(wc, layout=wide.layout), wc.node, wc.valid, wide.layout.n_nodes)
+    seen = seen_until(wc, horizon)
+    scores = node_scores_of(system.lensnet(seen, layout=wide.layout), wc.node, wc.valid, wide.layout.n_nodes)
     while size > nodes.layout.W:
         shown = shrink(shown, scores, nodes)
         size, before = int(shown.sum()), size
@@ -197,16 +204,17 @@ def focused_context(
     layout = view.layout
     tree, window = view_tree(stream, view)
     nodes = NodeTable.of(layout, window.device)
+    horizon = torch.tensor([view.real - 1], device=window.device)  # LensNet reads every real token, no phantom
     cut = None
     if system.lensnet is not None and previous is not None:
         carried = carried_cut(previous, view, nodes)
-        cut = None if carried is None else warm_refocus(system, tree, window, carried, nodes)
+        cut = None if carried is None else warm_refocus(system, tree, window, carried, nodes, horizon)
         if cut is not None:
             steps -= 1  # the warm pass was the first step
     if cut is None:
         cut = coarsest_cut(layout, window.device)[None, None]
     if system.lensnet is not None:
-        cut = refocus(system, tree, window, cut, nodes, iterations=steps)
+        cut = refocus(system, tree, window, cut, nodes, iterations=steps, horizon=horizon)
     wc = assemble(tree, cut, window, nodes)[0]
     keep = wc.valid & (wc.start < view.real)
     m = int(keep.sum())

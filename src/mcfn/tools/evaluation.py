@@ -16,6 +16,10 @@ under these conditions at the same budget ``W``:
 * ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
 * ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
 
+``attn`` and ``lens`` choose their cut from each window up to its **horizon** (I11), the first scored
+prediction's position: the tail's first token on ``corpus``, the token before the answer on a probe. The cut
+never depends on the tokens it is scored on.
+
 What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
 tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**: tail
 tokens that ``full`` predicts better than ``recency`` at the run's ``W`` by more than ``LONG_RANGE_MARGIN``
@@ -43,12 +47,12 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.core.context import WorkingContext, assemble, tail_entries
+from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.step import split_window
-from mcfn.core.system import MegaContext, lens_stage, refocus, tree_stage
+from mcfn.core.system import MegaContext, refocus, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
 from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
@@ -107,9 +111,16 @@ def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tens
 
 
 def budget_contexts(
-    system: MegaContext, tree: Tree, window: Tensor, nodes: NodeTable, settings: EvalSettings, generator
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    horizon: Tensor,
+    nodes: NodeTable,
+    settings: EvalSettings,
+    generator,
 ) -> tuple[Tensor, dict[str, slice]]:
-    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots."""
+    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn`` and
+    ``lens`` choose theirs from what lies up to ``horizon [B]``, the position of the first scored prediction."""
     B, M, device = window.size(0), settings.random_contexts, window.device
     noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
     start = repeat(system.coarsest, "n -> b 1 n", b=B)
@@ -125,10 +136,11 @@ def budget_contexts(
             nodes,
             iterations=settings.refocus,
             scorer=partial(attention_scores, system.base, nodes.layout.H),
+            horizon=horizon,
         ),  # fmt: skip
     }
     if system.lensnet is not None:
-        parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus)
+        parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus, horizon=horizon)
     slots, at = {}, 0
     for name, cut in parts.items():
         slots[name] = slice(at, at + cut.size(1))
@@ -147,10 +159,10 @@ class Predictions:
 
 
 def predict_budget(
-    system: MegaContext, tree: Tree, window: Tensor, budget: int, settings: EvalSettings, generator
+    system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, budget: int, settings: EvalSettings, generator
 ) -> Predictions:
     nodes = system.nodes.with_sizes(W=budget)
-    shown, slots = budget_contexts(system, tree, window, nodes, settings, generator)
+    shown, slots = budget_contexts(system, tree, window, horizon, nodes, settings, generator)
     nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
     preference = None
     if system.lensnet is not None:
@@ -162,7 +174,8 @@ def predict_budget(
         rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
         random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
         i, j = pair_slots(random.size(1), B, random.device)
-        preference = pair_margin(lens_stage(system, random_wc), random, i, j, random_wc, nodes)
+        seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
+        preference = pair_margin(system.lensnet(seen), random, i, j, random_wc, nodes)
     return Predictions(nll, hit, slots, preference)
 
 
@@ -206,6 +219,7 @@ def score_batch(
     tree = tree_stage(system, window)
     targets = split_window(window)[1][:, layout.T - layout.H :]
     scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
+    horizon = probe.answer.long().argmax(-1)  # the first scored prediction's position: what a cut may be chosen from
     references = {"full": full_predictions(system.base, window, layout.H)}
     if reference is not None:
         references["full_plain"] = full_predictions(reference, window, layout.H)
@@ -213,7 +227,7 @@ def score_batch(
     long_range = None
     for budget in settings.budgets:
         generator.manual_seed(derive_seed(budget, "eval_contexts", index))
-        pred = predict_budget(system, tree, window, budget, settings, generator)
+        pred = predict_budget(system, tree, window, horizon, budget, settings, generator)
         record(scores[budget], pred, references, scored, probe.depth)
         if longrange is not None:
             if long_range is None:  # defined at the headline budget: what full context predicts much better
