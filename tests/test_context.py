@@ -89,13 +89,14 @@ def assert_chosen_before(shape: dict, batch: int, seed: int, horizon: torch.Tens
     noise = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(1))
     rewritten = torch.where(after, noise, window)
     start = coarsest_cut(system.layout, torch.device("cpu"))[None, None].expand(batch, 1, -1)
+    both = [(tree_stage(system, w), w) for w in (window, rewritten)]
     for name, scorer in {"lens": None, "attn": partial(attention_scores, system.base, H)}.items():
         cuts = [
-            refocus(system, tree_stage(system, w), w, start, system.nodes, iterations=2, scorer=scorer, horizon=horizon)
-            for w in (window, rewritten)
+            refocus(system, tree, w, start, system.nodes, iterations=2, scorer=scorer, horizon=horizon)
+            for tree, w in both
         ]
         assert torch.equal(*cuts), name
-    seen = [seen_until(assemble(tree_stage(system, w), start, w, system.nodes), horizon) for w in (window, rewritten)]
+    seen = [seen_until(assemble(tree, start, w, system.nodes), horizon) for tree, w in both]
     assert torch.equal(seen[0].valid, seen[1].valid) and not (seen[0].valid & (seen[0].start > horizon[:, None])).any()
     with torch.no_grad():
         torch.testing.assert_close(system.lensnet(seen[0]), system.lensnet(seen[1]))

@@ -92,6 +92,11 @@ class MegaContext(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor, " r"]:
+    """``[rows]``: each row's horizon (I11) at the tail's first token, the first prediction a training cut serves."""
+    return torch.full((rows,), layout.T - layout.H, device=device)
+
+
 @typechecked
 def refocus(
     system: MegaContext,
@@ -111,8 +116,7 @@ def refocus(
     of the tail, the first prediction the cut serves). ``nodes`` may be another layout's (a streaming view)."""
     scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
     B, A = cut.shape[:2]
-    if horizon is None:
-        horizon = torch.full((B,), nodes.layout.T - nodes.layout.H, device=window.device)
+    horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
     seen = repeat(horizon, "b -> (b a)", a=A)
     iterations = explore.size(2) if explore is not None else iterations
     cut = rearrange(cut, "b a n -> (b a) n")
@@ -194,8 +198,7 @@ def teacher_stage(
 @stage("lens_fwd")
 def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
     """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to the tail's first token."""
-    horizon = torch.full((wc.batch_size[0],), system.layout.T - system.layout.H, device=wc.start.device)
-    return system.lensnet(seen_until(wc, horizon))
+    return system.lensnet(seen_until(wc, tail_horizon(system.layout, wc.batch_size[0], wc.start.device)))
 
 
 @stage("lens_loss")
