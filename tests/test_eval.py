@@ -50,7 +50,7 @@ def report():
 
 def test_report_has_every_condition_and_the_headline(report):
     assert report["T"] == T and report["W"] == W and report["n_windows"] == 6
-    assert set(report["bpb"]) == set(CONDITIONS) - {"ungated"} and all(math.isfinite(v) for v in report["bpb"].values())
+    assert set(report["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in report["bpb"].values())
     assert [row["W"] for row in report["sweep"]] == [W, T]
     assert -1.0 <= report["lens_rank_corr"] <= 1.0
     assert report["tasks"]["corpus"]["bpb"] == report["bpb"] and "longrange" in report["tasks"]["corpus"]

@@ -70,7 +70,7 @@ def test_property_I3_every_entry_scores_its_unit_and_padding_changes_nothing(cas
         scores = lens(wc)
         units = min(shape["W"], T // K)
         unit = block_units(wc, K, units)
-        direct = lens.head(lens.features(pool_blocks(wc, unit, units))).squeeze(-1)
+        direct = lens.score(pool_blocks(wc, unit, units))
     for r in range(wc.batch_size[0]):
         n = int(wc.valid[r].sum())
         torch.testing.assert_close(scores[r, :n], direct[r, unit[r, :n]])

@@ -161,25 +161,16 @@ class LensConfig:
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
-    # The gate (mcfn.core.gate): one logit per cut that it beats truncation, learned from the allocator's cuts'
-    # tail loss against the recency baseline's (needs mc.alloc.variants >= 1); the focus falls back to
-    # truncation where it is shut. 0: no gate, the focus always keeps its cut.
-    gate_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("weight", "pref_weight", "budget_weight", "pair_weight", "attention_weight", "gate_weight"):
+        for name in ("weight", "pref_weight", "budget_weight", "pair_weight", "attention_weight"):
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
         _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
         _require(self.every >= 1, "mc.lens.every", "must be >= 1")
-
-    @property
-    def gated(self) -> bool:
-        """LensNet has a gate (its loss is on), and the focus falls back to truncation where it is shut."""
-        return self.gate_weight > 0
 
 
 @dataclass(frozen=True)
@@ -239,11 +230,6 @@ class MCConfig:
             self.lens.attention_weight == 0 or self.teacher.enabled,
             "mc.lens.attention_weight",
             "needs the full-window teacher: set mc.teacher.full_weight > 0",
-        )
-        _require(
-            not self.lens.gated or self.alloc.variants >= 1,
-            "mc.lens.gate_weight",
-            "learns from the allocator's cuts: set mc.alloc.variants >= 1",
         )
 
     @property

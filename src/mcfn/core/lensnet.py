@@ -10,11 +10,6 @@ their (damped) rotary position, and three features added to the input: a learned
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it.
 
-With ``gate=True`` it also has a **gate**: one logit per working context, from its units' mean final state, that
-this cut beats truncation (the recency cut at the same budget) on what comes next. The focus keeps its cut
-where the gate is open and falls back to truncation where it is not (:func:`mcfn.core.system.gated`), so that
-the policy spends the budget on the far past only where it predicts the far past pays.
-
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
 shares. Every decision is block-level (a gist expands, a complete group of K collapses), and each unit
@@ -85,7 +80,7 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
 
 
 class LensNet(nn.Module):
-    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, gate: bool = False):
+    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout):
         super().__init__()
         self.layout, self.head_dim = layout, width // n_head
         self.in_proj = nn.Linear(d_model, width, bias=False)
@@ -93,7 +88,6 @@ class LensNet(nn.Module):
         self.feature_proj = nn.Linear(2, width, bias=False)
         self.blocks = nn.ModuleList(Block(width, n_head, causal=False) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
-        self.gate = nn.Linear(width, 1, bias=False) if gate else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -105,34 +99,18 @@ class LensNet(nn.Module):
         for block in self.blocks:
             block.reset_parameters()
         nn.init.normal_(self.head.weight, std=0.01)
-        if self.gate is not None:
-            nn.init.normal_(self.gate.weight, std=0.01)
 
     @typechecked
     def forward(self, wc: WorkingContext, layout: Layout | None = None) -> Float[Tensor, "r w"]:
         """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one)."""
-        return self.judge(wc, layout)[0]
-
-    @typechecked
-    def judge(
-        self, wc: WorkingContext, layout: Layout | None = None
-    ) -> tuple[Float[Tensor, "r w"], Float[Tensor, " r"] | None]:
-        """The entries' scores ``[R, W]`` and the gate's logit ``[R]`` (``None`` without a gate) from one pass."""
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
-        pooled = pool_blocks(wc, unit, units)
-        x = self.features(pooled)
-        scores = F.pad(self.head(x).squeeze(-1) * pooled.valid, (0, 1))  # the padding slot scores 0
-        gate = None
-        if self.gate is not None:  # a constructor constant: static under compile
-            # The most telling unit decides: one far block worth fetching (a pass key) must not be averaged away.
-            per_unit = self.gate(x).squeeze(-1).masked_fill(~pooled.valid, -torch.inf)
-            gate = per_unit.amax(-1)
-        return scores.gather(1, unit) * wc.valid, gate
+        scores = F.pad(self.score(pool_blocks(wc, unit, units)), (0, 1))  # the padding slot scores 0
+        return scores.gather(1, unit) * wc.valid
 
-    def features(self, wc: WorkingContext) -> Float[Tensor, "r u c"]:
-        """The transformer over the rows of ``wc`` (units): each unit's final state, normed."""
+    def score(self, wc: WorkingContext) -> Float[Tensor, "r w"]:
+        """The transformer over the rows of ``wc`` (units), one score per valid one."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
@@ -146,4 +124,4 @@ class LensNet(nn.Module):
         mask = rearrange(wc.valid, "r w -> r 1 1 w")  # every query attends to valid keys only
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        return rms_norm(x)
+        return self.head(rms_norm(x)).squeeze(-1) * wc.valid

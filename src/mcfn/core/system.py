@@ -30,7 +30,6 @@ from mcfn.config import RunConfig
 from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.gate import gate_loss
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
 from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
@@ -71,7 +70,7 @@ class MegaContext(nn.Module):
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
         )
         self.lensnet = (
-            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout, gate=mc.lens.gated)
+            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout)
             if mc.lens.enabled
             else None
         )
@@ -197,28 +196,23 @@ def teacher_stage(
 
 
 @stage("lens_fwd")
-def lens_stage(system: MegaContext, wc: WorkingContext) -> tuple[Float[Tensor, "r w"], Float[Tensor, " r"] | None]:
-    """LensNet's scores of the working contexts and its gate's logits (``None`` without a gate), read as
-    :func:`refocus` reads them: up to the tail's first token."""
-    return system.lensnet.judge(seen_until(wc, tail_horizon(system.layout, wc.batch_size[0], wc.start.device)))
+def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to the tail's first token."""
+    return system.lensnet(seen_until(wc, tail_horizon(system.layout, wc.batch_size[0], wc.start.device)))
 
 
 @stage("lens_loss")
 def lens_loss_stage(
     system: MegaContext,
     scores: Tensor,
-    gate: Tensor | None,
     shown: Tensor,
     tails: Tensor,
     wc: WorkingContext,
     weights: LossWeights,
     mass: Tensor | None,
 ) -> StepOutput:
-    """The preference loss; with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target; with
-    a gate, its loss (:mod:`mcfn.core.gate`)."""
+    """The preference loss, and with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target."""
     out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_pair)
-    if gate is not None:  # a config constant: static under compile
-        out = out.merge(gate_loss(gate, tails, weights, system.alloc_variants))
     if mass is None:
         return out
     return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
@@ -269,8 +263,8 @@ def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise,
     wc, shown, tree = build_contexts(system, window, noise)
     tails, out, mass = language_model_terms(system, window, wc, weights)
     out = with_recon(system, out, tree, window, weights)
-    scores, gate = lens_stage(system, wc)
-    return out.merge(lens_loss_stage(system, scores, gate, shown, tails, wc, weights, mass))
+    scores = lens_stage(system, wc)
+    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 
 @torch.no_grad()

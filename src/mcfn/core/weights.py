@@ -23,7 +23,6 @@ class LossWeights:
     budget: Tensor  # its budget term
     pair: Tensor  # its pair-level Bradley–Terry term
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
-    gate: Tensor  # loss_gate, the gate's logistic loss against "this cut beat truncation"
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
     recon: Tensor  # loss_recon, every gist read back into its own tokens
@@ -37,7 +36,6 @@ class LossWeights:
             "budget": lens.budget_weight,
             "pair": lens.pair_weight,
             "temperature": lens.temperature,
-            "gate": lens.gate_weight,
             "attention": lens.attention_weight,
             "full": teacher.full_weight,
             "recon": mc.gist.recon_weight,

@@ -10,8 +10,7 @@
   previous context instead, it starts warm: that context with the tokens that arrived since at LOD0
   (:func:`carried_cut`), scored once by LensNet, shrunk back within budget by collapsing the
   lowest-scoring groups, and reallocated with the same scores, so one LensNet pass does what the four
-  passes from the coarsest cut do when little has changed. With LensNet's gate, a context the gate shuts is
-  replaced by truncation, the last ``budget`` tokens, as ``train.eval`` scores ``lens``.
+  passes from the coarsest cut do when little has changed.
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
 *phantom* tokens after the newest one. They sit in the tail, so no gist ever covers them, the budget is
@@ -31,7 +30,6 @@ from torch import Tensor
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.gate import gated
 from mcfn.core.system import MegaContext, refocus
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
@@ -217,8 +215,6 @@ def focused_context(
         cut = coarsest_cut(layout, window.device)[None, None]
     if system.lensnet is not None:
         cut = refocus(system, tree, window, cut, nodes, iterations=steps, horizon=horizon)
-        if system.lensnet.gate is not None:  # shut: the view's recency cut, the last budget real tokens
-            cut = gated(system.lensnet, tree, window, cut, nodes, horizon)[0]
     wc = assemble(tree, cut, window, nodes)[0]
     keep = wc.valid & (wc.start < view.real)
     m = int(keep.sum())

@@ -56,7 +56,7 @@ class Float32Muon(torch.optim.Muon):
 
 
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
-HEADS = ("lm_head.weight", "lensnet.head.weight", "lensnet.gate.weight")  # read-out rows: AdamW, unembedding rate
+HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
 GAINS = ("attn.gain",)  # one scalar per attention head: AdamW at the gain rate
 
 

@@ -45,8 +45,6 @@ def format_eval_table(report: dict) -> str:
                 f"| {row['W']} | " + " | ".join(cells) + f" | {retained} | {_cell(row.get('lens_rank_corr'))} |"
             )
         gains = [f"{name} {g['bpb']:+.4f} ± {g['se']:.4f}" for name in GAINS if (g := result.get(name))]
-        if "lens_gate_open" in result:
-            gains.append(f"the gate open on {result['lens_gate_open']:.2f} of the windows")
         if gains:
             lines += ["", f"At W={report['W']} (bpb, ± a bootstrap standard error): " + ", ".join(gains) + "."]
         if "longrange" in result:

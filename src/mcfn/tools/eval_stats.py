@@ -19,8 +19,7 @@ from mcfn.core.step import bits_per_byte
 @dataclass
 class Scores:
     """Per-window sums for one task at one budget, appended batch by batch: scored nats per condition,
-    scored bytes, whether every answer token was the argmax, the probes' depths, LensNet's rank pairs and whether
-    its gate was open."""
+    scored bytes, whether every answer token was the argmax, the probes' depths, and LensNet's rank pairs."""
 
     nats: dict[str, list[Tensor]] = field(default_factory=dict)
     correct: dict[str, list[Tensor]] = field(default_factory=dict)
@@ -28,7 +27,6 @@ class Scores:
     depth: list[Tensor] = field(default_factory=list)
     predicted: list[Tensor] = field(default_factory=list)
     measured: list[Tensor] = field(default_factory=list)
-    gate_open: list[Tensor] = field(default_factory=list)  # per window, 1 where LensNet's gate kept its cut
 
     def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
         self.nats.setdefault(name, []).append(nats.double().cpu())
@@ -86,12 +84,11 @@ def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str
 
 
 # Paired differences every sweep row reports: LensNet's gain over truncation and over the structured cut
-# ``recent``, what its gists are worth, and with a gate what the gate's choice is worth.
+# ``recent``, and what its gists are worth.
 GAINS = {
     "lens_gain": ("recency", "lens"),
     "lens_over_recent": ("recent", "lens"),
     "gist_worth": ("lens_nogist", "lens"),
-    "gate_gain": ("ungated", "lens"),
 }
 
 
@@ -110,8 +107,6 @@ def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
     }
     if task != "corpus":
         row["accuracy"] = {name: float(torch.cat(parts).mean()) for name, parts in scores.correct.items()}
-    if scores.gate_open:
-        row["lens_gate_open"] = float(torch.cat(scores.gate_open).mean())
     if scores.predicted:
         row["lens_rank_corr"] = spearman(torch.cat(scores.predicted), torch.cat(scores.measured))
     return row

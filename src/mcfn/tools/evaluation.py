@@ -10,10 +10,7 @@ under these conditions at the same budget ``W``:
 * ``random``: a random compressed working context (the mean over ``M`` of them);
 * ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
 * ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context (it may
-  leave blocks out, down to truncation); with LensNet's gate (``mc.lens.gate_weight``), the recency cut wherever
-  the gate, reading that context up to the horizon, is shut (:func:`mcfn.core.gate.gated`);
-* ``ungated``: with a gate, the same refocused contexts before it (what the gate chose between); the share of
-  windows whose gate was open is ``lens_gate_open``;
+  leave blocks out, down to truncation);
 * ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
 * ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
@@ -51,7 +48,6 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
-from mcfn.core.gate import gated
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
@@ -66,7 +62,7 @@ from mcfn.tools.attention import attention_scores
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
 from mcfn.typecheck import typechecked
 
-CONDITIONS = ("full", "recency", "recent", "random", "attn", "lens", "ungated", "lens_nogist", "oracle")
+CONDITIONS = ("full", "recency", "recent", "random", "attn", "lens", "lens_nogist", "oracle")
 LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
@@ -122,10 +118,9 @@ def budget_contexts(
     nodes: NodeTable,
     settings: EvalSettings,
     generator,
-) -> tuple[Tensor, dict[str, slice], Tensor | None]:
-    """The working contexts scored at one budget, ``[B, S, nodes]``, each condition's slots, and with a gate
-    whether it was open ``[B]``; ``attn`` and ``lens`` choose theirs from what lies up to ``horizon [B]``, the
-    position of the first scored prediction."""
+) -> tuple[Tensor, dict[str, slice]]:
+    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn`` and
+    ``lens`` choose theirs from what lies up to ``horizon [B]``, the position of the first scored prediction."""
     B, M, device = window.size(0), settings.random_contexts, window.device
     noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
     start = repeat(system.coarsest, "n -> b 1 n", b=B)
@@ -144,17 +139,13 @@ def budget_contexts(
             horizon=horizon,
         ),  # fmt: skip
     }
-    gate_open = None
     if system.lensnet is not None:
         parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus, horizon=horizon)
-        if system.lensnet.gate is not None:
-            parts["ungated"] = parts["lens"]
-            parts["lens"], gate_open = gated(system.lensnet, tree, window, parts["lens"], nodes, horizon)
     slots, at = {}, 0
     for name, cut in parts.items():
         slots[name] = slice(at, at + cut.size(1))
         at += cut.size(1)
-    return torch.cat(list(parts.values()), dim=1), slots, gate_open
+    return torch.cat(list(parts.values()), dim=1), slots
 
 
 @dataclass
@@ -165,14 +156,13 @@ class Predictions:
     hit: Tensor  # [B, S, H] bool: the argmax is the target
     slots: dict[str, slice]  # each condition's contexts among the S
     preference: Tensor | None  # [B, P]: LensNet's preference between every pair of the random contexts
-    gate_open: Tensor | None  # [B] bool: the gate let the lens context through (None: no gate)
 
 
 def predict_budget(
     system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, budget: int, settings: EvalSettings, generator
 ) -> Predictions:
     nodes = system.nodes.with_sizes(W=budget)
-    shown, slots, gate_open = budget_contexts(system, tree, window, horizon, nodes, settings, generator)
+    shown, slots = budget_contexts(system, tree, window, horizon, nodes, settings, generator)
     nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
     preference = None
     if system.lensnet is not None:
@@ -186,7 +176,7 @@ def predict_budget(
         i, j = pair_slots(random.size(1), B, random.device)
         seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
         preference = pair_margin(system.lensnet(seen), random, i, j, random_wc, nodes)
-    return Predictions(nll, hit, slots, preference, gate_open)
+    return Predictions(nll, hit, slots, preference)
 
 
 def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth) -> None:
@@ -197,7 +187,7 @@ def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, T
         out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
     nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
     correct = (pred.hit | ~mask[:, None]).all(-1)
-    for name in ("recency", "recent", "attn", "lens", "ungated", "lens_nogist"):
+    for name in ("recency", "recent", "attn", "lens", "lens_nogist"):
         if name in pred.slots:
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
@@ -206,8 +196,6 @@ def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, T
     out.add("oracle", random_nats.gather(1, best)[:, 0], random_correct.gather(1, best)[:, 0])
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
-    if pred.gate_open is not None:
-        out.gate_open.append(pred.gate_open.double().cpu())
     if pred.preference is not None:
         i, j = pair_slots(random_nats.size(1), random_nats.size(0), random_nats.device)
         out.predicted.append(pred.preference.flatten().cpu())
