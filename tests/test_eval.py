@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_mc import VOCAB, decisive, make_system
+from test_mc import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_report import format_eval_table
@@ -159,3 +159,25 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     assert run_main(["--profile", str(other), "--out", str(elsewhere), "--no-mc"]) == 0
     assert eval_main([*args, "--reference", str(elsewhere)]) == 2
     assert eval_main([*args, "--task", "needle"]) == 2
+
+
+def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():
+    """``lens_rank_corr``'s predicted preferences read each random context up to the horizon (I11), as the cuts
+    do: rewriting every later token changes the measured losses and no preference. Fails with ``seen_until``
+    taken out of the evaluation's pair margin."""
+    from mcfn.core.system import tree_stage
+    from mcfn.tools.evaluation import predict_budget
+
+    system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
+    window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(3))
+    horizon = torch.full((3,), T - H)
+    after = torch.arange(T + 1)[None] > horizon[:, None]
+    rewritten = torch.where(after, torch.randint(0, VOCAB, window.shape, generator=torch.Generator()), window)
+    settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",))
+    preds = []
+    for w in (window, rewritten):
+        generator = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            preds.append(predict_budget(system, tree_stage(system, w), w, horizon, W, settings, generator))
+    assert not torch.allclose(preds[0].nll, preds[1].nll), "the rewritten tail is scored differently"
+    torch.testing.assert_close(preds[0].preference, preds[1].preference)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mc import VOCAB, decisive, make_system
+from test_mc import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.core.step import compile_step
 from mcfn.core.system import history_tree
@@ -221,3 +221,36 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     assert "[generate] full:" in capsys.readouterr().err
     assert generate_main([*common, "--warm-steps", "-1"]) == 2
     assert generate_main([*common, "--refocus-every", "100000"]) == 2
+
+
+def test_I11_a_warm_refocus_reads_no_phantom():
+    """The warm pass reads the carried cut up to the newest real token (I11): rewriting the phantoms that round
+    the view up to a whole top-level block (their embeddings and ids) changes no cut. Fails with ``seen_until``
+    taken out of :func:`~mcfn.inference.streaming.warm_refocus`."""
+    from mcfn.core.nodes import NodeTable
+    from mcfn.core.tree import Tree
+    from mcfn.inference.streaming import carried_cut, stream_view, view_tree, warm_refocus
+
+    system = spread_lens(decisive_system(), seed=7)
+    budget = W - REFOCUS
+    g = torch.Generator().manual_seed(7)
+    for n in (3 * T + 5, 5 * T + 9, 7 * T + 2):
+        stream = random_stream(system, n)
+        previous = focused_context(system, stream, budget, steps=2)
+        stream.append(torch.randint(0, VOCAB, (3,), generator=g))
+        view = stream_view(len(stream), system.layout, budget)
+        tree, window = view_tree(stream, view)
+        nodes = NodeTable.of(view.layout, window.device)
+        phantom = torch.arange(view.layout.T) >= view.real
+        assert phantom.any(), "the case needs phantoms"
+        noisy_emb = tree.emb.clone()
+        noisy_emb[0, : view.layout.T][phantom] = torch.randn(int(phantom.sum()), tree.emb.size(-1), generator=g) * 5
+        noisy_window = window.clone()
+        noisy_window[0, view.real :] = torch.randint(0, VOCAB, (window.size(1) - view.real,), generator=g)
+        horizon = torch.tensor([view.real - 1])
+        carried = carried_cut(previous, view, nodes)
+        cuts = [
+            warm_refocus(system, t, w, carried, nodes, horizon)
+            for t, w in ((tree, window), (Tree(emb=noisy_emb, batch_size=[1]), noisy_window))
+        ]
+        assert cuts[0] is not None and torch.equal(cuts[0], cuts[1]), n

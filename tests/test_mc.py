@@ -70,6 +70,16 @@ def make_system(
     return system
 
 
+def spread_lens(system: MegaContext, seed: int) -> MegaContext:
+    """A LensNet with large random matrices: its scores spread, so that what it reads decides the cut (a test of
+    what it must not read then fails when it does)."""
+    with torch.no_grad():
+        for p in system.lensnet.parameters():
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, std=1.0, generator=torch.Generator().manual_seed(seed))
+    return system
+
+
 def decisive(system: MegaContext) -> MegaContext:
     """A random system whose predictions depend strongly on its context, with logits far apart (greedy
     choices and loss gaps then do not hinge on rounding)."""
