@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from test_mc import VOCAB, cases, contexts
+from test_mc import cases, contexts, rewritten_after
 
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.system import MegaContext, base_stage, refocus, tree_stage
@@ -84,10 +84,8 @@ def assert_chosen_before(shape: dict, batch: int, seed: int, horizon: torch.Tens
     nor the cuts that LensNet or the ``attn`` focus choose from the coarsest cut."""
     system, window, _ = contexts(shape, batch, seed)
     system = awake(system).eval()
-    T, H = shape["T"], shape["H"]
-    after = torch.arange(T + 1)[None] > horizon[:, None]
-    noise = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(1))
-    rewritten = torch.where(after, noise, window)
+    H = shape["H"]
+    rewritten = rewritten_after(window, horizon, seed=1)
     start = coarsest_cut(system.layout, torch.device("cpu"))[None, None].expand(batch, 1, -1)
     both = [(tree_stage(system, w), w) for w in (window, rewritten)]
     for name, scorer in {"lens": None, "attn": partial(attention_scores, system.base, H)}.items():

@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
-from test_mc import VOCAB, decisive, make_system, spread_lens
+from test_mc import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
+from mcfn.core.system import tree_stage
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_stats import retained_with_interval, spearman
-from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets, evaluate
+from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets, evaluate, predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 
@@ -165,14 +166,10 @@ def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():
     """``lens_rank_corr``'s predicted preferences read each random context up to the horizon (I11), as the cuts
     do: rewriting every later token changes the measured losses and no preference. Fails with ``seen_until``
     taken out of the evaluation's pair margin."""
-    from mcfn.core.system import tree_stage
-    from mcfn.tools.evaluation import predict_budget
-
     system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
     window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(3))
     horizon = torch.full((3,), T - H)
-    after = torch.arange(T + 1)[None] > horizon[:, None]
-    rewritten = torch.where(after, torch.randint(0, VOCAB, window.shape, generator=torch.Generator()), window)
+    rewritten = rewritten_after(window, horizon, seed=5)
     settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",))
     preds = []
     for w in (window, rewritten):

@@ -73,11 +73,19 @@ def make_system(
 def spread_lens(system: MegaContext, seed: int) -> MegaContext:
     """A LensNet with large random matrices: its scores spread, so that what it reads decides the cut (a test of
     what it must not read then fails when it does)."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in system.lensnet.parameters():
             if p.ndim == 2:
-                torch.nn.init.normal_(p, std=1.0, generator=torch.Generator().manual_seed(seed))
+                torch.nn.init.normal_(p, std=1.0, generator=g)
     return system
+
+
+def rewritten_after(window: torch.Tensor, horizon: torch.Tensor, seed: int) -> torch.Tensor:
+    """``window [B, T+1]`` with every token after ``horizon [B]`` replaced by a random one: what a cut chosen at
+    the horizon must not see (I11)."""
+    noise = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.where(torch.arange(window.size(1))[None] > horizon[:, None], noise, window)
 
 
 def decisive(system: MegaContext) -> MegaContext:
