@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
     p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, oracle)")
-    p.add_argument("--refocus", type=int, default=4, help="allocator iterations for the lens condition")
+    p.add_argument("--refocus", type=int, default=4, help="allocator steps for the attn and lens conditions")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--task",

@@ -26,13 +26,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["mc", "full"], default="mc")
     p.add_argument("--refocus-every", type=int, default=16, help="tokens decoded between refocuses (mc)")
     p.add_argument(
-        "--refocus-steps", type=int, default=4, help="LensNet passes of the first refocus, from the coarsest cut (mc)"
+        "--refocus-steps", type=int, default=4, help="allocator steps of the first refocus, from the coarsest cut (mc)"
     )
     p.add_argument(
         "--warm-steps",
         type=int,
         default=1,
-        help="LensNet passes of each later refocus, from the previous context; 0: every refocus from the coarsest cut",
+        help="allocator steps of each later refocus, from the previous context; 0: every refocus from the coarsest cut",
     )
     p.add_argument("--temperature", type=float, default=0.8, help="0 decodes greedily")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens; 0 for all")

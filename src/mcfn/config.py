@@ -176,7 +176,7 @@ class LensConfig:
 @dataclass(frozen=True)
 class AllocConfig:
     variants: int = 1  # of the N compressed variants, how many the allocator builds from LensNet scores
-    iterations: int = 1  # refocus steps per allocator-built variant (each one a LensNet forward)
+    iterations: int = 1  # allocator steps per allocator-built variant, each with its own exploration noise
     noise: float = 1.0  # std of the exploration noise added to LensNet scores for those variants
 
     def __post_init__(self) -> None:

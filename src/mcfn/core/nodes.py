@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from einops import rearrange
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.config import RunConfig, coarsest_cover_size
@@ -93,6 +93,12 @@ class Layout:
     @property
     def coarsest_cover(self) -> int:
         return coarsest_cover_size(self.T, self.K, self.L, self.H)
+
+    @property
+    def block_view_width(self) -> int:
+        """Entries of :attr:`NodeTable.block_view`: every eligible LOD1 gist and the tokens none of them covers."""
+        blocks = self.eligible_counts[1]
+        return blocks + self.T - blocks * self.K
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,26 @@ class NodeTable:
         parent_inside = inside.gather(-1, self.parent.clamp(min=0).expand_as(inside))
         largest = (self.lod == self.layout.L) | parent_inside
         return out & largest & self.droppable
+
+    @property
+    def block_view(self) -> Bool[Tensor, " nodes"]:
+        """The one view every node is scored from (:func:`mcfn.core.system.focus_scores`): each eligible LOD1 gist,
+        and as tokens the text no eligible LOD1 gist covers (the tail, and a stream's newest partial block)."""
+        blocks = (self.lod == 1) & self.eligible
+        return blocks | ((self.lod == 0) & ~self.covered_above(blocks))
+
+    def spread_block_scores(self, scores: Float[Tensor, "*rows nodes"]) -> Float[Tensor, "*rows nodes"]:
+        """Every node's score from the :attr:`block_view`'s: a token takes its eligible LOD1 block's (its own
+        where none covers it), a gist above LOD1 the best of its children's. A complete group then scores as its
+        parent at every level, so one set of scores ranks every expansion, collapse and drop the same way from
+        any cut, and repeated allocator steps settle instead of trading the same detail back and forth."""
+        K = self.layout.K
+        blocks = self.level(scores, 1)
+        covered = self.level(self.covered_above((self.lod == 1) & self.eligible), 0)
+        levels = [torch.where(covered, blocks.repeat_interleave(K, dim=-1), self.level(scores, 0)), blocks]
+        for _ in range(2, self.layout.L + 1):
+            levels.append(rearrange(levels[-1], "... (n k) -> ... n k", k=K).amax(-1))
+        return torch.cat(levels, dim=-1)
 
     def legal_expand(self, node: Int[Tensor, "*rows w"]) -> Tensor:
         """Per entry, whether it may be expanded: a gist (a token has no children)."""

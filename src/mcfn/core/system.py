@@ -98,6 +98,54 @@ def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor,
 
 
 @typechecked
+def focus_scores(
+    system: MegaContext,
+    tree: Tree,
+    window: Int[Tensor, "b t1"],
+    nodes: NodeTable,
+    horizon: Int[Tensor, " b"] | None = None,
+    scorer: Callable[[WorkingContext], Tensor] | None = None,
+) -> Float[Tensor, "b nodes"]:
+    """Every node's score ``[B, nodes]``, read once from one fixed view, the :attr:`NodeTable.block_view`
+    (every eligible LOD1 gist, the tail as tokens), up to ``horizon [B]`` (:func:`seen_until`; by default the
+    start of the tail, the first prediction the cut serves), and spread to every level
+    (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (LensNet by default).
+
+    Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
+    context of far gists asks for the recent text back and a context of recent text asks for the far gists,
+    and the refocus alternated between the two forever (LABLOG, 2026-11-25, seventh session)."""
+    scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
+    B = window.size(0)
+    horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
+    view = nodes.with_sizes(W=nodes.layout.block_view_width)
+    wc = assemble(tree, repeat(nodes.block_view, "n -> b 1 n", b=B), window, view)
+    with torch.no_grad():
+        scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
+    return nodes.spread_block_scores(scores)
+
+
+@typechecked
+def settle(
+    cut: Bool[Tensor, "b a nodes"],
+    scores: Float[Tensor, "b nodes"],
+    nodes: NodeTable,
+    steps: int,
+    explore: Float[Tensor, "b a i nodes"] | None = None,
+    noise: float = 0.0,
+) -> Bool[Tensor, "b a nodes"]:
+    """``steps`` allocator steps on ``A`` cuts per sample with fixed ``scores``, plus ``noise`` times the exploration
+    noise ``explore`` (then one step per ``i``). Without noise the cut stops changing within a few steps."""
+    B = cut.size(0)
+    steps = explore.size(2) if explore is not None else steps
+    rows = repeat(scores, "b n -> (b a) n", a=cut.size(1))
+    cut = rearrange(cut, "b a n -> (b a) n")
+    for step in range(steps):
+        noisy = rows if explore is None else rows + noise * rearrange(explore[:, :, step], "b a n -> (b a) n")
+        cut = allocate(cut, noisy, nodes)
+    return rearrange(cut, "(b a) n -> b a n", b=B)
+
+
+@typechecked
 def refocus(
     system: MegaContext,
     tree: Tree,
@@ -109,25 +157,11 @@ def refocus(
     scorer: Callable[[WorkingContext], Tensor] | None = None,
     horizon: Int[Tensor, " b"] | None = None,
 ) -> Bool[Tensor, "b a nodes"]:
-    """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: each iteration scores the current
-    context with ``scorer`` (LensNet by default; signed scores per entry ``[R, W]``), adds ``alloc_noise``
-    times the exploration noise ``explore [B, A, I, nodes]`` if given (then ``I`` iterations), and
-    reallocates. The scorer reads each context up to ``horizon [B]`` (:func:`seen_until`; by default the start
-    of the tail, the first prediction the cut serves). ``nodes`` may be another layout's (a streaming view)."""
-    scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
-    B, A = cut.shape[:2]
-    horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
-    seen = repeat(horizon, "b -> (b a)", a=A)
-    iterations = explore.size(2) if explore is not None else iterations
-    cut = rearrange(cut, "b a n -> (b a) n")
-    with torch.no_grad():
-        for it in range(iterations):
-            wc = assemble(tree, rearrange(cut, "(b a) n -> b a n", b=B), window, nodes)
-            scores = node_scores_of(scorer(seen_until(wc, seen)), wc.node, wc.valid, nodes.layout.n_nodes)
-            if explore is not None:
-                scores = scores + system.alloc_noise * rearrange(explore[:, :, it], "b a n -> (b a) n")
-            cut = allocate(cut, scores, nodes)
-    return rearrange(cut, "(b a) n -> b a n", b=B)
+    """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: :func:`focus_scores` once, then
+    ``iterations`` allocator steps (:func:`settle`, with ``alloc_noise`` times ``explore [B, A, I, nodes]`` if
+    given). ``nodes`` may be another layout's (a streaming view)."""
+    scores = focus_scores(system, tree, window, nodes, horizon, scorer)
+    return settle(cut, scores, nodes, iterations, explore, system.alloc_noise)
 
 
 @typechecked

@@ -6,10 +6,11 @@ decoded until the next refocus), run through the base model to fill a KV cache, 
 decoded one at a time against that cache; each new token also joins the tree, so its block's gists exist
 by the next refocus. Per-token cost is bounded by ``W`` however long the text gets.
 
-A refocus is cheap when little changed: the first starts from the coarsest cut (``refocus_steps``
-LensNet passes), every later one from the previous context (``warm_steps`` passes, one by default), and
-the cache keeps the entries before the first one the refocus changed: a cached entry's keys and values
-depend only on the entries before it, so only the rest runs through the model again.
+Every refocus scores the nodes with one LensNet pass. A refocus is cheap when little changed: the first
+starts from the coarsest cut (``refocus_steps`` allocator steps), every later one from the previous context
+(``warm_steps`` steps, one by default), and the cache keeps the entries before the first one the refocus
+changed: a cached entry's keys and values depend only on the entries before it, so only the rest runs
+through the model again.
 
 ``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
 

@@ -5,12 +5,12 @@
   gists are complete, and so on (one batched GistNet call per level per append).
 * :func:`focused_context` builds a working context over the whole history ``[0, n)`` (or its most recent
   part, once even the coarsest full cover would not fit): it lays the static training machinery over the
-  history, with the last ``H`` to ``H + K - 1`` tokens as the LOD0 tail, starts from the coarsest cut and
-  refocuses with LensNet and the allocator, the procedure ``train.eval`` scores as ``lens``. Given the
-  previous context instead, it starts warm: that context with the tokens that arrived since at LOD0
-  (:func:`carried_cut`), scored once by LensNet, shrunk back within budget by collapsing the
-  lowest-scoring groups, and reallocated with the same scores, so one LensNet pass does what the four
-  passes from the coarsest cut do when little has changed.
+  history, with the last ``H`` to ``H + K - 1`` tokens as the LOD0 tail, scores every node once with LensNet
+  (:func:`~mcfn.core.system.focus_scores`), starts from the coarsest cut and settles it with the allocator,
+  the procedure ``train.eval`` scores as ``lens``. Given the previous context instead, it starts warm: that
+  context with the tokens that arrived since at LOD0 (:func:`carried_cut`), shrunk back within budget by
+  collapsing the lowest-scoring groups and reallocated with the same scores, so that a refocus where little
+  has changed keeps most of the previous context (and the cache behind it).
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
 *phantom* tokens after the newest one. They sit in the tail, so no gist ever covers them, the budget is
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.core.allocator import allocate, node_scores_of, shrink
-from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.allocator import allocate, shrink
+from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import MegaContext, refocus
+from mcfn.core.system import MegaContext, focus_scores, settle
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
 from mcfn.typecheck import typechecked
@@ -168,22 +168,13 @@ def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) ->
 
 @typechecked
 def warm_refocus(
-    system: MegaContext,
-    tree: Tree,
-    window: Int[Tensor, "1 t1"],
-    cut: Bool[Tensor, "1 1 nodes"],
-    nodes: NodeTable,
-    horizon: Int[Tensor, " 1"],
+    cut: Bool[Tensor, "1 1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
 ) -> Bool[Tensor, "1 1 nodes"] | None:
-    """One LensNet pass over a carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens), reading it up to
-    ``horizon`` (the last real token), then :func:`~mcfn.core.allocator.shrink` (repeated while each call still
-    frees room) and :func:`~mcfn.core.allocator.allocate` with the same scores; ``None`` if it cannot get within
-    budget."""
+    """A carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens) brought within budget by
+    :func:`~mcfn.core.allocator.shrink` (repeated while each call still frees room), then one
+    :func:`~mcfn.core.allocator.allocate` step, both with the view's ``scores``; ``None`` if it cannot get
+    within budget."""
     shown, size = cut[0], int(cut.sum())
-    wide = nodes.with_sizes(W=max(size, nodes.layout.W))  # room to assemble the grown cut
-    wc = assemble(tree, cut, window, wide)
-    seen = seen_until(wc, horizon)
-    scores = node_scores_of(system.lensnet(seen, layout=wide.layout), wc.node, wc.valid, wide.layout.n_nodes)
     while size > nodes.layout.W:
         shown = shrink(shown, scores, nodes)
         size, before = int(shown.sum()), size
@@ -196,8 +187,8 @@ def warm_refocus(
 def focused_context(
     system: MegaContext, stream: StreamingTree, budget: int, steps: int, previous: WorkingContext | None = None
 ) -> WorkingContext:
-    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history, refocused
-    ``steps`` times from the coarsest cut, or with ``previous`` (this function's last answer for a shorter
+    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history, ``steps``
+    allocator steps from the coarsest cut, or with ``previous`` (this function's last answer for a shorter
     history) from that context: a warm start, whose first step is :func:`warm_refocus`. Positions and starts
     are absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
@@ -206,15 +197,16 @@ def focused_context(
     nodes = NodeTable.of(layout, window.device)
     horizon = torch.tensor([view.real - 1], device=window.device)  # LensNet reads every real token, no phantom
     cut = None
-    if system.lensnet is not None and previous is not None:
+    scores = None if system.lensnet is None else focus_scores(system, tree, window, nodes, horizon)
+    if scores is not None and previous is not None:
         carried = carried_cut(previous, view, nodes)
-        cut = None if carried is None else warm_refocus(system, tree, window, carried, nodes, horizon)
+        cut = None if carried is None else warm_refocus(carried, scores, nodes)
         if cut is not None:
-            steps -= 1  # the warm pass was the first step
+            steps -= 1  # the warm step was the first step
     if cut is None:
         cut = coarsest_cut(layout, window.device)[None, None]
-    if system.lensnet is not None:
-        cut = refocus(system, tree, window, cut, nodes, iterations=steps, horizon=horizon)
+    if scores is not None:
+        cut = settle(cut, scores, nodes, steps)
     wc = assemble(tree, cut, window, nodes)[0]
     keep = wc.valid & (wc.start < view.real)
     m = int(keep.sum())

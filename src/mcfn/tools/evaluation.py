@@ -9,8 +9,8 @@ under these conditions at the same budget ``W``:
   (:func:`mcfn.core.variants.recent_cut`): the bar a learned focus must clear on natural text;
 * ``random``: a random compressed working context (the mean over ``M`` of them);
 * ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
-* ``lens``: LensNet and the allocator, refocused a few times from the coarsest full-coverage context (it may
-  leave blocks out, down to truncation);
+* ``lens``: LensNet's scores, read once from the block view (I12), and a few allocator steps from the
+  coarsest full-coverage context (it may leave blocks out, down to truncation);
 * ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
 * ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
@@ -70,7 +70,7 @@ LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context be
 class EvalSettings:
     budgets: tuple[int, ...]  # W per sweep row; the first is the headline
     random_contexts: int = 8  # M: random compressed contexts per window (random and oracle)
-    refocus: int = 4  # allocator iterations for the attn and lens conditions
+    refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
 
