@@ -234,8 +234,8 @@ class NodeTable:
         any cut, and repeated allocator steps settle instead of trading the same detail back and forth."""
         K = self.layout.K
         blocks = self.level(scores, 1)
-        covered = self.level(self.covered_above((self.lod == 1) & self.eligible), 0)
-        levels = [torch.where(covered, blocks.repeat_interleave(K, dim=-1), self.level(scores, 0)), blocks]
+        in_view = self.level(self.block_view, 0)  # tokens no eligible LOD1 gist covers keep their own score
+        levels = [torch.where(in_view, self.level(scores, 0), blocks.repeat_interleave(K, dim=-1)), blocks]
         for _ in range(2, self.layout.L + 1):
             levels.append(rearrange(levels[-1], "... (n k) -> ... n k", k=K).amax(-1))
         return torch.cat(levels, dim=-1)
