@@ -16,7 +16,6 @@ def test_lens_weights_map_each_setting_to_its_term():
         pair_weight=7.0,
         temperature=13.0,
         attention_weight=17.0,
-        view_weight=23.0,
     )
     teacher = TeacherConfig(full_weight=19.0)
     mc = MCConfig(lens=lens, teacher=teacher, gist=GistConfig(recon_weight=29.0))
@@ -28,7 +27,6 @@ def test_lens_weights_map_each_setting_to_its_term():
         "pair": 7.0,
         "temperature": 13.0,
         "attention": 17.0,
-        "view": 23.0,
         "full": 19.0,
         "recon": 29.0,
     }

@@ -161,16 +161,13 @@ class LensConfig:
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
-    # LensNet's preference (and, with attention_weight, attention) terms also on the block view every refocus
-    # reads its scores from (mcfn.core.view); 0: off, LensNet learns on the variants' entries only.
-    view_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("weight", "pref_weight", "budget_weight", "pair_weight", "attention_weight", "view_weight"):
+        for name in ("weight", "pref_weight", "budget_weight", "pair_weight", "attention_weight"):
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
         _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
         _require(self.every >= 1, "mc.lens.every", "must be >= 1")

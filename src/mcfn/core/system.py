@@ -43,7 +43,6 @@ from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses
 from mcfn.core.tree import Tree, block_hidden, build_tree
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
-from mcfn.core.view import view_blocks, view_losses
 from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
 
@@ -80,7 +79,6 @@ class MegaContext(nn.Module):
         self.use_teacher = mc.teacher.enabled
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         self.use_pair = mc.lens.enabled and mc.lens.pair_weight > 0
-        self.use_view = mc.lens.enabled and mc.lens.view_weight > 0
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -116,27 +114,14 @@ def focus_scores(
     Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
     context of far gists asks for the recent text back and a context of recent text asks for the far gists,
     and the refocus alternated between the two forever (LABLOG, 2026-11-25, seventh session)."""
-    with torch.no_grad():
-        return nodes.spread_block_scores(view_scores(system, tree, window, nodes, horizon, scorer))
-
-
-@typechecked
-def view_scores(
-    system: MegaContext,
-    tree: Tree,
-    window: Int[Tensor, "b t1"],
-    nodes: NodeTable,
-    horizon: Int[Tensor, " b"] | None = None,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
-) -> Float[Tensor, "b nodes"]:
-    """The scores of the block view's nodes ``[B, nodes]`` (0 elsewhere), read up to ``horizon``: what
-    :func:`focus_scores` spreads, and what LensNet's view terms train (:mod:`mcfn.core.view`)."""
     scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
     B = window.size(0)
     horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
     view = nodes.with_sizes(W=nodes.layout.block_view_width)
     wc = assemble(tree, repeat(nodes.block_view, "n -> b 1 n", b=B), window, view)
-    return node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
+    with torch.no_grad():
+        scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
+    return nodes.spread_block_scores(scores)
 
 
 @typechecked
@@ -267,21 +252,6 @@ def lens_loss_stage(
     return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
 
 
-@stage("lens_view")
-def lens_view_stage(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    shown: Tensor,
-    tails: Tensor,
-    mass: Tensor | None,
-    weights: LossWeights,
-) -> StepOutput:
-    """LensNet's terms on the block view it is read from (:mod:`mcfn.core.view`), scored with gradient."""
-    blocks = view_blocks(view_scores(system, tree, window, system.nodes), system.nodes)
-    return view_losses(blocks, shown, tails, mass, system.nodes, weights)
-
-
 @stage("recon")
 def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
     """``loss_recon`` (:mod:`mcfn.core.reconstruction`); the step calls it only when ``mc.gist.recon_weight`` > 0."""
@@ -328,10 +298,7 @@ def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise,
     tails, out, mass = language_model_terms(system, window, wc, weights)
     out = with_recon(system, out, tree, window, weights)
     scores = lens_stage(system, wc)
-    out = out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
-    if not system.use_view:  # a config constant: static under compile
-        return out
-    return out.merge(lens_view_stage(system, tree, window, shown, tails, mass, weights))
+    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ class LossWeights:
     pair: Tensor  # its pair-level Bradley–Terry term
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
-    view: Tensor  # loss_view_pref and loss_view_attn: LensNet's terms on the block view it is read from
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
     recon: Tensor  # loss_recon, every gist read back into its own tokens
 
@@ -38,7 +37,6 @@ class LossWeights:
             "pair": lens.pair_weight,
             "temperature": lens.temperature,
             "attention": lens.attention_weight,
-            "view": lens.view_weight,
             "full": teacher.full_weight,
             "recon": mc.gist.recon_weight,
         }
