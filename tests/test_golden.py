@@ -21,6 +21,11 @@ from train.run import main
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_mc_losses.json"
 KEYS = ("train/loss", "train/loss_lm", "train/loss_lens", "train/grad_norm")
+# Relative tolerance per key: float rounding only. LensNet's loss is the one ill-conditioned number: a function
+# of score and loss differences between near-identical variants, it moved by up to 1e-3 (relative) between two
+# CPUs of the CI's kind with the same code, where loss_lm stayed bit-identical (LABLOG, ninth session). A
+# wiring change moves it by far more.
+REL = {"train/loss_lens": 2e-3}
 STEPS = 10
 
 
@@ -35,4 +40,4 @@ def test_first_ten_steps_match_the_golden_losses(tmp_path, text_dir):
     golden = json.loads(GOLDEN.read_text())
     for key in KEYS:
         # Float tolerance only: thread counts change the order of CPU reductions, nothing else may move.
-        assert losses[key] == pytest.approx(golden[key], rel=2e-4, abs=1e-5), key
+        assert losses[key] == pytest.approx(golden[key], rel=REL.get(key, 2e-4), abs=1e-5), key
