@@ -20,9 +20,9 @@ from mcfn.inference.streaming import (
     StreamingTree,
     carried_cut,
     focused_context,
+    shrink_to_budget,
     stream_view,
     view_tree,
-    warm_refocus,
 )
 
 T, K, L, W, H = 64, 4, 2, 32, 8
@@ -257,5 +257,5 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
         ]
         assert torch.equal(scores[0], scores[1]), n
         carried = carried_cut(previous, view, nodes)
-        cuts = [warm_refocus(carried, s, nodes) for s in scores]
+        cuts = [shrink_to_budget(carried, s, nodes) for s in scores]
         assert cuts[0] is not None and torch.equal(cuts[0], cuts[1]), n

@@ -9,8 +9,8 @@
   (:func:`~mcfn.core.system.focus_scores`), starts from the coarsest cut and settles it with the allocator,
   the procedure ``train.eval`` scores as ``lens``. Given the previous context instead, it starts warm: that
   context with the tokens that arrived since at LOD0 (:func:`carried_cut`), shrunk back within budget by
-  collapsing the lowest-scoring groups and reallocated with the same scores, so that a refocus where little
-  has changed keeps most of the previous context (and the cache behind it).
+  collapsing the lowest-scoring groups (:func:`shrink_to_budget`) and settled with the same scores, so that a
+  refocus where little has changed keeps most of the previous context (and the cache behind it).
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
 *phantom* tokens after the newest one. They sit in the tail, so no gist ever covers them, the budget is
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.core.allocator import allocate, shrink
+from mcfn.core.allocator import shrink
 from mcfn.core.context import WorkingContext, assemble
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.system import MegaContext, focus_scores, settle
@@ -167,20 +167,19 @@ def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) ->
 
 
 @typechecked
-def warm_refocus(
+def shrink_to_budget(
     cut: Bool[Tensor, "1 1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
 ) -> Bool[Tensor, "1 1 nodes"] | None:
     """A carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens) brought within budget by
-    :func:`~mcfn.core.allocator.shrink` (repeated while each call still frees room), then one
-    :func:`~mcfn.core.allocator.allocate` step, both with the view's ``scores``; ``None`` if it cannot get
-    within budget."""
+    :func:`~mcfn.core.allocator.shrink` with the view's ``scores``, repeated while each call still frees room;
+    ``None`` if it cannot get within budget."""
     shown, size = cut[0], int(cut.sum())
     while size > nodes.layout.W:
         shown = shrink(shown, scores, nodes)
         size, before = int(shown.sum()), size
         if size == before:
             return None
-    return allocate(shown, scores, nodes)[None]
+    return shown[None]
 
 
 @torch.no_grad()
@@ -189,8 +188,8 @@ def focused_context(
 ) -> WorkingContext:
     """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history, ``steps``
     allocator steps from the coarsest cut, or with ``previous`` (this function's last answer for a shorter
-    history) from that context: a warm start, whose first step is :func:`warm_refocus`. Positions and starts
-    are absolute token positions."""
+    history) from that context brought within budget (:func:`shrink_to_budget`): a warm start. Positions and
+    starts are absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
     layout = view.layout
     tree, window = view_tree(stream, view)
@@ -200,9 +199,7 @@ def focused_context(
     scores = None if system.lensnet is None else focus_scores(system, tree, window, nodes, horizon)
     if scores is not None and previous is not None:
         carried = carried_cut(previous, view, nodes)
-        cut = None if carried is None else warm_refocus(carried, scores, nodes)
-        if cut is not None:
-            steps -= 1  # the warm step was the first step
+        cut = None if carried is None else shrink_to_budget(carried, scores, nodes)
     if cut is None:
         cut = coarsest_cut(layout, window.device)[None, None]
     if scores is not None:
