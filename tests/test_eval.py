@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,10 +11,19 @@ import torch
 from test_mc import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.system import tree_stage
+from mcfn.core.tree import Tree
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_stats import retained_with_interval, spearman
-from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets, evaluate, predict_budget
+from mcfn.tools.evaluation import (
+    CONDITIONS,
+    EvalSettings,
+    context_predictions,
+    default_budgets,
+    evaluate,
+    focus_contexts,
+    predict_budget,
+)
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 
@@ -105,6 +115,8 @@ def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
     assert "| 16 |" in capsys.readouterr().out
     assert eval_main(["--ckpt", str(tmp_path / "nowhere")]) == 2
     assert eval_main(["--ckpt", str(run), "--budgets", "3"]) == 2
+    assert eval_main(["--ckpt", str(run), "--refocus-every", "0"]) == 2
+    assert eval_main(["--ckpt", str(run), "--refocus-every", "100000"]) == 2  # not inside the tail
 
 
 def test_attention_mass_is_the_models_attention_from_the_queries():
@@ -178,3 +190,34 @@ def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():
             preds.append(predict_budget(system, tree_stage(system, w), w, horizon, W, settings, generator))
     assert not torch.allclose(preds[0].nll, preds[1].nll), "the rewritten tail is scored differently"
     torch.testing.assert_close(preds[0].preference, preds[1].preference)
+
+
+def test_refocus_in_tail_scores_each_chunk_from_the_cut_chosen_at_its_start():
+    """``refocus_every = R``: the tail predictions ``[cR, (c + 1)R)`` of ``attn``, ``lens`` and ``lens_nogist`` are
+    those of the cut refocused at horizon ``T - H + cR`` (``lens_nogist`` read with every gist zeroed); every other
+    condition and the first chunk are the protocol's. Fails with a chunk's columns or its horizon off by a chunk."""
+    system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
+    window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(3))
+    horizon, R = torch.full((3,), T - H), 2
+    one_cut = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",))
+    chunked = dataclasses.replace(one_cut, refocus_every=R)
+    tree, nodes = tree_stage(system, window), system.nodes.with_sizes(W=W)
+    with torch.no_grad():
+        one, many = (predict_budget(system, tree, window, horizon, W, s, torch.Generator().manual_seed(4))
+                     for s in (one_cut, chunked))  # fmt: skip
+        torch.testing.assert_close(many.nll[..., :R], one.nll[..., :R])
+        for name, columns in one.slots.items():
+            if name not in ("attn", "lens", "lens_nogist"):
+                torch.testing.assert_close(many.nll[:, columns], one.nll[:, columns])
+        nogist = Tree(emb=tree.emb * (nodes.lod == 0)[None, :, None], batch_size=tree.batch_size)
+        first_cuts, moved = focus_contexts(system, tree, window, horizon, nodes, chunked), 0
+        for first in range(0, H, R):
+            cuts = focus_contexts(system, tree, window, horizon + first, nodes, chunked)
+            moved += sum(not torch.equal(cuts[n], first_cuts[n]) for n in cuts)
+            chunk = slice(first, first + R)
+            lens = cuts["lens"]
+            readers = (("attn", tree, cuts["attn"]), ("lens", tree, lens), ("lens_nogist", nogist, lens))
+            for name, read, cut in readers:
+                nll = context_predictions(system, read, cut, window, nodes)[0]
+                torch.testing.assert_close(many.nll[:, many.slots[name], chunk], nll[..., chunk])
+    assert moved >= 2, "the test needs cuts that move as the horizon does"

@@ -27,6 +27,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
     p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, oracle)")
     p.add_argument("--refocus", type=int, default=4, help="allocator steps for the attn and lens conditions")
+    p.add_argument(
+        "--refocus-every",
+        type=int,
+        help="attn and lens refocus every N tail tokens, as generation does (default: one cut for the whole tail)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--task",
@@ -50,6 +55,7 @@ def run(args: argparse.Namespace) -> None:
         budgets=args.budgets,
         random_contexts=args.random_contexts,
         refocus=args.refocus,
+        refocus_every=args.refocus_every,
         device=args.device,
         tasks=args.tasks,
         reference=args.reference,

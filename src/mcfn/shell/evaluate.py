@@ -63,6 +63,7 @@ def evaluate_checkpoint(
     budgets: str | None = None,
     random_contexts: int = 8,
     refocus: int = 4,
+    refocus_every: int | None = None,
     device: str = "auto",
     tasks: list[str] | None = None,
     reference: Path | None = None,
@@ -77,6 +78,8 @@ def evaluate_checkpoint(
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
     cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
+    if refocus_every is not None and not 1 <= refocus_every < layout.H:
+        raise UserError(f"--refocus-every must lie in [1, {layout.H}) (the scored tail), or be left out (one cut)")
     for name in tasks or ():  # a task asked for by name must fit; the default set skips what does not
         if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
             raise UserError(f"--task {name}: {reason}")
@@ -86,7 +89,9 @@ def evaluate_checkpoint(
     if n_batches < 1:
         raise UserError("--batches must be >= 1")
     windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
-    settings = EvalSettings(parse_budgets(budgets, layout), random_contexts, refocus, chosen)
+    settings = EvalSettings(
+        parse_budgets(budgets, layout), random_contexts, refocus, chosen, refocus_every=refocus_every
+    )
     report = evaluate(trained.model, windows, trained.token_bytes, tok, settings, plain)
     report["checkpoint_step"] = trained.step
     report["data"] = data or f"{cfg.data.source} (validation split)"

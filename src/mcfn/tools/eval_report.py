@@ -25,6 +25,8 @@ def format_eval_table(report: dict) -> str:
         f"Held-out evaluation, T={report['T']}, scored on the last H={report['H']} targets: {report['n_windows']} "
         f"windows for corpus, {report['n_windows_per_probe']} for each probe."
     ]
+    if report.get("refocus_every") is not None:
+        lines[0] += f" attn and lens refocus every {report['refocus_every']} tail tokens (not the protocol's one cut)."
     for task, result in report["tasks"].items():
         if "skipped" in result:
             lines += ["", f"**{task}**: not scored: {result['skipped']}."]

@@ -20,6 +20,11 @@ under these conditions at the same budget ``W``:
 prediction's position: the tail's first token on ``corpus``, the token before the answer on a probe. The cut
 never depends on the tokens it is scored on.
 
+That is one cut for all ``H`` tail predictions, the protocol every reported figure uses. With ``refocus_every = R``
+(``train.eval --refocus-every R``, a measurement, not the protocol) ``attn`` and ``lens`` refocus every ``R`` tail
+tokens as generation does: the predictions ``[cR, (c + 1)R)`` come from a cut chosen at horizon ``T - H + cR``.
+Which far text the tail will copy is mostly not legible from before it (LABLOG, tenth session).
+
 What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
 tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**: tail
 tokens that ``full`` predicts better than ``recency`` at the run's ``W`` by more than ``LONG_RANGE_MARGIN``
@@ -73,6 +78,9 @@ class EvalSettings:
     refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
+    # Tail predictions per cut of the horizon-reading conditions (attn, lens): None, one cut for the whole tail (the
+    # protocol); R < H, a refocus every R tail tokens, as generation refocuses every ``refocus_every`` tokens.
+    refocus_every: int | None = None
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -123,29 +131,34 @@ def budget_contexts(
     ``lens`` choose theirs from what lies up to ``horizon [B]``, the position of the first scored prediction."""
     B, M, device = window.size(0), settings.random_contexts, window.device
     noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
-    start = repeat(system.coarsest, "n -> b 1 n", b=B)
     parts = {
         "recency": recency_cut(nodes.layout, B, device),
         "recent": repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B),
         "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
-        "attn": refocus(
-            system,
-            tree,
-            window,
-            start,
-            nodes,
-            iterations=settings.refocus,
-            scorer=partial(attention_scores, system.base, nodes.layout.H),
-            horizon=horizon,
-        ),  # fmt: skip
+        **focus_contexts(system, tree, window, horizon, nodes, settings),
     }
-    if system.lensnet is not None:
-        parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus, horizon=horizon)
     slots, at = {}, 0
     for name, cut in parts.items():
         slots[name] = slice(at, at + cut.size(1))
         at += cut.size(1)
     return torch.cat(list(parts.values()), dim=1), slots
+
+
+def focus_contexts(
+    system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, nodes: NodeTable, settings: EvalSettings
+) -> dict[str, Tensor]:
+    """The cuts ``[B, 1, nodes]`` that read the window up to ``horizon [B]``: ``attn``, and ``lens`` with a LensNet;
+    each refocused from the coarsest cut."""
+    start = repeat(system.coarsest, "n -> b 1 n", b=window.size(0))
+    attention = partial(attention_scores, system.base, nodes.layout.H)
+    parts = {
+        "attn": refocus(
+            system, tree, window, start, nodes, iterations=settings.refocus, scorer=attention, horizon=horizon
+        )
+    }
+    if system.lensnet is not None:
+        parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus, horizon=horizon)
+    return parts
 
 
 @dataclass
@@ -158,15 +171,40 @@ class Predictions:
     preference: Tensor | None  # [B, P]: LensNet's preference between every pair of the random contexts
 
 
+def refocus_in_tail(
+    system: MegaContext,
+    tree: Tree,
+    nogist: Tree,
+    window: Tensor,
+    horizon: Tensor,
+    nodes: NodeTable,
+    settings: EvalSettings,
+    pred: Predictions,
+) -> None:
+    """With ``settings.refocus_every = R``: the tail's predictions ``[cR, (c + 1)R)`` of ``attn`` and ``lens`` (and
+    ``lens_nogist``: the ``lens`` cut read from ``nogist``, every gist zeroed) come from the cuts chosen at horizon
+    ``T - H + cR`` (never before ``horizon``), for every chunk ``c ≥ 1``; ``pred`` holds chunk 0's. In place."""
+    layout, R = nodes.layout, settings.refocus_every
+    for first in range(R, layout.H, R):
+        at = horizon.clamp(min=layout.T - layout.H + first)
+        columns = slice(first, first + R)
+        for name, cut in focus_contexts(system, tree, window, at, nodes, settings).items():
+            readers = {name: tree, "lens_nogist": nogist} if name == "lens" else {name: tree}
+            for slot, read in readers.items():
+                nll, hit, _ = context_predictions(system, read, cut, window, nodes)
+                pred.nll[:, pred.slots[slot], columns] = nll[..., columns]
+                pred.hit[:, pred.slots[slot], columns] = hit[..., columns]
+
+
 def predict_budget(
     system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, budget: int, settings: EvalSettings, generator
 ) -> Predictions:
     nodes = system.nodes.with_sizes(W=budget)
     shown, slots = budget_contexts(system, tree, window, horizon, nodes, settings, generator)
     nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
+    nogist = Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
     preference = None
     if system.lensnet is not None:
-        nogist = Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
         ablated = context_predictions(system, nogist, shown[:, slots["lens"]], window, nodes)
         slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
         nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
@@ -176,7 +214,10 @@ def predict_budget(
         i, j = pair_slots(random.size(1), B, random.device)
         seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
         preference = pair_margin(system.lensnet(seen), random, i, j, random_wc, nodes)
-    return Predictions(nll, hit, slots, preference)
+    pred = Predictions(nll, hit, slots, preference)
+    if settings.refocus_every is not None:
+        refocus_in_tail(system, tree, nogist, window, horizon, nodes, settings, pred)
+    return pred
 
 
 def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth) -> None:
@@ -322,5 +363,6 @@ def evaluate(
         "n_windows_per_probe": sum(b.size(0) for b in windows[: settings.probe_batches]),
         "random_contexts": settings.random_contexts,
         "refocus": settings.refocus,
+        "refocus_every": settings.refocus_every,
         "tasks": tasks,
     }
