@@ -11,7 +11,6 @@ import torch
 from test_mc import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.system import tree_stage
-from mcfn.core.tree import Tree
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_stats import retained_with_interval, spearman
@@ -22,6 +21,7 @@ from mcfn.tools.evaluation import (
     default_budgets,
     evaluate,
     focus_contexts,
+    gists_zeroed,
     predict_budget,
 )
 
@@ -209,7 +209,7 @@ def test_refocus_in_tail_scores_each_chunk_from_the_cut_chosen_at_its_start():
         for name, columns in one.slots.items():
             if name not in ("attn", "lens", "lens_nogist"):
                 torch.testing.assert_close(many.nll[:, columns], one.nll[:, columns])
-        nogist = Tree(emb=tree.emb * (nodes.lod == 0)[None, :, None], batch_size=tree.batch_size)
+        nogist = gists_zeroed(tree, nodes)
         first_cuts, moved = focus_contexts(system, tree, window, horizon, nodes, chunked), 0
         for first in range(0, H, R):
             cuts = focus_contexts(system, tree, window, horizon + first, nodes, chunked)

@@ -171,10 +171,14 @@ class Predictions:
     preference: Tensor | None  # [B, P]: LensNet's preference between every pair of the random contexts
 
 
+def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:
+    """``tree`` with every gist's embedding zeroed (tokens kept): what ``lens_nogist`` reads."""
+    return Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
+
+
 def refocus_in_tail(
     system: MegaContext,
     tree: Tree,
-    nogist: Tree,
     window: Tensor,
     horizon: Tensor,
     nodes: NodeTable,
@@ -182,18 +186,22 @@ def refocus_in_tail(
     pred: Predictions,
 ) -> None:
     """With ``settings.refocus_every = R``: the tail's predictions ``[cR, (c + 1)R)`` of ``attn`` and ``lens`` (and
-    ``lens_nogist``: the ``lens`` cut read from ``nogist``, every gist zeroed) come from the cuts chosen at horizon
+    ``lens_nogist``: the ``lens`` cut read with every gist zeroed) come from the cuts chosen at horizon
     ``T - H + cR`` (never before ``horizon``), for every chunk ``c ≥ 1``; ``pred`` holds chunk 0's. In place."""
     layout, R = nodes.layout, settings.refocus_every
+    nogist = gists_zeroed(tree, nodes) if system.lensnet is not None else None
     for first in range(R, layout.H, R):
         at = horizon.clamp(min=layout.T - layout.H + first)
         columns = slice(first, first + R)
-        for name, cut in focus_contexts(system, tree, window, at, nodes, settings).items():
-            readers = {name: tree, "lens_nogist": nogist} if name == "lens" else {name: tree}
-            for slot, read in readers.items():
-                nll, hit, _ = context_predictions(system, read, cut, window, nodes)
-                pred.nll[:, pred.slots[slot], columns] = nll[..., columns]
-                pred.hit[:, pred.slots[slot], columns] = hit[..., columns]
+        cuts = focus_contexts(system, tree, window, at, nodes, settings)
+        nll, hit, _ = context_predictions(system, tree, torch.cat(list(cuts.values()), dim=1), window, nodes)
+        chunk = {name: (nll[:, i], hit[:, i]) for i, name in enumerate(cuts)}
+        if nogist is not None:
+            ablated = context_predictions(system, nogist, cuts["lens"], window, nodes)
+            chunk["lens_nogist"] = (ablated[0][:, 0], ablated[1][:, 0])
+        for name, (chunk_nll, chunk_hit) in chunk.items():
+            pred.nll[:, pred.slots[name].start, columns] = chunk_nll[:, columns]
+            pred.hit[:, pred.slots[name].start, columns] = chunk_hit[:, columns]
 
 
 def predict_budget(
@@ -202,10 +210,9 @@ def predict_budget(
     nodes = system.nodes.with_sizes(W=budget)
     shown, slots = budget_contexts(system, tree, window, horizon, nodes, settings, generator)
     nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
-    nogist = Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
     preference = None
     if system.lensnet is not None:
-        ablated = context_predictions(system, nogist, shown[:, slots["lens"]], window, nodes)
+        ablated = context_predictions(system, gists_zeroed(tree, nodes), shown[:, slots["lens"]], window, nodes)
         slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
         nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
         B, S = shown.shape[:2]
@@ -216,7 +223,7 @@ def predict_budget(
         preference = pair_margin(system.lensnet(seen), random, i, j, random_wc, nodes)
     pred = Predictions(nll, hit, slots, preference)
     if settings.refocus_every is not None:
-        refocus_in_tail(system, tree, nogist, window, horizon, nodes, settings, pred)
+        refocus_in_tail(system, tree, window, horizon, nodes, settings, pred)
     return pred
 
 
