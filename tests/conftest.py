@@ -99,7 +99,7 @@ def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
             "ckpt_every": 10,
             "wandb": "disabled",
         },
-        "mc": {"block_size": 4, "lod_max": 2, "budget": 16, "tail": 8, "variants": 2},
+        "mc": {"block_size": 4, "lod_max": 2, "budget": 16, "tail": 8, "variants": 2, "refocus_every": 2},
     }
     for section, values in extra.items():
         sections[section].update(values)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -14,16 +13,8 @@ from mcfn.core.system import tree_stage
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_stats import retained_with_interval, spearman
-from mcfn.tools.evaluation import (
-    CONDITIONS,
-    EvalSettings,
-    context_predictions,
-    default_budgets,
-    evaluate,
-    focus_contexts,
-    gists_zeroed,
-    predict_budget,
-)
+from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets, evaluate
+from mcfn.tools.one_cut import predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 
@@ -55,29 +46,32 @@ def report():
     system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
-    settings = EvalSettings(budgets=(W, T), random_contexts=4, refocus=2, tasks=("corpus",))
+    settings = EvalSettings(budgets=(W, T), random_contexts=4, refocus=2, tasks=("corpus",), refocus_every=4)
     return evaluate(system, windows, token_bytes, None, settings)
 
 
 def test_report_has_every_condition_and_the_headline(report):
     assert report["T"] == T and report["W"] == W and report["n_windows"] == 6
     assert set(report["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in report["bpb"].values())
+    assert set(report["one_cut"]["bpb"]) == set(CONDITIONS) and report["refocus_every"] == 4
     assert [row["W"] for row in report["sweep"]] == [W, T]
     assert -1.0 <= report["lens_rank_corr"] <= 1.0
     assert report["tasks"]["corpus"]["bpb"] == report["bpb"] and "longrange" in report["tasks"]["corpus"]
     json.dumps(report)  # the CLI writes it as JSON
     table = format_eval_table(report)
-    assert table.count("\n| ") == 3 and "retained [95% CI]" in table
+    assert table.count("\n| ") == 6 and "retained [95% CI]" in table  # two budgets, two protocols
+    assert "refocused every R = 4" in table and "one cut (R = H = 8)" in table
 
 
 def test_oracle_is_the_best_random_context(report):
-    for row in report["sweep"]:
-        assert row["oracle"] <= row["random"] + 1e-9
+    corpus = report["tasks"]["corpus"]
+    for row in corpus["sweep"] + corpus["one_cut"]["sweep"]:
+        assert row["bpb"]["oracle"] <= row["bpb"]["random"] + 1e-9
 
 
 def test_recency_with_the_whole_window_is_full_context(report):
-    """At W = T the recency context holds every token at LOD0: exactly the full condition."""
-    row = next(r for r in report["sweep"] if r["W"] == T)
+    """At W = T the one-cut recency context holds every token at LOD0: exactly the full condition."""
+    row = next(r for r in report["tasks"]["corpus"]["one_cut"]["sweep"] if r["W"] == T)["bpb"]
     assert row["recency"] == pytest.approx(row["full"], rel=1e-5)
     assert row["lens"] == pytest.approx(row["full"], rel=1e-5)  # the allocator expands everything it can
     assert row["lens_nogist"] == pytest.approx(row["lens"], rel=1e-5), "no gist there to zero"
@@ -115,8 +109,11 @@ def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
     assert "| 16 |" in capsys.readouterr().out
     assert eval_main(["--ckpt", str(tmp_path / "nowhere")]) == 2
     assert eval_main(["--ckpt", str(run), "--budgets", "3"]) == 2
-    assert eval_main(["--ckpt", str(run), "--refocus-every", "0"]) == 2
-    assert eval_main(["--ckpt", str(run), "--refocus-every", "100000"]) == 2  # not inside the tail
+    capsys.readouterr()
+    for bad in ("0", "3"):  # W=16, H=8, K=4, L=2: W - R must hold 8 + 3 + 3 entries, so R lies in [1, 2]
+        assert eval_main(["--ckpt", str(run), "--refocus-every", bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "[1, 2]" in err, err
 
 
 def test_attention_mass_is_the_models_attention_from_the_queries():
@@ -182,42 +179,10 @@ def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():
     window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(3))
     horizon = torch.full((3,), T - H)
     rewritten = rewritten_after(window, horizon, seed=5)
-    settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",))
     preds = []
     for w in (window, rewritten):
         generator = torch.Generator().manual_seed(4)
         with torch.no_grad():
-            preds.append(predict_budget(system, tree_stage(system, w), w, horizon, W, settings, generator))
+            preds.append(predict_budget(system, tree_stage(system, w), w, horizon, W, 4, 2, generator))
     assert not torch.allclose(preds[0].nll, preds[1].nll), "the rewritten tail is scored differently"
     torch.testing.assert_close(preds[0].preference, preds[1].preference)
-
-
-def test_refocus_in_tail_scores_each_chunk_from_the_cut_chosen_at_its_start():
-    """``refocus_every = R``: the tail predictions ``[cR, (c + 1)R)`` of ``attn``, ``lens`` and ``lens_nogist`` are
-    those of the cut refocused at horizon ``T - H + cR`` (``lens_nogist`` read with every gist zeroed); every other
-    condition and the first chunk are the protocol's. Fails with a chunk's columns or its horizon off by a chunk."""
-    system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
-    window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(3))
-    horizon, R = torch.full((3,), T - H), 2
-    one_cut = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",))
-    chunked = dataclasses.replace(one_cut, refocus_every=R)
-    tree, nodes = tree_stage(system, window), system.nodes.with_sizes(W=W)
-    with torch.no_grad():
-        one, many = (predict_budget(system, tree, window, horizon, W, s, torch.Generator().manual_seed(4))
-                     for s in (one_cut, chunked))  # fmt: skip
-        torch.testing.assert_close(many.nll[..., :R], one.nll[..., :R])
-        for name, columns in one.slots.items():
-            if name not in ("attn", "lens", "lens_nogist"):
-                torch.testing.assert_close(many.nll[:, columns], one.nll[:, columns])
-        nogist = gists_zeroed(tree, nodes)
-        first_cuts, moved = focus_contexts(system, tree, window, horizon, nodes, chunked), 0
-        for first in range(0, H, R):
-            cuts = focus_contexts(system, tree, window, horizon + first, nodes, chunked)
-            moved += sum(not torch.equal(cuts[n], first_cuts[n]) for n in cuts)
-            chunk = slice(first, first + R)
-            lens = cuts["lens"]
-            readers = (("attn", tree, cuts["attn"]), ("lens", tree, lens), ("lens_nogist", nogist, lens))
-            for name, read, cut in readers:
-                nll = context_predictions(system, read, cut, window, nodes)[0]
-                torch.testing.assert_close(many.nll[:, many.slots[name], chunk], nll[..., chunk])
-    assert moved >= 2, "the test needs cuts that move as the horizon does"

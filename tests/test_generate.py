@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, make_system, spread_lens
 
+from mcfn.core.focus import carried_cut, shrink_to_budget, stream_view
 from mcfn.core.nodes import NodeTable
 from mcfn.core.step import compile_step
 from mcfn.core.system import focus_scores, history_tree
@@ -16,14 +17,7 @@ from mcfn.core.tree import Tree
 from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
-from mcfn.inference.streaming import (
-    StreamingTree,
-    carried_cut,
-    focused_context,
-    shrink_to_budget,
-    stream_view,
-    view_tree,
-)
+from mcfn.inference.streaming import StreamingTree, focused_context, view_tree
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 REFOCUS = 4

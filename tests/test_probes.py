@@ -10,7 +10,8 @@ from mcfn.data.probes import PAIRS, PROBES, QUERIES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
 from mcfn.tools.eval_stats import Scores
-from mcfn.tools.evaluation import Predictions, record
+from mcfn.tools.evaluation import record
+from mcfn.tools.one_cut import Predictions
 
 T, H = 512, 128
 
@@ -89,7 +90,7 @@ def scored_predictions(hit: torch.Tensor) -> Predictions:
     """Stand-in predictions for 2 windows, slots recency / 2 random / lens, every NLL 1 nat."""
     B, S, h = hit.shape
     slots = {"recency": slice(0, 1), "random": slice(1, 3), "lens": slice(3, 4)}
-    return Predictions(torch.ones(B, S, h), hit, slots, None)
+    return Predictions(torch.ones(B, S, h), hit, slots, torch.zeros(B, h, dtype=torch.int64), None)
 
 
 def test_the_scorer_counts_a_window_answered_only_when_every_answer_token_is_the_argmax():
@@ -122,6 +123,9 @@ def test_the_measured_gap_is_positive_when_the_first_random_context_is_better():
     out = Scores()
     scored = torch.ones(1, 8, dtype=torch.int64)
     full = (torch.ones(1, 8), torch.ones(1, 8, dtype=torch.bool))
-    record(out, Predictions(nll, hit, slots, torch.tensor([[1.0]])), {"full": full}, scored, torch.zeros(1))
+    one_chunk = torch.zeros(1, 8, dtype=torch.int64)
+    record(
+        out, Predictions(nll, hit, slots, one_chunk, torch.tensor([[[1.0]]])), {"full": full}, scored, torch.zeros(1)
+    )
     assert torch.cat(out.measured).tolist() == [4.0] and torch.cat(out.predicted).tolist() == [1.0]
     assert float(torch.cat(out.nats["oracle"])[0]) == 4.0  # the oracle is the better random context

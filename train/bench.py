@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--lengths", default="1024,4096,16384,32768", help="prompt lengths in tokens")
     decode.add_argument("--new-tokens", type=int, default=256)
     decode.add_argument("--repeats", type=int, default=3, help="runs of each mode per length (medians reported)")
-    decode.add_argument("--refocus-every", type=int, default=16, help="tokens decoded between refocuses (MC)")
+    decode.add_argument(
+        "--refocus-every", type=int, help="tokens decoded between refocuses (MC; default: the run's mc.refocus_every)"
+    )
     args = p.parse_args(argv)
     if args.decode is not None:
         return exit_code(lambda: decode_benchmark(args))
@@ -92,18 +94,19 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     if ids.numel() < max(lengths):
         raise UserError(f"{args.prompt_file} gives {ids.numel()} tokens; --lengths asks for {max(lengths)}")
     compile_fn = None if args.eager else (lambda fn: compile_step(fn, mode=trained.cfg.train.compile_mode))
+    refocus_every = trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every
     rows = run_decode_benchmark(
         trained.model,
         ids,
         lengths,
         args.new_tokens,
         args.repeats,
-        args.refocus_every,
+        refocus_every,
         compile_fn,
         progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
     )
     print(
-        f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, refocus every {args.refocus_every}, "
+        f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, refocus every {refocus_every}, "
         f"median of {args.repeats}"
     )
     print(format_decode_table(rows))

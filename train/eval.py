@@ -30,7 +30,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--refocus-every",
         type=int,
-        help="attn and lens refocus every N tail tokens, as generation does (default: one cut for the whole tail)",
+        help="R: every condition that chooses a cut refocuses every R tail tokens, as generation does (default: the "
+        "run's mc.refocus_every; the one-cut table is reported beside it)",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(

@@ -24,7 +24,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, help="keep only the first N tokens of the prompt")
     p.add_argument("--mode", choices=["mc", "full"], default="mc")
-    p.add_argument("--refocus-every", type=int, default=16, help="tokens decoded between refocuses (mc)")
+    p.add_argument(
+        "--context",
+        choices=["focus", "recency"],
+        default="focus",
+        help="mc: refocus with LensNet (focus), or keep the newest W - R tokens (recency: truncation, same cadence)",
+    )
+    p.add_argument(
+        "--refocus-every", type=int, help="tokens decoded between refocuses (mc; default: the run's mc.refocus_every)"
+    )
     p.add_argument(
         "--refocus-steps", type=int, default=4, help="allocator steps of the first refocus, from the coarsest cut (mc)"
     )
@@ -85,12 +93,13 @@ def run(args: argparse.Namespace) -> None:
             model,
             prompt,
             args.max_new_tokens,
-            args.refocus_every,
+            trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every,
             args.refocus_steps,
             sampling,
             warm_steps=args.warm_steps,
             on_refocus=show_layout,
             compile_fn=compile_fn,
+            context=args.context,
         )
     else:
         out, stats = generate_full(

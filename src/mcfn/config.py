@@ -117,6 +117,13 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
     return entries
 
 
+def most_refocus_every(budget: int, tail: int, block: int, lod_max: int) -> int:
+    """The largest ``R`` whose refocus budget ``W - R`` still holds any history's coarsest cover: the view's tail
+    (at most ``H + K - 1`` tokens) and, once the oldest top-level blocks are dropped, at most ``K - 1`` gists per
+    level below the top (:func:`mcfn.core.focus.stream_view`)."""
+    return budget - tail - (block - 1) * lod_max
+
+
 GIST_KINDS = ("gistnet", "mean")
 LEAVE_OUT_RULES = ("top", "gist")
 GIST_SOURCES = ("embedding", "hidden")
@@ -210,6 +217,9 @@ class MCConfig:
     # gist, so that a far block's tokens can be shown without covering the rest of its top-level block.
     leave_out: str = "top"
     variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
+    # R: tokens read between two refocuses. Generation refocuses every R tokens within W - R entries, and the
+    # evaluation scores what generation computes: every condition that chooses a cut refocuses every R tail tokens.
+    refocus_every: int = 16
     gist: GistConfig = field(default_factory=GistConfig)  # [mc.gist]
     lens: LensConfig = field(default_factory=LensConfig)  # [mc.lens]
     alloc: AllocConfig = field(default_factory=AllocConfig)  # [mc.alloc]
@@ -224,6 +234,8 @@ class MCConfig:
             "must be a positive multiple of mc.block_size",
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
+        # Its upper bound (most_refocus_every) binds only where a cut is refocused: generation and the evaluation.
+        _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
         _require(self.leave_out in LEAVE_OUT_RULES, "mc.leave_out", f"must be one of {', '.join(LEAVE_OUT_RULES)}")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
         _require(

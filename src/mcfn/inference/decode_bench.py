@@ -1,10 +1,11 @@
 """Decode speed of MegaContext against full context, measured in one process: ``python -m train.bench --decode``.
 
-For each prompt length, greedy generation of ``new_tokens`` tokens in three modes, run in turn ``repeats``
+For each prompt length, greedy generation of ``new_tokens`` tokens in four modes, run in turn ``repeats``
 times so that the machine's drift falls on all of them alike; each figure is the median over the repeats:
 
 * ``mc``: streaming MegaContext, warm refocuses (the default of ``train.generate``);
 * ``mc_cold``: every refocus from the coarsest cut, with a fresh cache (``--warm-steps 0``);
+* ``recency``: the newest ``W - R`` tokens at each refocus (``train.generate --context recency``), truncation;
 * ``full``: the whole prompt at LOD0 with a KV cache over all of it.
 
 With ``compile_fn`` the per-token step is compiled (once per cache shape; the first repeat pays for it, and
@@ -23,7 +24,7 @@ import torch
 from mcfn.core.system import MegaContext
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
 
-MODES = ("mc", "mc_cold", "full")
+MODES = ("mc", "mc_cold", "recency", "full")
 
 
 def decode_once(
@@ -34,8 +35,16 @@ def decode_once(
     if mode == "full":
         return generate_full(system.base, prompt, new_tokens, greedy, compile_fn)[1]
     warm_steps = 0 if mode == "mc_cold" else 1
+    context = "recency" if mode == "recency" else "focus"
     return generate_mc(
-        system, prompt, new_tokens, refocus_every, sampling=greedy, warm_steps=warm_steps, compile_fn=compile_fn
+        system,
+        prompt,
+        new_tokens,
+        refocus_every,
+        sampling=greedy,
+        warm_steps=warm_steps,
+        compile_fn=compile_fn,
+        context=context,
     )[1]
 
 
@@ -45,7 +54,7 @@ def run_decode_benchmark(
     lengths: list[int],
     new_tokens: int,
     repeats: int,
-    refocus_every: int = 16,
+    refocus_every: int,
     compile_fn: Callable[[Callable], Callable] | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[dict[str, Any]]:
@@ -66,21 +75,30 @@ def run_decode_benchmark(
             if mode != "full":
                 row[f"{mode}_refocus_ms_per_token"] = 1e3 * statistics.median(s.refocus_s / s.new_tokens for s in stats)
                 row[f"{mode}_cache_kept"] = statistics.median(s.cache_kept for s in stats)
+        mc = runs["mc"]
+        row["mc_refocuses_per_token"] = statistics.median(len(s.layouts) / s.new_tokens for s in mc)
+        row["mc_recomputed_per_refocus"] = statistics.median(s.recomputed_entries / len(s.layouts) for s in mc)
+        row["mc_focus_ms_per_refocus"] = 1e3 * statistics.median(s.focus_s / len(s.layouts) for s in mc)
         row["mc_over_full"] = row["mc_tok_s"] / row["full_tok_s"]
+        row["mc_over_recency"] = row["mc_tok_s"] / row["recency_tok_s"]
         rows.append(row)
     return rows
 
 
 def format_decode_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| prompt tokens | MC tok/s | MC cold tok/s | full tok/s | MC / full | MC refocus ms/token (cold) "
+        "| prompt tokens | MC tok/s | MC cold tok/s | recency tok/s | full tok/s | MC / recency | MC / full "
+        "| MC refocus ms/token (cold) | refocuses/token | entries recomputed/refocus | LensNet + allocator ms/refocus "
         "| cache kept | MC prompt read | full prompt read |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['prompt_tokens']:,} | {r['mc_tok_s']:.0f} | {r['mc_cold_tok_s']:.0f} | {r['full_tok_s']:.0f} "
-            f"| {r['mc_over_full']:.2f} | {r['mc_refocus_ms_per_token']:.2f} ({r['mc_cold_refocus_ms_per_token']:.2f}) "
+            f"| {r['prompt_tokens']:,} | {r['mc_tok_s']:.0f} | {r['mc_cold_tok_s']:.0f} | {r['recency_tok_s']:.0f} "
+            f"| {r['full_tok_s']:.0f} | {r['mc_over_recency']:.2f} | {r['mc_over_full']:.2f} "
+            f"| {r['mc_refocus_ms_per_token']:.2f} ({r['mc_cold_refocus_ms_per_token']:.2f}) "
+            f"| {r['mc_refocuses_per_token']:.4f} | {r['mc_recomputed_per_refocus']:.1f} "
+            f"| {r['mc_focus_ms_per_refocus']:.2f} "
             f"| {100 * r['mc_cache_kept']:.0f}% | {r['mc_prompt_s']:.2f} s | {r['full_prompt_s']:.2f} s |"
         )
     return "\n".join(lines)

@@ -14,6 +14,10 @@ through the model again.
 
 ``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
 
+``recency`` (``context="recency"``): the newest ``W - refocus_every`` tokens at every refocus instead, truncation
+at the same cadence, to compare with. :func:`teacher_forced_mc` feeds a known continuation instead of sampling:
+the logits the evaluation's generation protocol scores (:mod:`mcfn.tools.refocused`).
+
 ``use_cache=False`` recomputes the whole working context at every token instead of reading the cache;
 it must pick the same tokens (the tests hold the cache to that).
 """
@@ -29,12 +33,12 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
+from mcfn.core.focus import Refocus, refocus_budget
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
-from mcfn.errors import UserError
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.render import lod_string
-from mcfn.inference.streaming import StreamingTree, focused_context
+from mcfn.inference.streaming import StreamingTree, focused_context, recency_context
 from mcfn.typecheck import typechecked
 
 PREFILL_CHUNK = 1024  # full mode reads long prompts in chunks, so attention never builds an n × n mask
@@ -54,6 +58,7 @@ class GenerationStats:
     prefill_s: float = 0.0  # reading the prompt: tree and cache (mc), or the cache (full)
     decode_s: float = 0.0  # every new token, refocuses included
     refocus_s: float = 0.0  # of decode_s: rebuilding the working context and its cache
+    focus_s: float = 0.0  # of refocus_s: choosing the cut (scoring and the allocator; mc)
     compile_s: float = 0.0  # of decode_s: the compiled token step's first call (compilation included)
     reused_entries: int = 0  # context entries whose cached keys and values a refocus kept (mc)
     recomputed_entries: int = 0  # context entries a refocus ran through the model (mc)
@@ -86,18 +91,6 @@ def token_entry(base: GPT, token: Tensor, position: int) -> tuple[Tensor, Tensor
     """A decoded ``[1]`` token as one LOD0 entry: embedding ``[1, 1, D]``, position and span ``[1, 1]``."""
     pos = torch.full((1, 1), float(position), device=token.device)
     return base.embed(token[None]), pos, torch.ones_like(pos)
-
-
-def check_refocus(system: MegaContext, refocus_every: int) -> int:
-    """The budget left at each refocus, ``W - refocus_every``, which must hold the coarsest useful context."""
-    layout = system.layout
-    budget = layout.W - refocus_every
-    if refocus_every < 1 or budget < layout.H + layout.K * layout.L:
-        raise UserError(
-            f"--refocus-every {refocus_every} must lie in [1, {layout.W - layout.H - layout.K * layout.L}]: the "
-            f"working context of W={layout.W} must keep room for the tail and a few gists"
-        )
-    return budget
 
 
 @typechecked
@@ -137,15 +130,53 @@ def generate_mc(
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
+    context: str = "focus",
 ) -> tuple[Tensor, GenerationStats]:
     """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
     ``warm_steps = 0`` starts every refocus from the coarsest cut, with a fresh cache. ``compile_fn``
-    compiles the per-token step (every refocus's cache has capacity ``W``: one shape)."""
+    compiles the per-token step (every refocus's cache has capacity ``W``: one shape). ``context = "recency"``
+    reads the newest ``W - refocus_every`` tokens at each refocus instead: truncation at the same cadence."""
+    generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
+
+    def choose(logits: Tensor, _: int) -> Tensor:
+        return pick_token(logits, sampling, generator)
+
+    steps = Refocus(refocus_every, refocus_steps, warm_steps, context)
+    return decode_mc(system, prompt, max_new_tokens, steps, choose, use_cache, on_refocus, compile_fn)
+
+
+@torch.no_grad()
+def teacher_forced_mc(
+    system: MegaContext, prompt: Tensor, continuation: Tensor, refocus: Refocus, use_cache: bool = True
+) -> tuple[Float[Tensor, "n vocab"], GenerationStats]:
+    """What generation computes on a known text: the logits ``[n, vocab]`` of each token of ``continuation [n]``
+    (the first from the prompt alone), decoded as :func:`generate_mc` decodes but fed the given tokens."""
+    logits: list[Tensor] = []
+
+    def choose(step_logits: Tensor, i: int) -> Tensor:
+        logits.append(step_logits)
+        return continuation[i : i + 1]
+
+    _, stats = decode_mc(system, prompt, continuation.numel(), refocus, choose, use_cache)
+    return torch.stack(logits), stats
+
+
+def decode_mc(
+    system: MegaContext,
+    prompt: Tensor,
+    max_new_tokens: int,
+    refocus: Refocus,
+    choose: Callable[[Tensor, int], Tensor],
+    use_cache: bool = True,
+    on_refocus: Callable[[int, str], None] | None = None,
+    compile_fn: Callable[[Callable], Callable] | None = None,
+) -> tuple[Tensor, GenerationStats]:
+    """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]``; ``choose(logits [vocab], i)`` gives the
+    ``i``-th new token ``[1]``."""
     base, layout = system.base, system.layout
     decoder = TokenDecoder(base, compile_fn)
-    budget = check_refocus(system, refocus_every)
+    budget = refocus_budget(layout, refocus.every)
     device = prompt.device
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stats = GenerationStats(prompt_tokens=prompt.numel())
     t0 = time.perf_counter()
     stream = StreamingTree(system, device)
@@ -158,8 +189,13 @@ def generate_mc(
     cached = torch.zeros(0, 2, dtype=torch.int64, device=device)  # (start, LOD) of each cache entry
     while len(produced) < max_new_tokens:
         t_refocus = time.perf_counter()
-        warm = warm_steps > 0 and wc is not None
-        wc = focused_context(system, stream, budget, warm_steps if warm else refocus_steps, wc if warm else None)
+        warm = refocus.warm_steps > 0 and wc is not None
+        if refocus.context == "recency":
+            wc = recency_context(stream, budget)
+        else:
+            steps = refocus.warm_steps if warm else refocus.steps
+            wc = focused_context(system, stream, budget, steps, wc if warm else None)
+        stats.focus_s += time.perf_counter() - t_refocus
         layout_text = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), layout.K)
         stats.layouts.append(layout_text)
         if on_refocus is not None:
@@ -172,8 +208,8 @@ def generate_mc(
         stats.refocus_s += time.perf_counter() - t_refocus
         # Decoded tokens join the tree at the next refocus, the only reader: one GistNet call per level.
         decoded: list[Tensor] = []
-        for _ in range(min(refocus_every, max_new_tokens - len(produced))):
-            token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
+        for _ in range(min(refocus.every, max_new_tokens - len(produced))):
+            token = choose(base.logits(hidden[:, -1:])[0, 0], len(produced) + len(decoded))
             decoded.append(token)
             new_emb, new_pos, one = token_entry(base, token, len(stream) + len(decoded) - 1)
             if use_cache:

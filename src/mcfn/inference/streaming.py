@@ -4,36 +4,30 @@
   built by GistNet the moment its block of ``K`` tokens completes, a LOD2 gist when its ``K`` LOD1
   gists are complete, and so on (one batched GistNet call per level per append).
 * :func:`focused_context` builds a working context over the whole history ``[0, n)`` (or its most recent
-  part, once even the coarsest full cover would not fit): it lays the static training machinery over the
-  history, with the last ``H`` to ``H + K - 1`` tokens as the LOD0 tail, scores every node once with LensNet
-  (:func:`~mcfn.core.system.focus_scores`), starts from the coarsest cut and settles it with the allocator,
-  the procedure ``train.eval`` scores as ``lens``. Given the previous context instead, it starts warm: that
-  context with the tokens that arrived since at LOD0 (:func:`carried_cut`), shrunk back within budget by
-  collapsing the lowest-scoring groups (:func:`shrink_to_budget`) and settled with the same scores, so that a
-  refocus where little has changed keeps most of the previous context (and the cache behind it).
+  part, once even the coarsest full cover would not fit) by the one refocus path,
+  :func:`mcfn.core.focus.focus_cut`, the procedure ``train.eval`` scores: cold from the coarsest cut, or warm
+  from the previous context carried over, so that a refocus where little has changed keeps most of the previous
+  context (and the cache behind it). :func:`recency_context` is truncation at the same cadence, to compare.
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
-*phantom* tokens after the newest one. They sit in the tail, so no gist ever covers them, the budget is
-raised by their count so that they cost nothing, and they are dropped from the context before it is used.
+*phantom* tokens after the newest one (:func:`mcfn.core.focus.stream_view`). They sit in the tail, so no gist ever
+covers them, the budget is raised by their count so that they cost nothing, and they are dropped from the context
+before it is used.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Int
 from torch import Tensor
 
-from mcfn.core.allocator import shrink
-from mcfn.core.context import WorkingContext, assemble
-from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import MegaContext, focus_scores, settle
+from mcfn.core.context import WorkingContext
+from mcfn.core.focus import StreamView, focus_cut, stream_view, view_context
+from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.core.variants import coarsest_cut
-from mcfn.typecheck import typechecked
 
 
 class GrowingRows:
@@ -99,39 +93,6 @@ class StreamingTree:
         return torch.cat(parts)
 
 
-@dataclass(frozen=True)
-class StreamView:
-    """Where the static layout lies over the stream: tokens ``[origin, origin + layout.T)``, of which the
-    ones from ``origin + real`` on are phantoms."""
-
-    layout: Layout
-    origin: int
-    real: int
-
-
-def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
-    """The layout over a history of ``n`` tokens, or over its most recent part that ``budget`` entries can
-    cover: past about ``budget·K^L`` tokens even the coarsest cover is too big, and the oldest top-level
-    gists are dropped, ``K^L`` tokens at a time."""
-    K, top = layout.K, layout.top_span
-    tail_start = max(0, (n - layout.H) // K * K)
-
-    def fitted(origin: int) -> tuple[Layout, int]:
-        real = n - origin
-        T = -(-real // top) * top
-        H = T - (tail_start - origin)
-        phantoms = T - real
-        view = dataclasses.replace(layout, T=T, H=H, W=min(budget + phantoms, T), N=0)
-        return view, view.coarsest_cover - phantoms
-
-    origin = 0
-    view, cover = fitted(origin)
-    while cover > budget and origin + top <= tail_start:
-        origin += top
-        view, cover = fitted(origin)
-    return StreamView(view, origin, n - origin)
-
-
 def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
     """The view's node embeddings ``[1, n_nodes, D]`` (zeros for phantoms and incomplete gists) and its
     token window ``[1, T + 1]`` (phantoms are token 0; nothing reads their targets)."""
@@ -145,69 +106,39 @@ def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
     return Tree(emb=torch.cat(parts)[None], batch_size=[1]), window[None]
 
 
-@typechecked
-def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"] | None:
-    """The shown-node mask ``[1, 1, n_nodes]`` of the view that keeps ``previous`` (a ``[1, m]`` context from
-    :func:`focused_context`, absolute starts) and shows every later token at LOD0, phantoms included; entries
-    before the view's origin drop out, and the blocks ``previous`` left out come back as LODmax gists, so
-    that LensNet judges them again. It may exceed the view's budget by the tokens that arrived and those
-    gists. ``nodes`` is the view's table. ``None`` when ``previous`` cannot be carried: it ends before the origin."""
-    layout = view.layout
-    start, lod = previous.start[0] - view.origin, previous.lod[0]
-    end = int(start[-1] + previous.span[0, -1])  # the first token ``previous`` did not cover
-    if end < 0:
-        return None
-    offsets = torch.tensor(layout.level_offsets, device=start.device)
-    kept = start >= 0
-    node = offsets[lod[kept]] + start[kept] // layout.K ** lod[kept]
-    shown = torch.zeros(layout.n_nodes, dtype=torch.bool, device=start.device)
-    shown[node] = True
-    shown[end : layout.T] = True  # LOD0 nodes are numbered first, by token
-    return (shown | nodes.left_out(shown))[None, None]
-
-
-@typechecked
-def shrink_to_budget(
-    cut: Bool[Tensor, "1 1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
-) -> Bool[Tensor, "1 1 nodes"] | None:
-    """A carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens) brought within budget by
-    :func:`~mcfn.core.allocator.shrink` with the view's ``scores``, repeated while each call still frees room;
-    ``None`` if it cannot get within budget."""
-    shown, size = cut[0], int(cut.sum())
-    while size > nodes.layout.W:
-        shown = shrink(shown, scores, nodes)
-        size, before = int(shown.sum()), size
-        if size == before:
-            return None
-    return shown[None]
-
-
 @torch.no_grad()
 def focused_context(
-    system: MegaContext, stream: StreamingTree, budget: int, steps: int, previous: WorkingContext | None = None
+    system: MegaContext,
+    stream: StreamingTree,
+    budget: int,
+    steps: int,
+    previous: WorkingContext | None = None,
+    scorer: Callable[[WorkingContext], Tensor] | None = None,
 ) -> WorkingContext:
-    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history, ``steps``
-    allocator steps from the coarsest cut, or with ``previous`` (this function's last answer for a shorter
-    history) from that context brought within budget (:func:`shrink_to_budget`): a warm start. Positions and
-    starts are absolute token positions."""
+    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history: the refocus
+    (:func:`~mcfn.core.focus.focus_cut`), ``steps`` allocator steps from the coarsest cut, or with ``previous`` (this
+    function's last answer for a shorter history) from that context: a warm start. Positions and starts are
+    absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
-    layout = view.layout
     tree, window = view_tree(stream, view)
-    nodes = NodeTable.of(layout, window.device)
-    horizon = torch.tensor([view.real - 1], device=window.device)  # LensNet reads every real token, no phantom
-    cut = None
-    scores = None if system.lensnet is None else focus_scores(system, tree, window, nodes, horizon)
-    if scores is not None and previous is not None:
-        carried = carried_cut(previous, view, nodes)
-        cut = None if carried is None else shrink_to_budget(carried, scores, nodes)
-    if cut is None:
-        cut = coarsest_cut(layout, window.device)[None, None]
-    if scores is not None:
-        cut = settle(cut, scores, nodes, steps)
-    wc = assemble(tree, cut, window, nodes)[0]
-    keep = wc.valid & (wc.start < view.real)
-    m = int(keep.sum())
-    wc = wc[:m]
-    wc.start += view.origin
-    wc.position += view.origin
-    return wc[None]
+    cut = focus_cut(system, tree, window, view, steps, previous, scorer)
+    return view_context(tree, cut, window, view)
+
+
+def recency_context(stream: StreamingTree, budget: int) -> WorkingContext:
+    """Truncation at the same cadence as the refocus: the newest ``budget`` tokens at LOD0, ``[1, m]``."""
+    tokens = stream.tokens.rows[-budget:]
+    first = len(stream) - tokens.numel()
+    start = torch.arange(first, len(stream), device=tokens.device)[None]
+    ones = torch.ones_like(start)
+    return WorkingContext(
+        emb=stream.levels[0].rows[first:][None],
+        position=start.float(),
+        start=start,
+        span=ones,
+        lod=torch.zeros_like(start),
+        node=start,
+        target=torch.full_like(start, -1),
+        valid=ones.bool(),
+        batch_size=[1, start.size(1)],
+    )

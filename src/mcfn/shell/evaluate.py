@@ -16,7 +16,7 @@ from mcfn.errors import UserError
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
 from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate
+from mcfn.tools.evaluation import EvalSettings, check_settings, default_budgets, evaluate
 
 
 def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
@@ -78,8 +78,6 @@ def evaluate_checkpoint(
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
     cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
-    if refocus_every is not None and not 1 <= refocus_every < layout.H:
-        raise UserError(f"--refocus-every must lie in [1, {layout.H}) (the scored tail), or be left out (one cut)")
     for name in tasks or ():  # a task asked for by name must fit; the default set skips what does not
         if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
             raise UserError(f"--task {name}: {reason}")
@@ -90,8 +88,13 @@ def evaluate_checkpoint(
         raise UserError("--batches must be >= 1")
     windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
     settings = EvalSettings(
-        parse_budgets(budgets, layout), random_contexts, refocus, chosen, refocus_every=refocus_every
+        parse_budgets(budgets, layout),
+        random_contexts,
+        refocus,
+        chosen,
+        refocus_every=cfg.mc.refocus_every if refocus_every is None else refocus_every,
     )
+    check_settings(settings, layout)  # an R the headline budget cannot refocus with: one line naming the range
     report = evaluate(trained.model, windows, trained.token_bytes, tok, settings, plain)
     report["checkpoint_step"] = trained.step
     report["data"] = data or f"{cfg.data.source} (validation split)"

@@ -49,7 +49,9 @@ def final_evaluation(s: Session) -> dict | None:
     windows = validation_batches(s.corpus.val, window, cfg.final_eval_batches, cfg.batch_size)
     probes = cfg.final_eval_probe_batches
     tasks = PROBES if probes else ("corpus",)
-    settings = EvalSettings(default_budgets(s.model.layout), tasks=tasks, probe_batches=probes)
+    settings = EvalSettings(
+        default_budgets(s.model.layout), tasks=tasks, probe_batches=probes, refocus_every=s.cfg.mc.refocus_every
+    )
     report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings)
     report["checkpoint_step"] = cfg.steps
     return report

@@ -318,7 +318,7 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
     weights = LossWeights.of(cfg.mc, device)
     token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
-    settings = EvalSettings(default_budgets(layout), tasks=("corpus",))
+    settings = EvalSettings(default_budgets(layout), tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
 
     def step() -> None:
         process_batch_lens(system, window, noise, weights).total().backward()

@@ -19,42 +19,46 @@ def _cell(value: float | None) -> str:
 
 
 def format_eval_table(report: dict) -> str:
-    """Per task, one Markdown table: a row per budget, the run's W first; bpb per condition (accuracy too for
+    """Per task, two Markdown tables, generation's protocol (a refocus every ``R`` tokens) and one cut for the whole
+    tail (``R = H``, the earlier protocol): a row per budget, the run's W first; bpb per condition (accuracy too for
     the probes), the retained fraction with its interval, and LensNet's rank correlation."""
     lines = [
         f"Held-out evaluation, T={report['T']}, scored on the last H={report['H']} targets: {report['n_windows']} "
-        f"windows for corpus, {report['n_windows_per_probe']} for each probe."
+        f"windows for corpus, {report['n_windows_per_probe']} for each probe. Generation's protocol: every "
+        f"condition that chooses a cut refocuses every R={report['refocus_every']} tokens, as train.generate does."
     ]
-    if report.get("refocus_every") is not None:
-        lines[0] += f" attn and lens refocus every {report['refocus_every']} tail tokens (not the protocol's one cut)."
     for task, result in report["tasks"].items():
         if "skipped" in result:
             lines += ["", f"**{task}**: not scored: {result['skipped']}."]
             continue
-        names = [c for c in (*CONDITIONS, "full_plain") if c in result["bpb"]]
-        probe = "accuracy" in result
-        what = "answer accuracy / answer bpb" if probe else "tail bpb"
-        lines += ["", f"**{task}** ({what}):", ""]
-        lines += ["| W | " + " | ".join(names) + " | retained [95% CI] | lens_rank_corr |"]
-        lines += ["|---:|" + "---:|" * (len(names) + 2)]
-        for row in result["sweep"]:
-            cells = [
-                f"{row['accuracy'][c]:.2f} / {row['bpb'][c]:.3f}" if probe else _cell(row["bpb"][c]) for c in names
-            ]
-            ci = row["retained_ci"]
-            retained = _cell(row["retained_fraction"]) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-            lines.append(
-                f"| {row['W']} | " + " | ".join(cells) + f" | {retained} | {_cell(row.get('lens_rank_corr'))} |"
-            )
-        gains = [f"{name} {g['bpb']:+.4f} ± {g['se']:.4f}" for name in GAINS if (g := result.get(name))]
-        if gains:
-            lines += ["", f"At W={report['W']} (bpb, ± a bootstrap standard error): " + ", ".join(gains) + "."]
-        if "longrange" in result:
-            lr = result["longrange"]
-            shown = ", ".join(f"{c} {_cell(lr['bpb'][c])}" for c in names if c in lr["bpb"])
-            lines += ["", f"Long-range tokens ({lr['tokens']}, full beats recency by > {lr['margin_nats']} nats), "
-                      f"bpb at W={report['W']}: {shown}; retained {_cell(lr['retained_fraction'])}."]  # fmt: skip
+        what = "answer accuracy / answer bpb" if "accuracy" in result else "tail bpb"
+        lines += ["", f"**{task}** ({what}), refocused every R = {report['refocus_every']}:", ""]
+        lines += protocol_table(result, report["W"])
+        lines += ["", f"**{task}**, one cut (R = H = {report['H']}):", ""]
+        lines += protocol_table(result["one_cut"], report["W"])
     return "\n".join(lines) + "\n"
+
+
+def protocol_table(result: dict, W: int) -> list[str]:
+    """One protocol's rows of a task, its paired gains at ``W`` and its long-range tokens."""
+    names = [c for c in (*CONDITIONS, "full_plain") if c in result["bpb"]]
+    probe = "accuracy" in result
+    lines = ["| W | " + " | ".join(names) + " | retained [95% CI] | lens_rank_corr |"]
+    lines += ["|---:|" + "---:|" * (len(names) + 2)]
+    for row in result["sweep"]:
+        cells = [f"{row['accuracy'][c]:.2f} / {row['bpb'][c]:.3f}" if probe else _cell(row["bpb"][c]) for c in names]
+        ci = row["retained_ci"]
+        retained = _cell(row["retained_fraction"]) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        lines.append(f"| {row['W']} | " + " | ".join(cells) + f" | {retained} | {_cell(row.get('lens_rank_corr'))} |")
+    gains = [f"{name} {g['bpb']:+.4f} ± {g['se']:.4f}" for name in GAINS if (g := result.get(name))]
+    if gains:
+        lines += ["", f"At W={W} (bpb, ± a bootstrap standard error): " + ", ".join(gains) + "."]
+    if "longrange" in result:
+        lr = result["longrange"]
+        shown = ", ".join(f"{c} {_cell(lr['bpb'][c])}" for c in names if c in lr["bpb"])
+        lines += ["", f"Long-range tokens ({lr['tokens']}, full beats recency by > {lr['margin_nats']} nats), "
+                  f"bpb at W={W}: {shown}; retained {_cell(lr['retained_fraction'])}."]  # fmt: skip
+    return lines
 
 
 def _json_safe(value):

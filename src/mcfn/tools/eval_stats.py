@@ -83,10 +83,11 @@ def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str
     return {"bpb": float(pooled_bpb(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
 
 
-# Paired differences every sweep row reports: LensNet's gain over truncation and over the structured cut
-# ``recent``, and what its gists are worth.
+# Paired differences every sweep row reports: LensNet's and the n-gram match's gains over truncation, LensNet's over
+# the structured cut ``recent``, and what its gists are worth.
 GAINS = {
     "lens_gain": ("recency", "lens"),
+    "match_gain": ("recency", "match"),
     "lens_over_recent": ("recent", "lens"),
     "gist_worth": ("lens_nogist", "lens"),
 }

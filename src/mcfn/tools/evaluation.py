@@ -42,32 +42,31 @@ working contexts go through the training step's own stages (tree, assembly, the 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from einops import rearrange, repeat
-from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
+from mcfn.config import most_refocus_every
+from mcfn.core.focus import Refocus, refocus_budget
 from mcfn.core.model import GPT
-from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.preferences import pair_margin, pair_slots
+from mcfn.core.nodes import Layout
+from mcfn.core.preferences import pair_slots
 from mcfn.core.step import split_window
-from mcfn.core.system import MegaContext, refocus, tree_stage
-from mcfn.core.tree import Tree
-from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
+from mcfn.core.system import MegaContext, tree_stage
 from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.seeding import derive_seed
-from mcfn.tools.attention import attention_scores
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
-from mcfn.typecheck import typechecked
+from mcfn.tools.one_cut import predict_budget, tail_predictions
+from mcfn.tools.refocused import predict_chunked
 
-CONDITIONS = ("full", "recency", "recent", "random", "attn", "lens", "lens_nogist", "oracle")
+CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "oracle")
 LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
@@ -78,9 +77,8 @@ class EvalSettings:
     refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
-    # Tail predictions per cut of the horizon-reading conditions (attn, lens): None, one cut for the whole tail (the
-    # protocol); R < H, a refocus every R tail tokens, as generation refocuses every ``refocus_every`` tokens.
-    refocus_every: int | None = None
+    refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens
+    warm_steps: int = 1  # allocator steps of every refocus after a window's first, from the previous context
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -90,27 +88,6 @@ def default_budgets(layout: Layout) -> tuple[int, ...]:
     return tuple(dict.fromkeys(fits))
 
 
-@typechecked
-def tail_predictions(
-    base: GPT, hidden: Float[Tensor, "r n d"], first: Int[Tensor, " r"], targets: Int[Tensor, "r h"]
-) -> tuple[Float[Tensor, "r h"], Bool[Tensor, "r h"]]:
-    """NLL and whether the argmax is right for the ``H`` entries of each row from ``first`` on (the tail)."""
-    h = tail_entries(hidden, first, targets.size(1))
-    return base.nll(h, targets), base.logits(h).argmax(-1) == targets
-
-
-def context_predictions(
-    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable
-) -> tuple[Tensor, Tensor, WorkingContext]:
-    """Tail NLL and argmax hits ``[B, S, H]`` of the ``S`` working contexts ``shown [B, S, nodes]`` per window."""
-    layout, base = nodes.layout, system.base
-    wc = assemble(tree, shown, window, nodes)
-    first = wc.valid.sum(-1) - layout.H  # the tail is the last H valid entries (I4)
-    targets = repeat(split_window(window)[1][:, layout.T - layout.H :], "b h -> (b s) h", s=shown.size(1))
-    nll, hit = tail_predictions(base, base.hidden(wc.emb, wc.position, wc.span.float()), first, targets)
-    return *(rearrange(x, "(b s) h -> b s h", b=window.size(0)) for x in (nll, hit)), wc
-
-
 def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tensor]:
     """Tail NLL and argmax hits ``[B, H]`` with all ``T`` tokens at LOD0."""
     inputs, targets = split_window(window)
@@ -118,136 +95,66 @@ def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tens
     return tail_predictions(base, base.token_hidden(inputs), first, targets[:, -tail:])
 
 
-def budget_contexts(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    horizon: Tensor,
-    nodes: NodeTable,
-    settings: EvalSettings,
-    generator,
-) -> tuple[Tensor, dict[str, slice]]:
-    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn`` and
-    ``lens`` choose theirs from what lies up to ``horizon [B]``, the position of the first scored prediction."""
-    B, M, device = window.size(0), settings.random_contexts, window.device
-    noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
-    parts = {
-        "recency": recency_cut(nodes.layout, B, device),
-        "recent": repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B),
-        "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
-        **focus_contexts(system, tree, window, horizon, nodes, settings),
-    }
-    slots, at = {}, 0
-    for name, cut in parts.items():
-        slots[name] = slice(at, at + cut.size(1))
-        at += cut.size(1)
-    return torch.cat(list(parts.values()), dim=1), slots
-
-
-def focus_contexts(
-    system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, nodes: NodeTable, settings: EvalSettings
-) -> dict[str, Tensor]:
-    """The cuts ``[B, 1, nodes]`` that read the window up to ``horizon [B]``: ``attn``, and ``lens`` with a LensNet;
-    each refocused from the coarsest cut."""
-    start = repeat(system.coarsest, "n -> b 1 n", b=window.size(0))
-    attention = partial(attention_scores, system.base, nodes.layout.H)
-    parts = {
-        "attn": refocus(
-            system, tree, window, start, nodes, iterations=settings.refocus, scorer=attention, horizon=horizon
-        )
-    }
-    if system.lensnet is not None:
-        parts["lens"] = refocus(system, tree, window, start, nodes, iterations=settings.refocus, horizon=horizon)
-    return parts
-
-
-@dataclass
-class Predictions:
-    """Every working context's tail predictions for one batch at one budget."""
-
-    nll: Tensor  # [B, S, H]
-    hit: Tensor  # [B, S, H] bool: the argmax is the target
-    slots: dict[str, slice]  # each condition's contexts among the S
-    preference: Tensor | None  # [B, P]: LensNet's preference between every pair of the random contexts
-
-
-def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:
-    """``tree`` with every gist's embedding zeroed (tokens kept): what ``lens_nogist`` reads."""
-    return Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
-
-
-def refocus_in_tail(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    horizon: Tensor,
-    nodes: NodeTable,
-    settings: EvalSettings,
-    pred: Predictions,
-) -> None:
-    """With ``settings.refocus_every = R``: the tail's predictions ``[cR, (c + 1)R)`` of ``attn`` and ``lens`` (and
-    ``lens_nogist``: the ``lens`` cut read with every gist zeroed) come from the cuts chosen at horizon
-    ``T - H + cR`` (never before ``horizon``), for every chunk ``c ≥ 1``; ``pred`` holds chunk 0's. In place."""
-    layout, R = nodes.layout, settings.refocus_every
-    nogist = gists_zeroed(tree, nodes) if system.lensnet is not None else None
-    for first in range(R, layout.H, R):
-        at = horizon.clamp(min=layout.T - layout.H + first)
-        columns = slice(first, first + R)
-        cuts = focus_contexts(system, tree, window, at, nodes, settings)
-        nll, hit, _ = context_predictions(system, tree, torch.cat(list(cuts.values()), dim=1), window, nodes)
-        chunk = {name: (nll[:, i], hit[:, i]) for i, name in enumerate(cuts)}
-        if nogist is not None:
-            ablated = context_predictions(system, nogist, cuts["lens"], window, nodes)
-            chunk["lens_nogist"] = (ablated[0][:, 0], ablated[1][:, 0])
-        for name, (chunk_nll, chunk_hit) in chunk.items():
-            pred.nll[:, pred.slots[name].start, columns] = chunk_nll[:, columns]
-            pred.hit[:, pred.slots[name].start, columns] = chunk_hit[:, columns]
-
-
-def predict_budget(
-    system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, budget: int, settings: EvalSettings, generator
-) -> Predictions:
-    nodes = system.nodes.with_sizes(W=budget)
-    shown, slots = budget_contexts(system, tree, window, horizon, nodes, settings, generator)
-    nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
-    preference = None
-    if system.lensnet is not None:
-        ablated = context_predictions(system, gists_zeroed(tree, nodes), shown[:, slots["lens"]], window, nodes)
-        slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
-        nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
-        B, S = shown.shape[:2]
-        rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
-        random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
-        i, j = pair_slots(random.size(1), B, random.device)
-        seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
-        preference = pair_margin(system.lensnet(seen), random, i, j, random_wc, nodes)
-    pred = Predictions(nll, hit, slots, preference)
-    if settings.refocus_every is not None:
-        refocus_in_tail(system, tree, window, horizon, nodes, settings, pred)
-    return pred
-
-
-def record(out: Scores, pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth) -> None:
+def record(out: Scores, pred, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth) -> None:
     """Append one batch's per-window scores to ``out``: ``scored [B, H]`` holds the bytes of each tail target
-    that counts (0: not scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``."""
+    that counts (0: not scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The
+    oracle is the best random context of each chunk, and the rank pairs are compared chunk by chunk."""
     mask = scored > 0
     for name, (nll, hit) in references.items():
         out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
     nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
     correct = (pred.hit | ~mask[:, None]).all(-1)
-    for name in ("recency", "recent", "attn", "lens", "lens_nogist"):
+    for name in ("recency", "recent", "attn", "match", "lens", "lens_nogist"):
         if name in pred.slots:
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
     out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
-    best = random_nats.argmin(-1, keepdim=True)
-    out.add("oracle", random_nats.gather(1, best)[:, 0], random_correct.gather(1, best)[:, 0])
+    chunk_nats, chunk_wrong, chunk_bytes = per_chunk(pred, mask, scored)  # [B, M, C], [B, M, C], [B, C]
+    best = chunk_nats.argmin(1, keepdim=True)
+    oracle_right = (chunk_wrong.gather(1, best)[:, 0] == 0).all(-1)
+    out.add("oracle", chunk_nats.gather(1, best)[:, 0].sum(-1), oracle_right)
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
     if pred.preference is not None:
-        i, j = pair_slots(random_nats.size(1), random_nats.size(0), random_nats.device)
-        out.predicted.append(pred.preference.flatten().cpu())
-        out.measured.append((random_nats.gather(1, j) - random_nats.gather(1, i)).flatten().cpu())  # > 0: i better
+        B, M, C = chunk_nats.shape
+        i, j = pair_slots(M, B, random_nats.device)
+        index = repeat(i, "b p -> b p c", c=C), repeat(j, "b p -> b p c", c=C)
+        measured = rearrange(chunk_nats.gather(1, index[1]) - chunk_nats.gather(1, index[0]), "b p c -> b c p")
+        scored_chunk = repeat(chunk_bytes > 0, "b c -> b c p", p=i.size(1))
+        out.predicted.append(pred.preference[scored_chunk].cpu())
+        out.measured.append(measured[scored_chunk].cpu())  # > 0: i better
+
+
+def per_chunk(pred, mask: Tensor, scored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The random contexts' scored nats and wrong answers per chunk ``[B, M, C]``, and each chunk's bytes ``[B, C]``."""
+    C = int(pred.chunk.max()) + 1
+    slot = pred.chunk.clamp(min=0)
+    where = mask & (pred.chunk >= 0)
+    random = pred.slots["random"]
+    nll, hit = pred.nll[:, random], pred.hit[:, random]
+    index = repeat(slot, "b h -> b m h", m=nll.size(1))
+    zeros = nll.new_zeros(*nll.shape[:2], C)
+    nats = zeros.scatter_add(-1, index, nll * where[:, None])
+    wrong = zeros.scatter_add(-1, index, ((~hit) & where[:, None]).float())
+    nbytes = scored.new_zeros(scored.size(0), C).scatter_add(-1, slot, scored * where)
+    return nats, wrong, nbytes
+
+
+PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
+
+
+def protocol_budgets(settings: EvalSettings, layout: Layout, protocol: str) -> tuple[int, ...]:
+    """The budgets a protocol is scored at: every one for ``one_cut``; for ``refocus``, those whose ``W - R`` holds
+    a refocused cut (the run's own always does: :func:`check_settings`)."""
+    if protocol == "one_cut":
+        return settings.budgets
+    most = partial(most_refocus_every, tail=layout.H, block=layout.K, lod_max=layout.L)
+    return tuple(w for w in settings.budgets if settings.refocus_every <= most(w))
+
+
+def check_settings(settings: EvalSettings, layout: Layout) -> None:
+    """Refuse, in one line naming the valid range, an ``R`` that the headline budget cannot refocus with."""
+    refocus_budget(dataclasses.replace(layout, W=settings.budgets[0]), settings.refocus_every)
 
 
 @torch.no_grad()
@@ -257,12 +164,13 @@ def score_batch(
     token_bytes: Tensor,
     settings: EvalSettings,
     index: int,
-    scores: dict[int, Scores],
-    longrange: dict[int, Scores] | None = None,
+    scores: dict[str, dict[int, Scores]],
+    longrange: dict[str, dict[int, Scores]] | None = None,
     reference: GPT | None = None,
 ) -> None:
-    """Score one batch of a task at every budget, appending to ``scores`` (and for ``corpus`` the long-range
-    tokens' scores to ``longrange``). The same random contexts for every checkpoint on these windows."""
+    """Score one batch of a task at every budget under both protocols, appending to ``scores[protocol][budget]``
+    (and for ``corpus`` the long-range tokens' scores to ``longrange``). The same random contexts for every
+    checkpoint on these windows."""
     layout, window = system.layout, probe.window
     tree = tree_stage(system, window)
     targets = split_window(window)[1][:, layout.T - layout.H :]
@@ -273,15 +181,46 @@ def score_batch(
         references["full_plain"] = full_predictions(reference, window, layout.H)
     generator = torch.Generator(device=window.device)
     long_range = None
-    for budget in settings.budgets:
-        generator.manual_seed(derive_seed(budget, "eval_contexts", index))
-        pred = predict_budget(system, tree, window, horizon, budget, settings, generator)
-        record(scores[budget], pred, references, scored, probe.depth)
-        if longrange is not None:
-            if long_range is None:  # defined at the headline budget: what full context predicts much better
-                gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
-                long_range = scored * (gain > LONG_RANGE_MARGIN)
-            record(longrange[budget], pred, references, long_range, probe.depth)
+    protocol = Refocus(settings.refocus_every, settings.refocus, settings.warm_steps)
+    for name in PROTOCOLS[::-1]:  # one cut first: it defines the long-range tokens
+        for budget in protocol_budgets(settings, layout, name):
+            generator.manual_seed(derive_seed(budget, "eval_contexts", index))
+            M = settings.random_contexts
+            if name == "one_cut":
+                pred = predict_budget(system, tree, window, horizon, budget, M, settings.refocus, generator)
+            else:
+                pred = predict_chunked(
+                    system, tree, window, horizon, budget, protocol, settings.random_contexts, generator
+                )
+            record(scores[name][budget], pred, references, scored, probe.depth)
+            if longrange is not None:
+                if long_range is None:  # defined at the headline budget: what full context predicts much better
+                    gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
+                    long_range = scored * (gain > LONG_RANGE_MARGIN)
+                record(longrange[name][budget], pred, references, long_range, probe.depth)
+
+
+def summarise_task(
+    settings: EvalSettings, layout: Layout, task: str, scores: dict[int, Scores], longrange, protocol: str, lens: bool
+) -> dict:
+    """One protocol's report of a task: the headline budget's figures, the sweep, long-range tokens, depths."""
+    budgets = protocol_budgets(settings, layout, protocol)
+    rows = [summarise(scores[w], task, w, layout.T) for w in budgets]
+    result = {**rows[0], "sweep": rows}
+    if longrange is not None:
+        head = longrange[budgets[0]]
+        result["longrange"] = {
+            "margin_nats": LONG_RANGE_MARGIN,
+            "tokens": int(sum(int((b > 0).sum()) for b in head.nbytes)),
+            **summarise(head, task, budgets[0], layout.T),
+        }
+    if task != "corpus":
+        condition = "lens" if lens else "attn"
+        result["depth_accuracy"] = {
+            "condition": condition,
+            "by_budget": {str(w): accuracy_by_depth(scores[w], condition) for w in budgets},
+        }
+    return result
 
 
 def evaluate_tasks(
@@ -294,18 +233,20 @@ def evaluate_tasks(
     progress=None,
 ) -> dict:
     """Score every task of ``settings`` on the held-out ``windows`` (each task writes its probe into them;
-    ``corpus`` alone needs no tokenizer)."""
+    ``corpus`` alone needs no tokenizer). Each task's figures are generation's protocol's, with the one-cut
+    protocol's under ``one_cut``."""
     was_training = system.training
     system.eval()
     layout, device = system.layout, token_bytes.device
+    check_settings(settings, layout)
     tasks: dict[str, dict] = {}
     for task in settings.tasks:
         reason = misfit(task, tokenizer, layout.T, layout.H)
         if reason is not None:  # a question longer than the scored tail: reported, not scored
             tasks[task] = {"skipped": reason}
             continue
-        scores = {w: Scores() for w in settings.budgets}
-        longrange = {w: Scores() for w in settings.budgets} if task == "corpus" else None
+        scores = {p: {w: Scores() for w in settings.budgets} for p in PROTOCOLS}
+        longrange = {p: {w: Scores() for w in settings.budgets} for p in PROTOCOLS} if task == "corpus" else None
         batches = windows if task == "corpus" else windows[: settings.probe_batches]
         for index, batch in enumerate(batches):
             probe = make_probe(task, batch, tokenizer, layout.H, derive_seed(PROBES.index(task), "eval_probes", index))
@@ -313,21 +254,14 @@ def evaluate_tasks(
             score_batch(system, probe, token_bytes, settings, index, scores, longrange, reference)
             if progress is not None:
                 progress()
-        rows = [summarise(scores[w], task, w, layout.T) for w in settings.budgets]
-        tasks[task] = {**rows[0], "sweep": rows}
-        if longrange is not None:
-            head = longrange[settings.budgets[0]]
-            tasks[task]["longrange"] = {
-                "margin_nats": LONG_RANGE_MARGIN,
-                "tokens": int(sum(int((b > 0).sum()) for b in head.nbytes)),
-                **summarise(head, task, settings.budgets[0], layout.T),
-            }
-        if task != "corpus":
-            condition = "lens" if system.lensnet is not None else "attn"
-            tasks[task]["depth_accuracy"] = {
-                "condition": condition,
-                "by_budget": {str(w): accuracy_by_depth(scores[w], condition) for w in settings.budgets},
-            }
+        per_protocol = {
+            p: summarise_task(
+                settings, layout, task, scores[p], None if longrange is None else longrange[p], p,
+                system.lensnet is not None,
+            )
+            for p in PROTOCOLS
+        }  # fmt: skip
+        tasks[task] = {**per_protocol["refocus"], "one_cut": per_protocol["one_cut"]}
     system.train(was_training)
     return tasks
 
@@ -371,5 +305,11 @@ def evaluate(
         "random_contexts": settings.random_contexts,
         "refocus": settings.refocus,
         "refocus_every": settings.refocus_every,
+        "warm_steps": settings.warm_steps,
+        "one_cut": {
+            "bpb": head["one_cut"]["bpb"],
+            "retained_fraction": head["one_cut"]["retained_fraction"],
+            "lens_rank_corr": head["one_cut"].get("lens_rank_corr"),
+        },
         "tasks": tasks,
     }

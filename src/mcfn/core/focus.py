@@ -1,0 +1,187 @@
+"""The one refocus path: how a working context is chosen for the predictions that follow a horizon.
+
+Generation (:mod:`mcfn.inference.generation`), streaming and the held-out evaluation (``train.eval``) call the same
+function, :func:`focus_cut`, so what the evaluation scores is what generation computes (the project's protocol:
+``mc.refocus_every = R`` tokens between refocuses). A refocus over a history of ``n`` tokens:
+
+* lays the static layout over the history (:func:`stream_view`): the last ``H`` to ``H + K - 1`` tokens are the
+  LOD0 tail, the length is rounded up to a multiple of ``K^L`` with *phantom* tokens after the newest one, and the
+  budget is ``W - R`` (room for the ``R`` tokens decoded before the next refocus) raised by the phantoms' count so
+  that they cost nothing;
+* scores every node once from the block view read up to the newest real token (I11, I12,
+  :func:`~mcfn.core.system.focus_scores`), with LensNet or a training-free scorer;
+* starts cold from the coarsest cut, or warm from the previous refocus's context carried over
+  (:func:`carried_cut`) and shrunk back within budget (:func:`shrink_to_budget`), and settles it with the allocator.
+
+:func:`view_context` turns the cut into the ``[1, m]`` context generation reads (phantoms dropped, absolute
+positions); the evaluation appends the teacher-forced tokens instead of decoded ones (:func:`view_node_ids` maps a
+view's nodes onto a training window's tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from mcfn.config import most_refocus_every
+from mcfn.core.allocator import shrink
+from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.system import MegaContext, focus_scores, settle
+from mcfn.core.tree import Tree
+from mcfn.core.variants import coarsest_cut
+from mcfn.errors import UserError
+from mcfn.typecheck import typechecked
+
+
+@dataclass(frozen=True)
+class Refocus:
+    """How generation refocuses: every ``every`` tokens, the first time with ``steps`` allocator steps from the
+    coarsest cut, later with ``warm_steps`` from the previous context (0: cold every time); ``context`` is
+    ``"focus"`` (the refocus) or ``"recency"`` (the newest ``W - every`` tokens)."""
+
+    every: int
+    steps: int = 4
+    warm_steps: int = 1
+    context: str = "focus"
+
+
+@dataclass(frozen=True)
+class StreamView:
+    """Where the static layout lies over a history: tokens ``[origin, origin + layout.T)``, of which the ones from
+    ``origin + real`` on are phantoms."""
+
+    layout: Layout
+    origin: int
+    real: int
+
+
+def refocus_budget(layout: Layout, refocus_every: int) -> int:
+    """The budget of each refocus's cut, ``W - R``: the ``R`` tokens read before the next refocus join it as tokens.
+    It must hold the tail of the view and a few gists; a ``UserError`` names the valid range of ``R`` otherwise."""
+    most = most_refocus_every(layout.W, layout.H, layout.K, layout.L)
+    if not 1 <= refocus_every <= most:
+        raise UserError(
+            f"refocus every {refocus_every} tokens: R must lie in [1, {most}], for the working context of W={layout.W} "
+            f"to keep room for the tail of H={layout.H} tokens and a few gists"
+        )
+    return layout.W - refocus_every
+
+
+def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
+    """The layout over a history of ``n`` tokens, or over its most recent part that ``budget`` entries can
+    cover: past about ``budget·K^L`` tokens even the coarsest cover is too big, and the oldest top-level
+    gists are dropped, ``K^L`` tokens at a time."""
+    K, top = layout.K, layout.top_span
+    tail_start = max(0, (n - layout.H) // K * K)
+
+    def fitted(origin: int) -> tuple[Layout, int]:
+        real = n - origin
+        T = -(-real // top) * top
+        H = T - (tail_start - origin)
+        phantoms = T - real
+        view = dataclasses.replace(layout, T=T, H=H, W=min(budget + phantoms, T), N=0)
+        return view, view.coarsest_cover - phantoms
+
+    origin = 0
+    view, cover = fitted(origin)
+    while cover > budget and origin + top <= tail_start:
+        origin += top
+        view, cover = fitted(origin)
+    return StreamView(view, origin, n - origin)
+
+
+def view_node_ids(view: StreamView, layout: Layout, device: torch.device) -> Int[Tensor, " view_nodes"]:
+    """Each node of ``view`` as a node id of ``layout``, a layout over the same history from token 0 that covers the
+    view (``origin + view.T <= layout.T``): how the evaluation reads a view from a training window's tree."""
+    ids = [
+        torch.arange(size, device=device) + offset + view.origin // layout.K**k
+        for k, (size, offset) in enumerate(zip(view.layout.level_sizes, layout.level_offsets, strict=True))
+    ]
+    return torch.cat(ids)
+
+
+@typechecked
+def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"] | None:
+    """The shown-node mask ``[1, 1, n_nodes]`` of the view that keeps ``previous`` (a ``[1, m]`` context from
+    :func:`view_context`, absolute starts) and shows every later token at LOD0, phantoms included; entries
+    before the view's origin drop out, and the blocks ``previous`` left out come back as LODmax gists, so
+    that the scores judge them again. It may exceed the view's budget by the tokens that arrived and those
+    gists. ``nodes`` is the view's table. ``None`` when ``previous`` cannot be carried: it ends before the origin."""
+    layout = view.layout
+    start, lod = previous.start[0] - view.origin, previous.lod[0]
+    end = int(start[-1] + previous.span[0, -1])  # the first token ``previous`` did not cover
+    if end < 0:
+        return None
+    offsets = torch.tensor(layout.level_offsets, device=start.device)
+    kept = start >= 0
+    node = offsets[lod[kept]] + start[kept] // layout.K ** lod[kept]
+    shown = torch.zeros(layout.n_nodes, dtype=torch.bool, device=start.device)
+    shown[node] = True
+    shown[end : layout.T] = True  # LOD0 nodes are numbered first, by token
+    return (shown | nodes.left_out(shown))[None, None]
+
+
+@typechecked
+def shrink_to_budget(
+    cut: Bool[Tensor, "1 1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
+) -> Bool[Tensor, "1 1 nodes"] | None:
+    """A carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens) brought within budget by
+    :func:`~mcfn.core.allocator.shrink` with the view's ``scores``, repeated while each call still frees room;
+    ``None`` if it cannot get within budget."""
+    shown, size = cut[0], int(cut.sum())
+    while size > nodes.layout.W:
+        shown = shrink(shown, scores, nodes)
+        size, before = int(shown.sum()), size
+        if size == before:
+            return None
+    return shown[None]
+
+
+@torch.no_grad()
+@typechecked
+def focus_cut(
+    system: MegaContext,
+    tree: Tree,
+    window: Int[Tensor, "1 t1"],
+    view: StreamView,
+    steps: int,
+    previous: WorkingContext | None = None,
+    scorer: Callable[[WorkingContext], Tensor] | None = None,
+) -> Bool[Tensor, "1 1 nodes"]:
+    """The refocus: the view's cut ``[1, 1, n_nodes]`` within its budget, ``steps`` allocator steps from the
+    coarsest cut, or with ``previous`` (the last refocus's :func:`view_context`) from that context carried over and
+    shrunk within budget: a warm start. ``tree`` and ``window`` are the view's (``[1, n_nodes, D]``, ``[1, T + 1]``);
+    nothing after the newest real token is read. ``scorer`` gives signed scores per entry (LensNet by default);
+    without LensNet or a scorer the cut is the coarsest."""
+    layout = view.layout
+    nodes = NodeTable.of(layout, window.device)
+    coarsest = coarsest_cut(layout, window.device)[None, None]
+    if system.lensnet is None and scorer is None:
+        return coarsest
+    horizon = torch.tensor([view.real - 1], device=window.device)  # the newest real token, no phantom (I11)
+    scores = focus_scores(system, tree, window, nodes, horizon, scorer)
+    cut = None
+    if previous is not None:
+        carried = carried_cut(previous, view, nodes)
+        cut = None if carried is None else shrink_to_budget(carried, scores, nodes)
+    return settle(coarsest if cut is None else cut, scores, nodes, steps)
+
+
+@typechecked
+def view_context(
+    tree: Tree, cut: Bool[Tensor, "1 1 nodes"], window: Int[Tensor, "1 t1"], view: StreamView
+) -> WorkingContext:
+    """The context ``[1, m]`` a cut of the view gives (valid entries only, ``m`` within the refocus budget):
+    phantoms dropped, starts and positions absolute."""
+    wc = assemble(tree, cut, window, NodeTable.of(view.layout, window.device))[0]
+    keep = wc.valid & (wc.start < view.real)
+    wc = wc[: int(keep.sum())]
+    wc.start += view.origin
+    wc.position += view.origin
+    return wc[None]

@@ -1,0 +1,139 @@
+"""The evaluation's earlier protocol, kept beside generation's for comparison: one cut for all ``H`` tail predictions
+(``R = H``), chosen at the first scored prediction's position. Generation refocuses every ``R`` tokens instead
+(:mod:`mcfn.tools.refocused`); under one cut nothing a policy may read beat truncation on natural text, because which
+far text a tail will copy is mostly not legible from before it (LABLOG, tenth session)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from einops import rearrange, repeat
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
+from mcfn.core.match import match_scorer
+from mcfn.core.model import GPT
+from mcfn.core.nodes import NodeTable
+from mcfn.core.preferences import pair_margin, pair_slots
+from mcfn.core.step import split_window
+from mcfn.core.system import MegaContext, refocus
+from mcfn.core.tree import Tree
+from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
+from mcfn.tools.attention import attention_scores
+from mcfn.typecheck import typechecked
+
+
+@typechecked
+def tail_predictions(
+    base: GPT, hidden: Float[Tensor, "r n d"], first: Int[Tensor, " r"], targets: Int[Tensor, "r h"]
+) -> tuple[Float[Tensor, "r h"], Bool[Tensor, "r h"]]:
+    """NLL and whether the argmax is right for the ``H`` entries of each row from ``first`` on (the tail)."""
+    h = tail_entries(hidden, first, targets.size(1))
+    return base.nll(h, targets), base.logits(h).argmax(-1) == targets
+
+
+def context_predictions(
+    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable
+) -> tuple[Tensor, Tensor, WorkingContext]:
+    """Tail NLL and argmax hits ``[B, S, H]`` of the ``S`` working contexts ``shown [B, S, nodes]`` per window."""
+    layout, base = nodes.layout, system.base
+    wc = assemble(tree, shown, window, nodes)
+    first = wc.valid.sum(-1) - layout.H  # the tail is the last H valid entries (I4)
+    targets = repeat(split_window(window)[1][:, layout.T - layout.H :], "b h -> (b s) h", s=shown.size(1))
+    nll, hit = tail_predictions(base, base.hidden(wc.emb, wc.position, wc.span.float()), first, targets)
+    return *(rearrange(x, "(b s) h -> b s h", b=window.size(0)) for x in (nll, hit)), wc
+
+
+def budget_contexts(
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    horizon: Tensor,
+    nodes: NodeTable,
+    random_contexts: int,
+    steps: int,
+    generator,
+) -> tuple[Tensor, dict[str, slice]]:
+    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn`` and
+    ``lens`` choose theirs from what lies up to ``horizon [B]``, the position of the first scored prediction."""
+    B, M, device = window.size(0), random_contexts, window.device
+    noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
+    parts = {
+        "recency": recency_cut(nodes.layout, B, device),
+        "recent": repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B),
+        "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
+        **focus_contexts(system, tree, window, horizon, nodes, steps),
+    }
+    slots, at = {}, 0
+    for name, cut in parts.items():
+        slots[name] = slice(at, at + cut.size(1))
+        at += cut.size(1)
+    return torch.cat(list(parts.values()), dim=1), slots
+
+
+def focus_contexts(
+    system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, nodes: NodeTable, steps: int
+) -> dict[str, Tensor]:
+    """The cuts ``[B, 1, nodes]`` that read the window up to ``horizon [B]``: ``attn``, ``match``, and ``lens`` with a
+    LensNet; each refocused from the coarsest cut."""
+    layout = nodes.layout
+    start = repeat(system.coarsest, "n -> b 1 n", b=window.size(0))
+    scorers = {
+        "attn": partial(attention_scores, system.base, layout.H),
+        "match": match_scorer(window[:, : layout.T], layout.K, layout.H, layout.T),
+    }
+    if system.lensnet is not None:
+        scorers["lens"] = None
+    return {
+        name: refocus(system, tree, window, start, nodes, iterations=steps, scorer=scorer, horizon=horizon)
+        for name, scorer in scorers.items()
+    }
+
+
+@dataclass
+class Predictions:
+    """Every working context's tail predictions for one batch at one budget, under one cut for the whole tail
+    (``chunk`` all 0) or a cut per chunk of ``R`` tail tokens (:class:`mcfn.tools.refocused.ChunkedPredictions`)."""
+
+    nll: Tensor  # [B, S, H]
+    hit: Tensor  # [B, S, H] bool: the argmax is the target
+    slots: dict[str, slice]  # each condition's contexts among the S
+    chunk: Tensor  # [B, H] int64: the chunk of each tail column (-1: before the horizon, never scored)
+    preference: Tensor | None  # [B, C, P]: LensNet's preference between every pair of a chunk's random contexts
+
+
+def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:
+    """``tree`` with every gist's embedding zeroed (tokens kept): what ``lens_nogist`` reads."""
+    return Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
+
+
+def predict_budget(
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    horizon: Tensor,
+    budget: int,
+    random_contexts: int,
+    steps: int,
+    generator,
+) -> Predictions:
+    """Every condition's tail predictions at ``budget``, each from one cut for the whole tail."""
+    nodes = system.nodes.with_sizes(W=budget)
+    shown, slots = budget_contexts(system, tree, window, horizon, nodes, random_contexts, steps, generator)
+    nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
+    preference = None
+    if system.lensnet is not None:
+        ablated = context_predictions(system, gists_zeroed(tree, nodes), shown[:, slots["lens"]], window, nodes)
+        slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
+        nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
+        B, S = shown.shape[:2]
+        rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
+        random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
+        i, j = pair_slots(random.size(1), B, random.device)
+        seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
+        preference = pair_margin(system.lensnet(seen), random, i, j, random_wc, nodes)
+    chunk = torch.zeros(nll.size(0), nll.size(-1), dtype=torch.int64, device=nll.device)
+    return Predictions(nll, hit, slots, chunk, None if preference is None else preference[:, None])

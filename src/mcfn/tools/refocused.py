@@ -1,0 +1,207 @@
+"""The evaluation under generation's protocol: what ``train.generate`` computes, under teacher forcing.
+
+Generation refocuses every ``R = mc.refocus_every`` tokens (:mod:`mcfn.core.focus`): the cut is chosen over the
+history up to the newest token within ``W - R`` entries, and the next ``R`` tokens are read after it at LOD0. Here
+the scored predictions are split into **chunks** of ``R``: chunk ``c`` starts at horizon ``h_c = h + cR`` (``h``,
+the first scored prediction's position) and its predictions ``h_c .. h_c + R - 1`` come from the cut chosen over
+tokens ``[0, h_c]`` followed by the tokens ``h_c + 1 .. h_c + R - 1`` (teacher-forced in place of decoded ones).
+Every condition that chooses a cut chooses it per chunk, in the view that generation lays over that history:
+
+* ``attn``, ``match`` and ``lens`` call :func:`~mcfn.core.focus.focus_cut`, the function generation calls: the
+  first chunk cold from the coarsest cut (``refocus`` allocator steps), every later one warm from the previous
+  chunk's context (``warm_steps``), as generation starts its first refocus and its later ones;
+* ``recency``: the newest ``W - R`` tokens, so that both sides predict the same targets from as many entries;
+* ``recent`` (the fixed rule) and ``random`` (``M`` random cuts): the view's own, per chunk; ``oracle`` is the best
+  random cut of each chunk, and ``lens_rank_corr`` compares LensNet's preference with each chunk's measured gap;
+* ``lens_nogist``: the ``lens`` cuts read with every gist zeroed.
+
+Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk). ``full`` is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor
+
+from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
+from mcfn.core.focus import Refocus, StreamView, focus_cut, refocus_budget, stream_view, view_context, view_node_ids
+from mcfn.core.match import match_scorer
+from mcfn.core.nodes import NodeTable
+from mcfn.core.preferences import pair_margin, pair_slots
+from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
+from mcfn.core.variants import compressed_cuts, draw_variant_noise, recent_cut
+from mcfn.tools.attention import attention_scores
+from mcfn.tools.one_cut import gists_zeroed
+
+FOCUSES = ("attn", "match", "lens")  # the conditions that refocus with focus_cut
+
+
+@dataclass
+class ChunkedPredictions:
+    """The tail predictions of one batch at one budget, each chunk from its own cuts."""
+
+    nll: Tensor  # [B, S, H]
+    hit: Tensor  # [B, S, H] bool
+    slots: dict[str, slice]  # each condition's contexts among the S
+    chunk: Tensor  # [B, H] int64: the chunk each tail column belongs to (-1: before the horizon)
+    preference: Tensor | None  # [B, C, P]: LensNet's preference between every pair of a chunk's random contexts
+    cuts: dict[str, list[list[Tensor]]]  # per focus condition, per row, each chunk's full-window cut [nodes]
+
+
+def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamView, reach: int):
+    """The scorer of focus condition ``name`` for one row's view ``window [1, T + 1]`` (``None``: LensNet's)."""
+    if name == "attn":
+        return partial(attention_scores, system.base, system.layout.H)
+    if name == "match":
+        return match_scorer(window[:, : view.layout.T], view.layout.K, reach, view.layout.T)
+    return None
+
+
+def full_cut(view_cut: Tensor, view: StreamView, ids: Tensor, nodes: NodeTable, n: int, upto: int) -> Tensor:
+    """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries, then the tokens
+    ``[n, upto)`` that generation would read after it at LOD0."""
+    real = (NodeTable.of(view.layout, view_cut.device).start < view.real) & view_cut
+    shown = torch.zeros(*view_cut.shape[:-1], nodes.layout.n_nodes, dtype=torch.bool, device=view_cut.device)
+    shown[..., ids] = real
+    shown[..., n:upto] = True  # LOD0 nodes are numbered first, by token
+    return shown
+
+
+def recency_of(nodes: NodeTable, n: int, upto: int, budget: int, rows: int) -> Tensor:
+    """``[rows, 1, nodes]``: the newest ``budget`` tokens before ``n``, then the tokens ``[n, upto)``."""
+    node = torch.arange(nodes.layout.n_nodes, device=nodes.lod.device)
+    return ((node >= max(0, n - budget)) & (node < upto)).expand(rows, 1, -1)
+
+
+def predict_chunked(
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    horizon: Tensor,
+    budget: int,
+    protocol: Refocus,
+    random_contexts: int,
+    generator: torch.Generator,
+) -> ChunkedPredictions:
+    """Every condition's tail predictions ``[B, S, H]`` at ``budget`` under generation's protocol."""
+    layout = system.layout
+    T, H, R = layout.T, layout.H, protocol.every
+    B, device = window.size(0), window.device
+    nodes = system.nodes.with_sizes(W=budget)
+    refocus_budget(nodes.layout, R)
+    first = horizon - (T - H)  # the first scored tail column per row
+    column = torch.arange(H, device=device)
+    chunk = torch.where(column[None] >= first[:, None], (column[None] - first[:, None]) // R, -1)
+    n_chunks = int(chunk.max()) + 1
+    nogist = gists_zeroed(tree, nodes)
+    slots, nll, hit = None, None, None
+    preference = torch.zeros(B, n_chunks, random_contexts * (random_contexts - 1) // 2, device=device)
+    previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in FOCUSES}
+    cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in FOCUSES}
+    for c in range(n_chunks):
+        at = horizon + c * R
+        for n in sorted(set((at[at < T] + 1).tolist())):
+            rows = torch.nonzero(at + 1 == n).flatten()
+            chunk_slots, chunk_nll, chunk_hit, chunk_pref = predict_chunk(
+                system, tree, nogist, window, rows, n, nodes, protocol, random_contexts, generator, previous, cuts
+            )
+            if slots is None:
+                slots = chunk_slots
+                nll = torch.zeros(B, chunk_nll.size(1), H, device=device)
+                hit = torch.zeros(B, chunk_nll.size(1), H, dtype=torch.bool, device=device)
+            columns = n - 1 - (T - H) + torch.arange(chunk_nll.size(-1), device=device)
+            nll[rows[:, None], :, columns[None]] = rearrange(chunk_nll, "g s k -> g k s")
+            hit[rows[:, None], :, columns[None]] = rearrange(chunk_hit, "g s k -> g k s")
+            if chunk_pref is not None:
+                preference[rows, c] = chunk_pref
+    return ChunkedPredictions(nll, hit, slots, chunk, preference if system.lensnet is not None else None, cuts)
+
+
+def predict_chunk(
+    system: MegaContext,
+    tree: Tree,
+    nogist: Tree,
+    window: Tensor,
+    rows: Tensor,
+    n: int,
+    nodes: NodeTable,
+    protocol: Refocus,
+    random_contexts: int,
+    generator: torch.Generator,
+    previous: dict[str, list[WorkingContext | None]],
+    cuts: dict[str, list[list[Tensor]]],
+) -> tuple[dict[str, slice], Tensor, Tensor, Tensor | None]:
+    """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions ``[g, S, k]`` of the
+    ``k = min(R, T - n + 1)`` tokens after the horizon ``n - 1``, and LensNet's pair preferences ``[g, P]``."""
+    layout, R = nodes.layout, protocol.every
+    budget, upto = layout.W - R, min(n + R - 1, layout.T)
+    view = stream_view(n, layout, budget)
+    ids = view_node_ids(view, layout, window.device)
+    view_nodes = NodeTable.of(view.layout, window.device)
+    view_tree = Tree(emb=tree.emb[rows][:, ids], batch_size=[rows.numel()])
+    view_window = window[rows, view.origin : view.origin + view.layout.T + 1]
+    parts: dict[str, Tensor] = {
+        "recency": recency_of(nodes, n, upto, budget, rows.numel()),
+        "recent": full_cut(recent_cut(view.layout, window.device), view, ids, nodes, n, upto).expand(
+            rows.numel(), 1, -1
+        ),
+    }
+    M = random_contexts
+    noise = draw_variant_noise(view_nodes.with_sizes(N=M).layout, rows.numel(), generator, window.device)
+    random_view = compressed_cuts(noise, view_nodes.with_sizes(N=M))
+    parts["random"] = full_cut(random_view, view, ids, nodes, n, upto)
+    for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
+        chosen = []
+        for i, row in enumerate(rows.tolist()):
+            one_tree, one_window = view_tree[i : i + 1], view_window[i : i + 1]
+            scorer = focus_scorer(system, name, one_window, view, R)
+            prior = previous[name][row]
+            steps = protocol.steps if prior is None or protocol.warm_steps == 0 else protocol.warm_steps
+            cut = focus_cut(system, one_tree, one_window, view, steps, prior if protocol.warm_steps else None, scorer)
+            previous[name][row] = view_context(one_tree, cut, one_window, view)
+            chosen.append(full_cut(cut, view, ids, nodes, n, upto))
+            cuts[name][row].append(chosen[-1][0, 0])
+        parts[name] = torch.cat(chosen)
+    slots, at = {}, 0
+    for name, cut in parts.items():
+        slots[name] = slice(at, at + cut.size(1))
+        at += cut.size(1)
+    shown = torch.cat(list(parts.values()), dim=1)
+    nll, hit = chunk_predictions(system, tree[rows], shown, window[rows], nodes, n, upto)
+    preference = None
+    if system.lensnet is not None:
+        ablated = chunk_predictions(system, nogist[rows], parts["lens"], window[rows], nodes, n, upto)
+        slots["lens_nogist"] = slice(at, at + 1)
+        nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)
+        preference = random_preferences(system, view_tree, random_view, view_window, view_nodes, view)
+    return slots, nll, hit, preference
+
+
+def chunk_predictions(
+    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable, n: int, upto: int
+) -> tuple[Tensor, Tensor]:
+    """NLL and argmax hits ``[g, S, k]`` of the ``k = upto - n + 1`` predictions from position ``n - 1`` on, for the
+    ``S`` cuts ``shown [g, S, nodes]`` (each ending with the tokens ``[n - 1, upto)``)."""
+    base, k = system.base, upto - n + 1
+    wc = assemble(tree, shown, window, nodes)
+    first = wc.valid.sum(-1) - k  # the last k valid entries are the tokens n - 1 .. upto - 1
+    h = tail_entries(base.hidden(wc.emb, wc.position, wc.span.float()), first, k)
+    targets = repeat(window[:, n : upto + 1], "g k -> (g s) k", s=shown.size(1))
+    nll, hit = base.nll(h, targets), base.logits(h).argmax(-1) == targets
+    return tuple(rearrange(x, "(g s) k -> g s k", g=shown.size(0)) for x in (nll, hit))
+
+
+def random_preferences(
+    system: MegaContext, tree: Tree, random: Tensor, window: Tensor, nodes: NodeTable, view: StreamView
+) -> Tensor:
+    """LensNet's preference ``[g, P]`` between every pair of a chunk's random cuts, read up to the horizon (I11)."""
+    M = random.size(1)
+    wc = assemble(tree, random, window, nodes.with_sizes(N=M))
+    i, j = pair_slots(M, random.size(0), random.device)
+    seen = seen_until(wc, torch.full((wc.batch_size[0],), view.real - 1, device=random.device))
+    return pair_margin(system.lensnet(seen, layout=nodes.layout), random, i, j, wc, nodes)

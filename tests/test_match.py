@@ -1,0 +1,62 @@
+"""``match``: the training-free n-gram copy focus and its per-block votes."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_mc import rewritten_after
+
+from mcfn.core.match import match_votes, ngram_keys
+
+
+def text_with(length: int, pieces: dict[int, list[int]], filler: int = 100) -> torch.Tensor:
+    """``[1, length]`` distinct filler ids (no n-gram repeats) with ``pieces`` written at their positions."""
+    tokens = torch.arange(filler, filler + length)
+    for at, ids in pieces.items():
+        tokens[at : at + len(ids)] = torch.tensor(ids)
+    return tokens[None]
+
+
+def test_a_unique_trigram_votes_where_its_copy_reads_next():
+    """The trigram ending at the horizon (29) occurred once, ending at 4: a copy would read 4, 5, 6, 7 for the next
+    four predictions, so block 1 (tokens 4..7) gets all four votes and nothing else gets any."""
+    tokens = text_with(32, {2: [7, 8, 9], 27: [7, 8, 9]})
+    votes = match_votes(tokens, torch.tensor([29]), block=4, reach=4, n=3, queries=1)
+    torch.testing.assert_close(votes, torch.tensor([[0.0, 4.0, 0, 0, 0, 0, 0, 0]]))
+
+
+def test_votes_share_a_query_between_its_matches_and_follow_the_query_back():
+    """Two earlier occurrences share the query's vote (1/2 each); a query ``d`` tokens before the horizon votes ``d``
+    positions further on (its copy has already read ``d`` tokens by the horizon)."""
+    tokens = text_with(48, {0: [7, 8, 9], 16: [7, 8, 9], 41: [7, 8, 9]})
+    horizon = torch.tensor([45])  # the trigram ends at 43, two tokens before the horizon
+    votes = match_votes(tokens, horizon, block=4, reach=4, n=3, queries=3)
+    want = torch.zeros(1, 12)
+    # matches end at 2 and 18; the copy's next reads from the horizon on start at 2 + 2 = 4 and 18 + 2 = 20
+    want[0, 1] = 4 * 0.5  # tokens 4..7
+    want[0, 5] = 4 * 0.5  # tokens 20..23
+    torch.testing.assert_close(votes, want)
+    more = match_votes(tokens, horizon, block=4, reach=4, n=3, queries=2)  # the query at 43 is not among the newest 2
+    assert float(more.sum()) == 0.0
+
+
+def test_ngram_keys_tell_ngrams_apart_and_match_equal_ones():
+    tokens = torch.tensor([[5, 6, 7, 5, 6, 7, 6, 5, 7]])
+    keys = ngram_keys(tokens, 3)
+    assert keys[0, 2] == keys[0, 5] and len(set(keys[0, 2:].tolist())) == 6  # 7 trigrams, one repeated
+    assert len(set(keys[0, :2].tolist()) | set(keys[0, 2:].tolist())) == 8  # the first n-1 match nothing
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**16), st.integers(24, 62), st.integers(1, 16), st.integers(8, 40))
+def test_property_match_votes_read_nothing_after_the_horizon(seed: int, horizon: int, reach: int, queries: int):
+    """Rewriting every token after the horizon changes no vote (I11): the queries, their matches and the positions
+    voted on all lie at or before it. Three ids make matches common."""
+    tokens = torch.randint(0, 3, (2, 64), generator=torch.Generator().manual_seed(seed))
+    at = torch.tensor([horizon, 24 + horizon // 2])
+    rewritten = rewritten_after(tokens, at, seed=seed + 1)
+    assert not torch.equal(tokens, rewritten)
+    before = match_votes(tokens, at, block=4, reach=reach, queries=queries)
+    assert float(before.sum()) > 0, "with 3 ids (27 trigrams) and 8 queries some trigram repeats"
+    torch.testing.assert_close(before, match_votes(rewritten, at, block=4, reach=reach, queries=queries))
