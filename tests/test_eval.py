@@ -150,6 +150,10 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     profile = write_profile(tmp_path / "p.toml", sections)
     mc, plain, short = tmp_path / "mc", tmp_path / "plain", tmp_path / "short"
     assert run_main(["--profile", str(profile), "--out", str(mc), "--set", "train.final_eval=false"]) == 0
+    # The pass key, read with the whole window, is tracked at every validation: it shows when retrieval forms.
+    records = [json.loads(line) for line in (mc / "metrics.jsonl").read_text().splitlines()]
+    tracked = [r["probe/passkey_full"] for r in records if "probe/passkey_full" in r]
+    assert len(tracked) == len([r for r in records if "val/bpb" in r]) >= 2 and all(0 <= a <= 1 for a in tracked)
     assert run_main(["--profile", str(profile), "--out", str(plain), "--no-mc"]) == 0
     assert run_main(["--profile", str(profile), "--out", str(short), "--no-mc", "--set", "data.seq_len=128"]) == 0
     args = ["--ckpt", str(mc), "--batches", "1", "--out", str(tmp_path / "e"), "--json", str(tmp_path / "e.json")]

@@ -220,6 +220,13 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     assert "[generate] mc:" in err and "20 new tokens" in err and "cache entries kept:" in err
     assert generate_main([*common, "--mode", "full"]) == 0
     assert "[generate] full:" in capsys.readouterr().err
+    # Truncation at the same cadence: every refocus shows the newest W - R = 20 tokens, as blocks of K = 4 tokens.
+    assert generate_main([*common, "--context", "recency"]) == 0
+    err = capsys.readouterr().err
+    refocuses = err.split("[refocus]")[1:]
+    maps = ["".join(line.strip() for line in r.splitlines() if line.startswith("  ")) for r in refocuses]
+    assert "[generate] mc:" in err and maps and all(m.lstrip("·") == "0" * len(m.lstrip("·")) for m in maps)
+    assert all(5 <= len(m.lstrip("·")) <= 6 for m in maps)  # 20 tokens span 5 blocks, or 6 when not aligned
     assert generate_main([*common, "--warm-steps", "-1"]) == 2
     assert generate_main([*common, "--refocus-every", "100000"]) == 2
 

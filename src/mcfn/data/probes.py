@@ -71,7 +71,10 @@ def _passkey(rng: random.Random, row: list[int], tok: Tokenizer, tail: int) -> t
     fact = tok.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
     question = [("\nWhat is the pass key? The pass key is", False), (f" {key}", True)]
     ending, flags = _ending(tok, question, len(row), tail)
-    at = rng.randint(0, len(row) - len(ending) - len(fact) - tail)
+    room = len(row) - len(ending) - len(fact) - tail  # the fact ends before the scored tail
+    if room < 0:
+        raise UserError("data.seq_len is too short for the pass key's fact before the tail")
+    at = rng.randint(0, room)
     _write(row, at, fact)
     answer = [False] * (len(row) - 1)
     _place(rng, row, ending, flags, answer)

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from mcfn.config import RunConfig
 from mcfn.core.outputs import StepOutput
+from mcfn.core.system import MegaContext
 from mcfn.data.corpus import cache_root
 from mcfn.data.loader import Prefetcher
 from mcfn.errors import RunAborted
@@ -43,6 +44,7 @@ from mcfn.shell.outcome import LOD_MAPS_NAME, finish
 from mcfn.shell.session import Progress, Session, open_session, save_state
 from mcfn.shell.stopping import StopRequest
 from mcfn.shell.tasks import MCTask
+from mcfn.tools.evaluation import probe_accuracy
 from mcfn.tools.flops import peak_flops, step_flops
 
 LOD_LEGEND = "a character per block of K tokens: 0 tokens, 1 and up gists, · not covered"
@@ -223,6 +225,10 @@ class Trainer:
         t0 = time.perf_counter()
         with s.autocast():
             result = s.task.evaluate(s.val_batches)
+            base = s.model.base if isinstance(s.model, MegaContext) else s.model
+            passkey = probe_accuracy(base, s.val_batches, s.corpus.tokenizer, s.cfg.mc.tail)
+        if passkey is not None:  # when retrieval forms: the pass key answered reading the whole window
+            result["probe/passkey_full"] = passkey
         s.model.train()
         progress.eval_s.append(time.perf_counter() - t0)
         progress.last_bpb = result["val/bpb"]

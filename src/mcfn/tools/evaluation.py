@@ -140,6 +140,23 @@ def per_chunk(pred, mask: Tensor, scored: Tensor) -> tuple[Tensor, Tensor, Tenso
     return nats, wrong, nbytes
 
 
+@torch.no_grad()
+def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail: int, task: str = "passkey"):
+    """The share of held-out ``windows`` whose probe ``task`` the base model answers reading the whole window
+    (``full``), the probes written as the evaluation writes them; ``None`` where the probe does not fit the tail.
+    Tracked during training (``probe/passkey_full``), it shows when retrieval forms."""
+    T = windows[0].size(1) - 1
+    if misfit(task, tokenizer, T, tail) is not None:
+        return None
+    answered = []
+    for index, batch in enumerate(windows):
+        probe = make_probe(task, batch.cpu(), tokenizer, tail, derive_seed(PROBES.index(task), "eval_probes", index))
+        hit = full_predictions(base, probe.window.to(batch.device), tail)[1]
+        answer = probe.answer[:, T - tail :].to(batch.device)
+        answered.append((hit | ~answer).all(-1))
+    return float(torch.cat(answered).float().mean())
+
+
 PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
 
 

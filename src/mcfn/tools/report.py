@@ -20,15 +20,15 @@ def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tupl
 def plot_loss_and_timings(out_dir: Path, records: list[dict[str, Any]], tokens_per_step: float) -> None:
     """``loss.png`` (train loss and validation bpb against tokens) and ``timings.png`` (phase times per step)."""
     val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
-    plot_panels(
-        out_dir / "loss.png",
-        "Loss and validation bits per byte",
-        "tokens",
-        [
-            ("train loss (nats)", {"train/loss": _series(records, "train/loss", tokens_per_step)}),
-            ("val bits per byte", {k: _series(records, k, tokens_per_step) for k in val_keys}),
-        ],
-    )
+    panels = [
+        ("train loss (nats)", {"train/loss": _series(records, "train/loss", tokens_per_step)}),
+        ("val bits per byte", {k: _series(records, k, tokens_per_step) for k in val_keys}),
+    ]
+    if any("probe/passkey_full" in r for r in records):  # when retrieval forms
+        panels.append(
+            ("pass key answered, full window", {"passkey": _series(records, "probe/passkey_full", tokens_per_step)})
+        )
+    plot_panels(out_dir / "loss.png", "Loss, validation bits per byte and retrieval", "tokens", panels)
     timed = [r for r in records if "time/step_ms" in r][1:]  # the first logged step includes compilation
     plot_panels(
         out_dir / "timings.png",
