@@ -4,26 +4,26 @@ Every window is scored on its last ``H`` target positions, the part each working
 under these conditions at the same budget ``W``:
 
 * ``full``: all ``T`` tokens at LOD0, the upper bound (no budget);
-* ``recency``: the last ``W`` tokens at LOD0, nothing older (truncation);
+* ``recency``: the newest tokens at LOD0, nothing older (truncation);
 * ``recent``: the training-free structured cut, full coverage with the newest detail first
   (:func:`mcfn.core.variants.recent_cut`): the bar a learned focus must clear on natural text;
 * ``random``: a random compressed working context (the mean over ``M`` of them);
 * ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
-* ``lens``: LensNet's scores, read once from the block view (I12), and a few allocator steps from the
-  coarsest full-coverage context (it may leave blocks out, down to truncation);
+* ``match``: the training-free n-gram copy focus (:mod:`mcfn.core.match`);
+* ``lens``: LensNet's scores, read once from the block view (I12), and a few allocator steps (it may leave blocks
+  out, down to truncation);
 * ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
-* ``oracle``: per window, the best of the same ``M`` random contexts by measured loss on what is scored;
+* ``oracle``: the best of the same ``M`` random contexts by measured loss on what is scored;
 * ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
 
-``attn`` and ``lens`` choose their cut from each window up to its **horizon** (I11), the first scored
-prediction's position: the tail's first token on ``corpus``, the token before the answer on a probe. The cut
-never depends on the tokens it is scored on.
-
-That is one cut for all ``H`` tail predictions, the protocol every reported figure uses. With ``refocus_every = R``
-(``train.eval --refocus-every R``, a measurement, not the protocol) ``attn`` and ``lens`` refocus every ``R`` tail
-tokens as generation does: the predictions ``[cR, (c + 1)R)`` come from a cut chosen at horizon ``T - H + cR``.
-Which far text the tail will copy is mostly not legible from before it (LABLOG, tenth session).
+Two protocols, both reported. The headline is **generation's** (:mod:`mcfn.tools.refocused`): every condition that
+chooses a cut refocuses every ``R = mc.refocus_every`` tokens in generation's own layout, and the predictions of each
+chunk of ``R`` come from the cut chosen at the chunk's horizon. The earlier one, **one cut** for all ``H`` tail
+predictions (:mod:`mcfn.tools.one_cut`, ``R = H``), stays beside it so that earlier figures remain comparable. A cut
+is chosen from each window up to its **horizon** (I11), the position of the first prediction it serves (the tail's
+first token on ``corpus``, the token before the answer on a probe, and ``R`` further for each later chunk): it never
+depends on the tokens it is scored on.
 
 What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
 tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**: tail
@@ -31,7 +31,7 @@ tokens that ``full`` predicts better than ``recency`` at the run's ``W`` by more
 nats (in the spirit of LongPPL). A probe window counts as answered when every answer token is the greedy
 argmax.
 
-``lens_rank_corr`` is the Spearman correlation, over all pairs of a window's random contexts, between
+``lens_rank_corr`` is the Spearman correlation, over all pairs of a chunk's random contexts, between
 LensNet's predicted preference and the measured gap in scored nats. LensNet's predicted preference of ``a``
 over ``b`` is ``Σ s·y`` over ``b``'s entries with the I7 targets that move ``b`` towards ``a``, minus the same
 with the roles swapped (:func:`mcfn.core.preferences.pair_margin`).
