@@ -67,6 +67,11 @@ def budget_contexts(
         "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
         **focus_contexts(system, tree, window, horizon, nodes, steps),
     }
+    return stacked(parts)
+
+
+def stacked(parts: dict[str, Tensor]) -> tuple[Tensor, dict[str, slice]]:
+    """Each condition's cuts ``[B, S_c, nodes]`` side by side ``[B, S, nodes]``, and each condition's slots."""
     slots, at = {}, 0
     for name, cut in parts.items():
         slots[name] = slice(at, at + cut.size(1))

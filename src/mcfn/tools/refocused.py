@@ -36,20 +36,15 @@ from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recent_cut
 from mcfn.tools.attention import attention_scores
-from mcfn.tools.one_cut import gists_zeroed
+from mcfn.tools.one_cut import Predictions, gists_zeroed, stacked
 
 FOCUSES = ("attn", "match", "lens")  # the conditions that refocus with focus_cut
 
 
 @dataclass
-class ChunkedPredictions:
-    """The tail predictions of one batch at one budget, each chunk from its own cuts."""
+class ChunkedPredictions(Predictions):
+    """The tail predictions of one batch at one budget, each chunk of ``R`` from its own cuts, and those cuts."""
 
-    nll: Tensor  # [B, S, H]
-    hit: Tensor  # [B, S, H] bool
-    slots: dict[str, slice]  # each condition's contexts among the S
-    chunk: Tensor  # [B, H] int64: the chunk each tail column belongs to (-1: before the horizon)
-    preference: Tensor | None  # [B, C, P]: LensNet's preference between every pair of a chunk's random contexts
     cuts: dict[str, list[list[Tensor]]]  # per focus condition, per row, each chunk's full-window cut [nodes]
 
 
@@ -62,10 +57,10 @@ def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamVie
     return None
 
 
-def full_cut(view_cut: Tensor, view: StreamView, ids: Tensor, nodes: NodeTable, n: int, upto: int) -> Tensor:
-    """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries, then the tokens
-    ``[n, upto)`` that generation would read after it at LOD0."""
-    real = (NodeTable.of(view.layout, view_cut.device).start < view.real) & view_cut
+def full_cut(view_cut: Tensor, real: Tensor, ids: Tensor, nodes: NodeTable, n: int, upto: int) -> Tensor:
+    """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries (``real
+    [view_nodes]``: no phantom), then the tokens ``[n, upto)`` that generation would read after it at LOD0."""
+    real = real & view_cut
     shown = torch.zeros(*view_cut.shape[:-1], nodes.layout.n_nodes, dtype=torch.bool, device=view_cut.device)
     shown[..., ids] = real
     shown[..., n:upto] = True  # LOD0 nodes are numbered first, by token
@@ -143,18 +138,19 @@ def predict_chunk(
     view = stream_view(n, layout, budget)
     ids = view_node_ids(view, layout, window.device)
     view_nodes = NodeTable.of(view.layout, window.device)
+    real = view_nodes.start < view.real
     view_tree = Tree(emb=tree.emb[rows][:, ids], batch_size=[rows.numel()])
     view_window = window[rows, view.origin : view.origin + view.layout.T + 1]
     parts: dict[str, Tensor] = {
         "recency": recency_of(nodes, n, upto, budget, rows.numel()),
-        "recent": full_cut(recent_cut(view.layout, window.device), view, ids, nodes, n, upto).expand(
+        "recent": full_cut(recent_cut(view.layout, window.device), real, ids, nodes, n, upto).expand(
             rows.numel(), 1, -1
         ),
     }
     M = random_contexts
     noise = draw_variant_noise(view_nodes.with_sizes(N=M).layout, rows.numel(), generator, window.device)
     random_view = compressed_cuts(noise, view_nodes.with_sizes(N=M))
-    parts["random"] = full_cut(random_view, view, ids, nodes, n, upto)
+    parts["random"] = full_cut(random_view, real, ids, nodes, n, upto)
     for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
         chosen = []
         for i, row in enumerate(rows.tolist()):
@@ -164,19 +160,15 @@ def predict_chunk(
             steps = protocol.steps if prior is None or protocol.warm_steps == 0 else protocol.warm_steps
             cut = focus_cut(system, one_tree, one_window, view, steps, prior if protocol.warm_steps else None, scorer)
             previous[name][row] = view_context(one_tree, cut, one_window, view)
-            chosen.append(full_cut(cut, view, ids, nodes, n, upto))
+            chosen.append(full_cut(cut, real, ids, nodes, n, upto))
             cuts[name][row].append(chosen[-1][0, 0])
         parts[name] = torch.cat(chosen)
-    slots, at = {}, 0
-    for name, cut in parts.items():
-        slots[name] = slice(at, at + cut.size(1))
-        at += cut.size(1)
-    shown = torch.cat(list(parts.values()), dim=1)
+    shown, slots = stacked(parts)
     nll, hit = chunk_predictions(system, tree[rows], shown, window[rows], nodes, n, upto)
     preference = None
     if system.lensnet is not None:
         ablated = chunk_predictions(system, nogist[rows], parts["lens"], window[rows], nodes, n, upto)
-        slots["lens_nogist"] = slice(at, at + 1)
+        slots["lens_nogist"] = slice(shown.size(1), shown.size(1) + 1)
         nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)
         preference = random_preferences(system, view_tree, random_view, view_window, view_nodes, view)
     return slots, nll, hit, preference
