@@ -260,3 +260,33 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
         carried = carried_cut(previous, view, nodes)
         cuts = [shrink_to_budget(carried, s, nodes) for s in scores]
         assert cuts[0] is not None and torch.equal(cuts[0], cuts[1]), n
+
+
+def test_the_kv_cache_after_refocuses_that_change_a_level_but_keep_a_start(monkeypatch):
+    """Teacher-forced over a dozen warm refocuses, the cached decode gives the logits of recomputing the context at
+    every token. Among those refocuses, some expand or collapse the entry right at the end of the kept prefix without
+    moving its start (an expansion's first child, a collapse's parent): a cache that decides "unchanged" by start
+    alone would keep that entry's stale keys and values there. Fails with ``shared_prefix`` comparing starts only."""
+    from mcfn.core.focus import Refocus
+    from mcfn.inference.generation import teacher_forced_mc
+
+    system = spread_lens(decisive_system(), seed=2)
+    text = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(11))
+    prompt, continuation = text[:70], text[70:]
+    same_start = 0
+    keep = generation.shared_prefix
+
+    def watched(cached, entries):
+        nonlocal same_start
+        kept = keep(cached, entries)
+        if kept < min(cached.size(0), entries.size(0)):
+            same_start += int(cached[kept, 0] == entries[kept, 0])  # the first changed entry kept its start
+        return kept
+
+    monkeypatch.setattr(generation, "shared_prefix", watched)
+    refocus = Refocus(REFOCUS, steps=4, warm_steps=1)
+    cached, stats = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=True)
+    recomputed, _ = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=False)
+    torch.testing.assert_close(cached, recomputed, atol=1e-4, rtol=1e-4)
+    assert len(stats.layouts) == 50 // REFOCUS + 1 and stats.reused_entries > 0
+    assert same_start >= 2, "the test needs refocuses that change a level at a kept start"
