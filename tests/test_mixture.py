@@ -101,3 +101,26 @@ def test_repeat_ends_the_window_with_a_copy_of_its_own_earlier_text(split, tok):
     sampler = mixed(split, tok, 1.0, tasks=("repeat",))
     batch, natural = sampler.batch(3, 4), WindowSampler(split, T + 1, 5).batch(3, 4)
     assert torch.equal(batch[:, : -2 * H], natural[:, : -2 * H]) and not torch.equal(batch, natural)
+
+
+def test_each_batch_index_draws_its_own_facts_and_rows_whatever_came_before(split, tok):
+    """Batch ``i`` is a function of ``(seed, i)`` alone: different indices rewrite different rows with different
+    pass keys, and a batch is the same whether or not other batches were drawn before it. Fails with every batch
+    seeded alike (the same rows and facts each time) or with one random stream carried from batch to batch."""
+    import re
+
+    def facts(batch: torch.Tensor) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        texts = [tok.decode(row.tolist()) for row in batch]
+        rows = tuple(r for r, text in enumerate(texts) if "What is the pass key?" in text)
+        keys = tuple(re.search(r"The pass key is (\d+)\.", texts[r]).group(1) for r in rows)
+        return rows, keys
+
+    fresh = mixed(split, tok, 0.5, tasks=("passkey",))
+    drawn = [facts(fresh.batch(i, 8)) for i in range(12)]
+    keys = [k for _, ks in drawn for k in ks]
+    assert len({rows for rows, _ in drawn}) >= 6, "the mixed rows change with the batch index"
+    assert len(keys) >= 24 and len(set(keys)) >= 0.9 * len(keys), "each batch writes its own facts"
+    late = mixed(split, tok, 0.5, tasks=("passkey",))
+    assert torch.equal(late.batch(9, 8), mixed(split, tok, 0.5, tasks=("passkey",)).batch(9, 8))
+    for i in (3, 9, 4):  # out of order, after other batches: the same windows as drawn first
+        assert facts(late.batch(i, 8)) == drawn[i]
