@@ -86,3 +86,28 @@ def test_property_I3_every_entry_scores_its_unit_and_padding_changes_nothing(cas
         clean, dirty = lens(padded), lens(noisy)
     torch.testing.assert_close(clean[padded.valid], dirty[padded.valid])
     assert (dirty[pad] == 0).all()
+
+
+@given(cases)
+def test_property_I3_lensnets_padding_units_change_no_valid_units_score(case):
+    """LensNet reads units, not entries: whatever its padding units hold (embedding, start, span, level), the valid
+    units' scores stay as they were. Perturbing padding entries cannot show this, since they are dropped before the
+    units are pooled. Fails with the transformer's key mask over the units taken out."""
+    from hypothesis import assume
+
+    shape, batch, seed = case
+    system, _, wc = block_contexts(shape, batch, seed)
+    units = min(shape["W"], shape["T"] // shape["K"])
+    pooled = pool_blocks(wc, block_units(wc, shape["K"], units), units)
+    pad = ~pooled.valid
+    assume(bool(pad.any()))
+    g = torch.Generator().manual_seed(seed)
+    noisy = pooled.clone()
+    noisy.emb = torch.where(pad[..., None], torch.randn(pooled.emb.shape, generator=g) * 10, pooled.emb)
+    noisy.start = torch.where(pad, torch.randint(0, shape["T"], pooled.start.shape, generator=g), pooled.start)
+    noisy.span = torch.where(pad, torch.randint(1, shape["K"] + 1, pooled.span.shape, generator=g), pooled.span)
+    noisy.position = torch.where(pad, noisy.start + (noisy.span - 1) / 2, pooled.position)
+    noisy.lod = torch.where(pad, torch.randint(0, shape["L"] + 1, pooled.lod.shape, generator=g), pooled.lod)
+    with torch.no_grad():
+        clean, dirty = system.lensnet.score(pooled), system.lensnet.score(noisy)
+    torch.testing.assert_close(clean[pooled.valid], dirty[pooled.valid])
