@@ -66,3 +66,44 @@ def test_the_step_with_the_teacher_is_one_graph_equal_to_eager(fresh_dynamo):
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))
     batches = [(system, *batch(system, seed=i), weights(1.0) if i < 3 else weights(0.1)) for i in range(4)]
     assert_one_graph_equals_eager(process_batch, batches)
+
+
+def test_the_attention_target_by_hand_on_a_tiny_window():
+    """The teacher's attention mass, computed the long way on a 16-token window: every layer's and head's full
+    causal attention matrix written out, each tail query ``h`` weighted by ``recency_nll[h] - full_nll[T - H + h]``
+    (floored), summed onto tokens and then onto every node's span. Fails with the full window's per-token loss read
+    one position off, or a query's attention row taken from its neighbour."""
+    import math
+
+    from mcfn.core.attention import LONG_RANGE_FLOOR
+    from mcfn.core.model import causal_attention
+    from mcfn.core.teacher import teacher_losses
+
+    system = decisive(make_system(T=16, K=2, L=2, W=12, H=4, N=1, teacher={"full_weight": 1.0}))
+    base, layout = system.base, system.layout
+    window, _ = batch(system, seed=3)
+    inputs, targets = window[:, :-1], window[:, 1:]
+    T, H = 16, 4
+    matrices = []
+
+    def written_out(layer, q, k, v):
+        logits = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        matrices.append(torch.softmax(logits.masked_fill(~causal, -torch.inf), -1))  # [B, heads, T, T]
+        return causal_attention(layer, q, k, v)
+
+    with torch.no_grad():
+        positions = torch.arange(T, dtype=torch.float32)[None]
+        hidden = base.hidden(base.embed(inputs), positions, torch.ones_like(positions), attend=written_out)
+        full_nll = F.cross_entropy(base.logits(hidden).transpose(1, 2), targets, reduction="none")  # [B, T]
+        recency = full_nll[:, T - H :] + torch.tensor([[0.0, 2.0, -1.0, 0.5], [1.5, 0.0, 0.0, 3.0]])
+        _, mass = teacher_losses(base, window, recency, layout, weights(1.0), with_mass=True)
+    weight = (recency - full_nll[:, T - H :]).clamp(min=0) + LONG_RANGE_FLOOR  # [B, H]
+    attention = sum(m.sum(1) for m in matrices)  # [B, T, T]: every layer and head
+    token_mass = torch.einsum("bh,bht->bt", weight, attention[:, T - H :])
+    nodes = system.nodes
+    expected = torch.stack(
+        [token_mass[:, s : s + w].sum(-1) for s, w in zip(nodes.start.tolist(), nodes.span.tolist(), strict=True)], -1
+    )
+    torch.testing.assert_close(mass, expected, atol=1e-5, rtol=1e-5)
+    assert float(token_mass[:, : T - H].sum()) > 0 and not torch.allclose(weight[:, 0], weight[:, 1])
