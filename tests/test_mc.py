@@ -44,6 +44,7 @@ def make_system(
     lens: dict | None = None,
     gist: dict | None = None,
     leave_out: str = "top",
+    refocus_every: int = 16,
 ) -> MegaContext:
     cfg = build_config(
         {
@@ -56,6 +57,7 @@ def make_system(
                 "tail": H,
                 "variants": N,
                 "leave_out": leave_out,
+                "refocus_every": refocus_every,
                 "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
                 "lens": {"width": lens_width, **(lens or {})},
                 "teacher": teacher or {},

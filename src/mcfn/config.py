@@ -127,6 +127,7 @@ def most_refocus_every(budget: int, tail: int, block: int, lod_max: int) -> int:
 GIST_KINDS = ("gistnet", "mean")
 LEAVE_OUT_RULES = ("top", "gist")
 GIST_SOURCES = ("embedding", "hidden")
+LENS_HORIZONS = ("tail", "chunks")
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,10 @@ class LensConfig:
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
     every: int = 1  # compute the LensNet loss on every k-th step only
+    # Where LensNet is trained to choose a cut: "tail", at the tail's start with targets from the whole tail;
+    # "chunks", at a uniformly drawn chunk start T - H + cR inside the tail (R = mc.refocus_every, where generation and
+    # the evaluation ask it), with targets from that chunk's R predictions and the teacher's from its queries.
+    horizons: str = "tail"
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
@@ -178,6 +183,7 @@ class LensConfig:
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
         _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
         _require(self.every >= 1, "mc.lens.every", "must be >= 1")
+        _require(self.horizons in LENS_HORIZONS, "mc.lens.horizons", f"must be one of {', '.join(LENS_HORIZONS)}")
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,11 @@ class MCConfig:
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
         # Its upper bound (most_refocus_every) binds only where a cut is refocused: generation and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
+        _require(
+            self.lens.horizons == "tail" or self.tail % self.refocus_every == 0,
+            "mc.lens.horizons",
+            '"chunks" needs mc.tail to be a multiple of mc.refocus_every',
+        )
         _require(self.leave_out in LEAVE_OUT_RULES, "mc.leave_out", f"must be one of {', '.join(LEAVE_OUT_RULES)}")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
         _require(

@@ -79,6 +79,9 @@ class MegaContext(nn.Module):
         self.use_teacher = mc.teacher.enabled
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         self.use_pair = mc.lens.enabled and mc.lens.pair_weight > 0
+        self.refocus_every = mc.refocus_every
+        # LensNet trained where it is asked: each window's horizon at a drawn chunk start inside the tail.
+        self.chunk_horizons = mc.lens.enabled and mc.lens.horizons == "chunks"
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -95,6 +98,31 @@ class MegaContext(nn.Module):
 def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor, " r"]:
     """``[rows]``: each row's horizon (I11) at the tail's first token, the first prediction a training cut serves."""
     return torch.full((rows,), layout.T - layout.H, device=device)
+
+
+def training_horizon(system: MegaContext, noise: VariantNoise) -> Int[Tensor, " b"]:
+    """Each window's training horizon ``[B]`` (I11): the tail's first token, or with ``mc.lens.horizons = "chunks"``
+    the start ``T - H + cR`` of its drawn chunk ``c`` (a tensor: one graph for every horizon)."""
+    layout = system.layout
+    return layout.T - layout.H + noise.tail_chunk[:, 0] * system.refocus_every
+
+
+@typechecked
+def chunk_queries(horizon: Int[Tensor, " b"], layout: Layout, reach: int) -> Bool[Tensor, "b h"]:
+    """Which of the ``H`` tail predictions ``[B, H]`` a cut chosen at ``horizon`` serves: the next ``reach``."""
+    position = layout.T - layout.H + torch.arange(layout.H, device=horizon.device)
+    return (position >= horizon[:, None]) & (position < horizon[:, None] + reach)
+
+
+@typechecked
+def chunk_tail_nll(
+    nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout, horizon: Int[Tensor, " b"], reach: int
+) -> Float[Tensor, "b v"]:
+    """Each variant's mean NLL ``[B, V]`` on the ``reach`` predictions from its window's ``horizon`` on: what LensNet's
+    preference targets compare when it learns at in-tail horizons (every variant shows them at LOD0, I4)."""
+    at = repeat(horizon, "b -> (b v) 1", v=layout.V)
+    chunk = wc.valid & (wc.start >= at) & (wc.start < at + reach)
+    return rearrange((nll * chunk).sum(-1) / reach, "(b v) -> b v", v=layout.V)
 
 
 @typechecked
@@ -169,10 +197,11 @@ def allocator_cuts(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b a nodes"]:
     """The allocator's working contexts, ``A = alloc_variants`` per sample, refocused from the coarsest cut
-    with exploration noise: LensNet thus learns on the contexts it creates."""
+    with exploration noise at each window's training horizon: LensNet thus learns on the contexts it creates."""
     A, B = system.alloc_variants, window.size(0)
     start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
-    return refocus(system, tree, window, start, system.nodes, explore=noise.explore[:, -A:])
+    horizon = training_horizon(system, noise)
+    return refocus(system, tree, window, start, system.nodes, explore=noise.explore[:, -A:], horizon=horizon)
 
 
 # The stages of the step, in order. Each is a pure function of the system and tensors.
@@ -224,15 +253,18 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
 
 @stage("teacher")
 def teacher_stage(
-    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights
+    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights, horizon: Tensor
 ) -> tuple[StepOutput, Tensor | None]:
-    return teacher_losses(system.base, window, recency_nll, system.layout, weights, system.use_lens_attention)
+    """The full-window teacher; at in-tail horizons its attention target comes from each chunk's queries only."""
+    layout = system.layout
+    queries = chunk_queries(horizon, layout, system.refocus_every) if system.chunk_horizons else None
+    return teacher_losses(system.base, window, recency_nll, layout, weights, system.use_lens_attention, queries)
 
 
 @stage("lens_fwd")
-def lens_stage(system: MegaContext, wc: WorkingContext) -> Float[Tensor, "r w"]:
-    """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to the tail's first token."""
-    return system.lensnet(seen_until(wc, tail_horizon(system.layout, wc.batch_size[0], wc.start.device)))
+def lens_stage(system: MegaContext, wc: WorkingContext, horizon: Tensor) -> Float[Tensor, "r w"]:
+    """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to each window's horizon."""
+    return system.lensnet(seen_until(wc, repeat(horizon, "b -> (b v)", v=system.layout.V)))
 
 
 @stage("lens_loss")
@@ -267,15 +299,18 @@ def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> 
 
 
 def language_model_terms(
-    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights
+    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights, horizon: Tensor
 ) -> tuple[Tensor, StepOutput, Tensor | None]:
-    """The packed base forward's tail NLL ``[B, V]`` and loss terms, with the teacher's when it is on, and the
-    teacher's attention mass per node ``[B, nodes]`` when LensNet learns from it (else ``None``)."""
+    """The packed base forward's loss terms (``loss_lm`` over the whole tail), with the teacher's when it is on; the
+    NLL ``[B, V]`` LensNet's preferences compare (the whole tail's, or with in-tail horizons the chunk's after each
+    window's ``horizon``); and the teacher's attention mass per node ``[B, nodes]`` when LensNet learns from it."""
     hidden = base_stage(system, wc)
     nll, tails, out = loss_stage(system, hidden, wc)
+    if system.chunk_horizons:  # a config constant: static under compile
+        tails = chunk_tail_nll(nll, wc, system.layout, horizon, system.refocus_every)
     if not system.use_teacher:  # a config constant: static under compile
         return tails, out, None
-    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights)
+    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights, horizon)
     return tails, out.merge(teacher), mass
 
 
@@ -289,15 +324,17 @@ def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, weig
     """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's and reconstruction's terms)
     and the metrics."""
     wc, _, tree = build_contexts(system, window, noise)
-    return with_recon(system, language_model_terms(system, window, wc, weights)[1], tree, window, weights)
+    terms = language_model_terms(system, window, wc, weights, training_horizon(system, noise))[1]
+    return with_recon(system, terms, tree, window, weights)
 
 
 def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
     wc, shown, tree = build_contexts(system, window, noise)
-    tails, out, mass = language_model_terms(system, window, wc, weights)
+    horizon = training_horizon(system, noise)
+    tails, out, mass = language_model_terms(system, window, wc, weights, horizon)
     out = with_recon(system, out, tree, window, weights)
-    scores = lens_stage(system, wc)
+    scores = lens_stage(system, wc, horizon)
     return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 

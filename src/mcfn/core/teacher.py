@@ -13,7 +13,7 @@ predictions into the gists was measured and retired: LABLOG 2026-11-24.)
 from __future__ import annotations
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.attention import hidden_and_tail_attention, long_range_mass, node_mass
@@ -33,11 +33,13 @@ def teacher_losses(
     layout: Layout,
     weights: LossWeights,
     with_mass: bool = False,
+    queries: Bool[Tensor, "b h"] | None = None,
 ) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
     """``loss_full`` (weighted), with its unweighted value as a metric; and with ``with_mass``, the tail's
     long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
     the full window predicts each tail target than the recency baseline (``recency_nll``, read off the packed
-    forward: :func:`mcfn.core.losses.recency_tail_nll`)."""
+    forward: :func:`mcfn.core.losses.recency_tail_nll`), from the tail ``queries`` only where given (the chunk a
+    window's in-tail horizon serves)."""
     inputs, targets = split_window(window)
     tail_start = layout.T - layout.H
     if with_mass:  # a config constant: static under compile
@@ -51,6 +53,8 @@ def teacher_losses(
     nll = base.nll(full_hidden, targets)  # [B, T]
     mass = None
     if with_mass:
+        if queries is not None:
+            attention = attention * queries[..., None]
         mass = node_mass(long_range_mass(attention, recency_nll, nll[:, tail_start:]), layout)
     full_nll = nll.mean()
     return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass

@@ -38,18 +38,32 @@ class VariantNoise(TensorClass):
     share: Tensor
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
     leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
+    # [B, N] int64: the chunk of R tail tokens whose start is the window's training horizon (column 0 is read;
+    # mc.lens.horizons = "chunks"); all 0, the tail's start, otherwise
+    tail_chunk: Tensor
 
 
 def draw_variant_noise(
-    layout: Layout, batch: int, generator: torch.Generator, device: torch.device, alloc_iterations: int = 1
+    layout: Layout,
+    batch: int,
+    generator: torch.Generator,
+    device: torch.device,
+    alloc_iterations: int = 1,
+    chunks: int = 1,
 ) -> VariantNoise:
+    """The noise of a batch; with ``chunks > 1``, each window's training horizon is the start of a uniformly drawn
+    chunk of the tail (drawn last, so that the other draws are the same either way)."""
     shape = (batch, layout.N)
+    priority = torch.rand(*shape, layout.n_nodes, generator=generator, device=device)
+    share = torch.rand(*shape, layout.L, generator=generator, device=device)
+    explore = torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device)
+    leave_out = torch.rand(*shape, generator=generator, device=device)
+    if chunks > 1:
+        chunk = torch.randint(0, chunks, shape, generator=generator, device=device)
+    else:
+        chunk = torch.zeros(shape, dtype=torch.int64, device=device)
     return VariantNoise(
-        priority=torch.rand(*shape, layout.n_nodes, generator=generator, device=device),
-        share=torch.rand(*shape, layout.L, generator=generator, device=device),
-        explore=torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device),
-        leave_out=torch.rand(*shape, generator=generator, device=device),
-        batch_size=list(shape),
+        priority=priority, share=share, explore=explore, leave_out=leave_out, tail_chunk=chunk, batch_size=list(shape)
     )
 
 
@@ -135,6 +149,7 @@ def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
         share=zeros[..., : layout.L],
         explore=zeros[:, :, None],
         leave_out=zeros[..., 0],
+        tail_chunk=zeros[..., 0].long(),
         batch_size=[1, 1],
     )
     return compressed_cuts(noise, NodeTable.of(tight, device))[0, 0]
