@@ -17,21 +17,11 @@ from mcfn.core.weights import LossWeights
 T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
 
 
-def chunk_system(teacher: bool = False):
-    extra = (
-        {"teacher": {"full_weight": 1.0}, "lens": {"horizons": "chunks", "attention_weight": 1.0}} if teacher else {}
-    )
-    system = make_system(
-        T,
-        K,
-        L,
-        W,
-        H,
-        N=3,
-        lens={"horizons": "chunks", **extra.get("lens", {})},
-        teacher=extra.get("teacher"),
-        refocus_every=R,
-    )
+def chunk_system(teacher: bool = False, match_feature: bool = False):
+    """A system trained at in-tail horizons, with the teacher's attention target and the match feature if asked."""
+    lens = {"horizons": "chunks", "match_feature": match_feature, "attention_weight": 1.0 if teacher else 0.0}
+    teacher_cfg = {"full_weight": 1.0} if teacher else None
+    system = make_system(T, K, L, W, H, N=3, lens=lens, teacher=teacher_cfg, refocus_every=R)
     return spread_lens(decisive(system), seed=2)
 
 
@@ -70,8 +60,9 @@ def test_property_in_tail_horizon_targets_come_from_the_chunk_after_the_horizon(
 
 
 def test_the_step_at_in_tail_horizons_is_one_graph_equal_to_eager(fresh_dynamo):
-    """The horizon is a tensor: batches at every chunk run through one compiled graph, with no recompile."""
-    system = chunk_system(teacher=True)
+    """The horizon is a tensor: batches at every chunk run through one compiled graph, with no recompile (the
+    teacher's attention target and LensNet's match feature on)."""
+    system = chunk_system(teacher=True, match_feature=True)
     batches = [(system, *batch_at(system, c, seed=c), weights()) for c in range(H // R)]
     assert_one_graph_equals_eager(process_batch_lens, batches)
 
@@ -91,5 +82,7 @@ def test_I11_lensnet_and_the_allocator_read_nothing_after_an_in_tail_horizon():
                 build_contexts(system, window, noise),
                 build_contexts(system, rewritten, noise),
             )
-            torch.testing.assert_close(lens_stage(system, wc, horizon), lens_stage(system, wc2, horizon))
+            torch.testing.assert_close(
+                lens_stage(system, wc, horizon, window), lens_stage(system, wc2, horizon, rewritten)
+            )
         assert torch.equal(shown, shown2)

@@ -174,6 +174,9 @@ class LensConfig:
     # "chunks", at a uniformly drawn chunk start T - H + cR inside the tail (R = mc.refocus_every, where generation and
     # the evaluation ask it), with targets from that chunk's R predictions and the teacher's from its queries.
     horizons: str = "tail"
+    # LensNet also reads the n-gram match's copy votes on each unit (mcfn.core.match), so that an ablation shows
+    # what the training-free signal is worth to the learned policy.
+    match_feature: bool = False
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")

@@ -8,7 +8,9 @@ see the recent text they are judged against. It reads a context only up to the h
 it is scored on stays unseen. Padding is masked out of attention. Entries carry
 their (damped) rotary position, and three features added to the input: a learned embedding of the
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
-entries' embeddings, detached: the policy learns to read the tree, not to reshape it.
+entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With ``mc.lens.match_feature``
+a third feature is the n-gram copy votes on the unit's text (:func:`mcfn.core.match.match_votes`, ``log1p``), read
+from the window's tokens up to the horizon: where a copy of the newest text would read next.
 
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
@@ -27,6 +29,7 @@ from jaxtyping import Float, Int, Shaped
 from torch import Tensor, nn
 
 from mcfn.core.context import WorkingContext
+from mcfn.core.match import match_votes
 from mcfn.core.model import Block, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
@@ -79,13 +82,28 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
     )
 
 
+@typechecked
+def unit_votes(
+    wc: WorkingContext, tokens: Int[Tensor, "r t"], horizon: Int[Tensor, " r"], K: int, reach: int
+) -> Float[Tensor, "r u"]:
+    """``log1p`` of the match votes on each unit's span ``[R, units]``, read from ``tokens`` up to ``horizon``."""
+    votes = match_votes(tokens, horizon, K, reach)  # [R, t / K]
+    running = F.pad(votes.cumsum(-1), (1, 0))
+    first = (wc.start // K).clamp(max=votes.size(1))
+    last = ((wc.start + wc.span) // K).clamp(max=votes.size(1))
+    return torch.log1p((running.gather(1, last) - running.gather(1, first)).clamp(min=0)) * wc.valid
+
+
 class LensNet(nn.Module):
-    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout):
+    def __init__(
+        self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, match_reach: int | None = None
+    ):
         super().__init__()
         self.layout, self.head_dim = layout, width // n_head
+        self.match_reach = match_reach  # with the match feature: the predictions a cut serves (mc.refocus_every)
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
-        self.feature_proj = nn.Linear(2, width, bias=False)
+        self.feature_proj = nn.Linear(2 if match_reach is None else 3, width, bias=False)
         self.blocks = nn.ModuleList(Block(width, n_head, causal=False) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
         self.reset_parameters()
@@ -101,24 +119,30 @@ class LensNet(nn.Module):
         nn.init.normal_(self.head.weight, std=0.01)
 
     @typechecked
-    def forward(self, wc: WorkingContext, layout: Layout | None = None) -> Float[Tensor, "r w"]:
-        """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one)."""
+    def forward(
+        self, wc: WorkingContext, layout: Layout | None = None, tokens: Int[Tensor, "r t"] | None = None
+    ) -> Float[Tensor, "r w"]:
+        """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one); with the
+        match feature, ``tokens`` are each row's window (only what lies up to its newest entry is read)."""
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
-        scores = F.pad(self.score(pool_blocks(wc, unit, units)), (0, 1))  # the padding slot scores 0
+        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens), (0, 1))  # the padding slot scores 0
         return scores.gather(1, unit) * wc.valid
 
-    def score(self, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    def score(self, wc: WorkingContext, tokens: Tensor | None = None) -> Float[Tensor, "r w"]:
         """The transformer over the rows of ``wc`` (units), one score per valid one."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
         # training T: in training that is the tail's first token; while streaming, the newest real token.
         now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
-        features = torch.stack(
-            (torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), (now - end).float() / T), dim=-1
-        )
+        columns = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), (now - end).float() / T]
+        if self.match_reach is not None:  # a config constant: static under compile
+            if tokens is None:
+                raise ValueError("LensNet's match feature needs the window's tokens")
+            columns.append(unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach))
+        features = torch.stack(columns, dim=-1)
         x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, 10000.0)
         mask = rearrange(wc.valid, "r w -> r 1 1 w")  # every query attends to valid keys only

@@ -70,7 +70,14 @@ class MegaContext(nn.Module):
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
         )
         self.lensnet = (
-            LensNet(cfg.model.n_embd, cfg.lens_width, mc.lens.layers, mc.lens.heads, self.layout)
+            LensNet(
+                cfg.model.n_embd,
+                cfg.lens_width,
+                mc.lens.layers,
+                mc.lens.heads,
+                self.layout,
+                match_reach=mc.refocus_every if mc.lens.match_feature else None,
+            )
             if mc.lens.enabled
             else None
         )
@@ -142,7 +149,8 @@ def focus_scores(
     Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
     context of far gists asks for the recent text back and a context of recent text asks for the far gists,
     and the refocus alternated between the two forever (LABLOG, 2026-11-25, seventh session)."""
-    scorer = partial(system.lensnet, layout=nodes.layout) if scorer is None else scorer
+    if scorer is None:
+        scorer = partial(system.lensnet, layout=nodes.layout, tokens=window[:, : nodes.layout.T])
     B = window.size(0)
     horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
     view = nodes.with_sizes(W=nodes.layout.block_view_width)
@@ -262,9 +270,11 @@ def teacher_stage(
 
 
 @stage("lens_fwd")
-def lens_stage(system: MegaContext, wc: WorkingContext, horizon: Tensor) -> Float[Tensor, "r w"]:
+def lens_stage(system: MegaContext, wc: WorkingContext, horizon: Tensor, window: Tensor) -> Float[Tensor, "r w"]:
     """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to each window's horizon."""
-    return system.lensnet(seen_until(wc, repeat(horizon, "b -> (b v)", v=system.layout.V)))
+    V, T = system.layout.V, system.layout.T
+    tokens = repeat(window[:, :T], "b t -> (b v) t", v=V)
+    return system.lensnet(seen_until(wc, repeat(horizon, "b -> (b v)", v=V)), tokens=tokens)
 
 
 @stage("lens_loss")
@@ -334,7 +344,7 @@ def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise,
     horizon = training_horizon(system, noise)
     tails, out, mass = language_model_terms(system, window, wc, weights, horizon)
     out = with_recon(system, out, tree, window, weights)
-    scores = lens_stage(system, wc, horizon)
+    scores = lens_stage(system, wc, horizon, window)
     return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 

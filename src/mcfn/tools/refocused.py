@@ -196,4 +196,5 @@ def random_preferences(
     wc = assemble(tree, random, window, nodes.with_sizes(N=M))
     i, j = pair_slots(M, random.size(0), random.device)
     seen = seen_until(wc, torch.full((wc.batch_size[0],), view.real - 1, device=random.device))
-    return pair_margin(system.lensnet(seen, layout=nodes.layout), random, i, j, wc, nodes)
+    tokens = repeat(window[:, : nodes.layout.T], "g t -> (g m) t", m=M)
+    return pair_margin(system.lensnet(seen, layout=nodes.layout, tokens=tokens), random, i, j, wc, nodes)
