@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from test_mc import cases, contexts, rewritten_after
 
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.system import MegaContext, base_stage, refocus, tree_stage
+from mcfn.core.focus import refocus
+from mcfn.core.system import MegaContext, base_stage, tree_stage
 from mcfn.core.variants import coarsest_cut
 from mcfn.tools.attention import attention_scores
 
@@ -73,7 +74,7 @@ def test_property_gists_sit_at_their_span_centre_and_the_packed_forward_reads_th
         for r in range(wc.batch_size[0]):
             n = int(valid[r].sum())
             position = (wc.start[r, :n] + (wc.span[r, :n] - 1) / 2).float()[None]
-            logits = base.forward_entries(wc.emb[r : r + 1, :n], position, wc.span[r : r + 1, :n].float())
+            logits = base.logits(base.hidden(wc.emb[r : r + 1, :n], position, wc.span[r : r + 1, :n].float()))
             targets = window[r // (shape["N"] + 1)][wc.start[r, :n] + wc.span[r, :n]]
             direct = F.cross_entropy(logits[0], targets, reduction="none")
             torch.testing.assert_close(packed[r, :n], direct, atol=1e-5, rtol=1e-5)
@@ -90,7 +91,7 @@ def assert_chosen_before(shape: dict, batch: int, seed: int, horizon: torch.Tens
     both = [(tree_stage(system, w), w) for w in (window, rewritten)]
     for name, scorer in {"lens": None, "attn": partial(attention_scores, system.base, H)}.items():
         cuts = [
-            refocus(system, tree, w, start, system.nodes, iterations=2, scorer=scorer, horizon=horizon)
+            refocus(system.lensnet, tree, w, start, system.nodes, iterations=2, scorer=scorer, horizon=horizon)
             for tree, w in both
         ]
         assert torch.equal(*cuts), name

@@ -10,8 +10,8 @@ from test_allocator import adversarial, adversarial_scores, check_cut
 from test_mc import cases
 
 from mcfn.core.allocator import allocate
+from mcfn.core.focus import settle
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import settle
 from mcfn.core.variants import coarsest_cut, draw_variant_noise, sample_variants
 
 

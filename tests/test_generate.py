@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_mc import VOCAB, decisive, make_system, spread_lens
 
-from mcfn.core.focus import carried_cut, shrink_to_budget, stream_view
+from mcfn.core.focus import carried_cut, focus_scores, shrink_to_budget, stream_view
 from mcfn.core.nodes import NodeTable
 from mcfn.core.step import compile_step
-from mcfn.core.system import focus_scores, history_tree
+from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
 from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
@@ -234,7 +234,7 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
 def test_I11_a_streaming_refocus_reads_no_phantom():
     """A streaming refocus reads the view up to the newest real token (I11): rewriting the phantoms that round
     the view up to a whole top-level block (their embeddings and ids) changes no node's score, so neither the
-    cold nor the warm cut. Fails with ``seen_until`` taken out of :func:`~mcfn.core.system.focus_scores`."""
+    cold nor the warm cut. Fails with ``seen_until`` taken out of :func:`~mcfn.core.focus.focus_scores`."""
     system = spread_lens(decisive_system(), seed=4)
     budget = W - REFOCUS
     g = torch.Generator().manual_seed(7)
@@ -253,7 +253,7 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
         noisy_window[0, view.real :] = torch.randint(0, VOCAB, (window.size(1) - view.real,), generator=g)
         horizon = torch.tensor([view.real - 1])
         scores = [
-            focus_scores(system, t, w, nodes, horizon)
+            focus_scores(system.lensnet, t, w, nodes, horizon)
             for t, w in ((tree, window), (Tree(emb=noisy_emb, batch_size=[1]), noisy_window))
         ]
         assert torch.equal(scores[0], scores[1]), n

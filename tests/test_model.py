@@ -1,5 +1,6 @@
 import dataclasses
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcfn.config import ModelConfig
-from mcfn.core.model import GPT, SelfAttention, apply_rotary, rotary_tables
+from mcfn.core.model import GPT, SelfAttention, apply_rotary, causal_attention, rotary_tables
 
 
 def tiny_model(seed: int = 0, vocab: int = 64) -> GPT:
@@ -63,7 +64,7 @@ def test_entry_forward_at_token_positions_equals_token_forward():
     model = tiny_model()
     tokens = torch.randint(0, 64, (2, 12))
     positions = torch.arange(12, dtype=torch.float32).expand(2, 12)
-    by_entries = model.forward_entries(model.embed(tokens), positions, torch.ones(2, 12))
+    by_entries = model.logits(model.hidden(model.embed(tokens), positions, torch.ones(2, 12)))
     torch.testing.assert_close(by_entries, model(tokens))
 
 
@@ -84,14 +85,14 @@ def test_attention_gain_sets_how_sharply_each_head_reads():
     """A head's gain scales its logits: at zero it reads the plain mean of the values before each entry; at a
     large gain it reads mostly its best-aligned key, which QK-norm alone never lets it do."""
     torch.manual_seed(0)
-    attn = SelfAttention(16, 2, causal=True)
+    attn = SelfAttention(16, 2)
     x = torch.randn(1, 6, 16)
     cos, sin = rotary_tables(torch.arange(6.0)[None], torch.ones(1, 6), 8, 10000.0)
     v = rearrange(attn.c_v(x), "b n (h e) -> b h n e", h=2)
     causal_mean = v.cumsum(2) / torch.arange(1, 7.0)[:, None]
     with torch.no_grad():
         attn.gain.copy_(torch.tensor([0.0, 1.0]))
-    heads = attn.attend(x, cos, sin)
+    heads = causal_attention(0, *attn.qkv(x, cos, sin))
     torch.testing.assert_close(heads[:, 0], causal_mean[:, 0])
     assert not torch.allclose(heads[:, 1], causal_mean[:, 1], atol=1e-3)
     q, k, _ = attn.qkv(x, cos, sin)
@@ -113,7 +114,9 @@ def test_initial_state_is_identity_blocks_and_uniform_predictions():
     x = torch.randn(2, 5, 16)
     cos, sin = rotary_tables(torch.arange(5.0)[None], torch.ones(1, 5), 8, 10000.0)
     for block in model.blocks:
-        torch.testing.assert_close(block(x, cos, sin), x)  # zero-initialised output projections
+        torch.testing.assert_close(
+            block(x, cos, sin, partial(causal_attention, 0)), x
+        )  # zero-initialised output projections
     tokens = torch.randint(0, 512, (2, 20))
     loss = model.nll(model.token_hidden(tokens), tokens).mean()
     assert float(loss.detach()) == pytest.approx(math.log(512), abs=0.05)

@@ -9,7 +9,7 @@ function, :func:`focus_cut`, so what the evaluation scores is what generation co
   budget is ``W - R`` (room for the ``R`` tokens decoded before the next refocus) raised by the phantoms' count so
   that they cost nothing;
 * scores every node once from the block view read up to the newest real token (I11, I12,
-  :func:`~mcfn.core.system.focus_scores`), with LensNet or a training-free scorer;
+  :func:`focus_scores`), with LensNet or a training-free scorer;
 * starts cold from the coarsest cut, or warm from the previous refocus's context carried over
   (:func:`carried_cut`) and shrunk back within budget (:func:`shrink_to_budget`), and settles it with the allocator.
 
@@ -23,20 +23,96 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.config import most_refocus_every
-from mcfn.core.allocator import shrink
-from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.allocator import allocate, node_scores_of, shrink
+from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.lensnet import LensNet
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import MegaContext, focus_scores, settle
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
 from mcfn.errors import UserError
 from mcfn.typecheck import typechecked
+
+
+def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor, " r"]:
+    """``[rows]``: each row's horizon (I11) at the tail's first token, the first prediction a training cut serves."""
+    return torch.full((rows,), layout.T - layout.H, device=device)
+
+
+@typechecked
+def focus_scores(
+    lensnet: LensNet | None,
+    tree: Tree,
+    window: Int[Tensor, "b t1"],
+    nodes: NodeTable,
+    horizon: Int[Tensor, " b"] | None = None,
+    scorer: Callable[[WorkingContext], Tensor] | None = None,
+) -> Float[Tensor, "b nodes"]:
+    """Every node's score ``[B, nodes]``, read once from one fixed view, the :attr:`NodeTable.block_view`
+    (every eligible LOD1 gist, the tail as tokens), up to ``horizon [B]`` (:func:`seen_until`; by default the
+    start of the tail, the first prediction the cut serves), and spread to every level
+    (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (``lensnet`` by default).
+
+    Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
+    context of far gists asks for the recent text back and a context of recent text asks for the far gists,
+    and the refocus alternated between the two forever (LABLOG, 2026-11-25, seventh session)."""
+    if scorer is None:
+        scorer = partial(lensnet, layout=nodes.layout, tokens=window[:, : nodes.layout.T])
+    B = window.size(0)
+    horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
+    view = nodes.with_sizes(W=nodes.layout.block_view_width)
+    wc = assemble(tree, repeat(nodes.block_view, "n -> b 1 n", b=B), window, view)
+    with torch.no_grad():
+        scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
+    return nodes.spread_block_scores(scores)
+
+
+@typechecked
+def settle(
+    cut: Bool[Tensor, "b a nodes"],
+    scores: Float[Tensor, "b nodes"],
+    nodes: NodeTable,
+    steps: int,
+    explore: Float[Tensor, "b a i nodes"] | None = None,
+    noise: float = 0.0,
+) -> Bool[Tensor, "b a nodes"]:
+    """``steps`` allocator steps on ``A`` cuts per sample with fixed ``scores``, plus ``noise`` times the exploration
+    noise ``explore`` (then one step per ``i``). Without noise the cut stops changing within a few steps."""
+    B = cut.size(0)
+    steps = explore.size(2) if explore is not None else steps
+    rows = repeat(scores, "b n -> (b a) n", a=cut.size(1))
+    cut = rearrange(cut, "b a n -> (b a) n")
+    for step in range(steps):
+        noisy = rows if explore is None else rows + noise * rearrange(explore[:, :, step], "b a n -> (b a) n")
+        cut = allocate(cut, noisy, nodes)
+    return rearrange(cut, "(b a) n -> b a n", b=B)
+
+
+@typechecked
+def refocus(
+    lensnet: LensNet | None,
+    tree: Tree,
+    window: Int[Tensor, "b t1"],
+    cut: Bool[Tensor, "b a nodes"],
+    nodes: NodeTable,
+    explore: Tensor | None = None,
+    iterations: int = 1,
+    scorer: Callable[[WorkingContext], Tensor] | None = None,
+    horizon: Int[Tensor, " b"] | None = None,
+    noise: float = 0.0,
+) -> Bool[Tensor, "b a nodes"]:
+    """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: :func:`focus_scores` once, then
+    ``iterations`` allocator steps (:func:`settle`, with ``noise`` times ``explore [B, A, I, nodes]`` if given).
+    ``nodes`` may be another layout's (a streaming view). Training's allocator and the one-cut evaluation call it."""
+    scores = focus_scores(lensnet, tree, window, nodes, horizon, scorer)
+    return settle(cut, scores, nodes, iterations, explore, noise)
 
 
 @dataclass(frozen=True)
@@ -146,7 +222,7 @@ def shrink_to_budget(
 @torch.no_grad()
 @typechecked
 def focus_cut(
-    system: MegaContext,
+    lensnet: LensNet | None,
     tree: Tree,
     window: Int[Tensor, "1 t1"],
     view: StreamView,
@@ -157,15 +233,15 @@ def focus_cut(
     """The refocus: the view's cut ``[1, 1, n_nodes]`` within its budget, ``steps`` allocator steps from the
     coarsest cut, or with ``previous`` (the last refocus's :func:`view_context`) from that context carried over and
     shrunk within budget: a warm start. ``tree`` and ``window`` are the view's (``[1, n_nodes, D]``, ``[1, T + 1]``);
-    nothing after the newest real token is read. ``scorer`` gives signed scores per entry (LensNet by default);
-    without LensNet or a scorer the cut is the coarsest."""
+    nothing after the newest real token is read. ``scorer`` gives signed scores per entry (``lensnet`` by default);
+    without either the cut is the coarsest."""
     layout = view.layout
     nodes = NodeTable.of(layout, window.device)
     coarsest = coarsest_cut(layout, window.device)[None, None]
-    if system.lensnet is None and scorer is None:
+    if lensnet is None and scorer is None:
         return coarsest
     horizon = torch.tensor([view.real - 1], device=window.device)  # the newest real token, no phantom (I11)
-    scores = focus_scores(system, tree, window, nodes, horizon, scorer)
+    scores = focus_scores(lensnet, tree, window, nodes, horizon, scorer)
     cut = None
     if previous is not None:
         carried = carried_cut(previous, view, nodes)

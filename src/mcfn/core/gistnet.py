@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from mcfn.core.model import Block, rms_norm, rotary_tables
+from mcfn.core.model import Block, bidirectional, rms_norm, rotary_tables
 from mcfn.typecheck import typechecked
 
 
@@ -28,7 +28,7 @@ class GistNet(nn.Module):
         self.block_size, self.width, self.mean_only = block_size, width, mean_only
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.level_emb = nn.Parameter(torch.zeros(lod_max, width))
-        self.blocks = nn.ModuleList(Block(width, n_head, causal=False) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
         self.out_proj = nn.Linear(width, d_model, bias=False)
         self.head_dim = width // n_head
         self.reset_parameters()
@@ -56,5 +56,5 @@ class GistNet(nn.Module):
         read = children if features is None else features
         x = self.in_proj(rms_norm(read)) + self.level_emb[level - 1]
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, bidirectional)
         return children.mean(dim=1) + self.out_proj(rms_norm(x).mean(dim=1))

@@ -21,6 +21,7 @@ covers at least K tokens, so a cut over T tokens has at most ``T/K`` units whate
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from mcfn.core.context import WorkingContext
 from mcfn.core.match import match_votes
-from mcfn.core.model import Block, rms_norm, rotary_tables
+from mcfn.core.model import Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
@@ -104,7 +105,7 @@ class LensNet(nn.Module):
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
         self.feature_proj = nn.Linear(2 if match_reach is None else 3, width, bias=False)
-        self.blocks = nn.ModuleList(Block(width, n_head, causal=False) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
         self.reset_parameters()
 
@@ -145,7 +146,7 @@ class LensNet(nn.Module):
         features = torch.stack(columns, dim=-1)
         x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, 10000.0)
-        mask = rearrange(wc.valid, "r w -> r 1 1 w")  # every query attends to valid keys only
+        attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
         for block in self.blocks:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, attend)
         return self.head(rms_norm(x)).squeeze(-1) * wc.valid

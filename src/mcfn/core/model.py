@@ -57,9 +57,12 @@ def apply_rotary(
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""How a block turns its rotated queries, keys and values ``[b, h, n, e]`` into its heads' outputs ``[b, h, n, e]``:
+the one strategy every transformer here takes (the GPT causally, GistNet and LensNet :func:`bidirectional`)."""
+
 LayerAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
-"""How a GPT block turns its rotated queries, keys and values ``[b, h, n, e]`` into its heads' outputs
-``[b, h, n, e]``, given the layer's index: causal SDPA in training; a KV cache's append, a fixed-shape
+"""The GPT's :data:`Attend` given the layer's index: causal SDPA in training; a KV cache's append, a fixed-shape
 masked read or a tail read-out elsewhere (``inference.decode``, ``core.attention``)."""
 
 
@@ -68,8 +71,15 @@ def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def bidirectional(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Every entry attends to every entry, or with ``mask`` (``[b, 1, 1, n]``, True = read) to the valid ones:
+    GistNet over a block's children, LensNet over a working context's units."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class SelfAttention(nn.Module):
-    """Multi-head attention with QK-norm and (damped) rotary; causal for the GPT, bidirectional elsewhere.
+    """Multi-head attention's projections with QK-norm and (damped) rotary; how the heads attend is the caller's
+    :data:`Attend`.
 
     ``gain`` ``[h]`` scales each head's queries. QK-norm alone caps a logit at ``sqrt(head_dim)`` (8 at head
     width 64), so no head could put more than e^8 / (e^8 + 511) of its weight on one key among 512 even when
@@ -78,9 +88,9 @@ class SelfAttention(nn.Module):
     none by step 400 without it, though that copy sat at one fixed distance and position alone solves it (fifth
     session); and stdlib's pass key goes from 0.91 to 1.00 under full attention)."""
 
-    def __init__(self, dim: int, n_head: int, causal: bool):
+    def __init__(self, dim: int, n_head: int):
         super().__init__()
-        self.n_head, self.causal = n_head, causal
+        self.n_head = n_head
         self.gain = nn.Parameter(torch.ones(n_head))
         self.c_q = nn.Linear(dim, dim, bias=False)
         self.c_k = nn.Linear(dim, dim, bias=False)
@@ -98,11 +108,6 @@ class SelfAttention(nn.Module):
     def project(self, y: Tensor) -> Tensor:
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
 
-    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
-        """The heads' outputs ``[b, h, n, e]`` over ``x``'s own entries, before the output projection."""
-        q, k, v = self.qkv(x, cos, sin)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
-
 
 class MLP(nn.Module):
     def __init__(self, dim: int):
@@ -115,34 +120,22 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_head: int, causal: bool = True):
+    def __init__(self, dim: int, n_head: int):
         super().__init__()
-        self.attn = SelfAttention(dim, n_head, causal)
+        self.attn = SelfAttention(dim, n_head)
         self.mlp = MLP(dim)
         # Activation checkpointing (``train.activation_checkpointing``): keep only the block's input for the
         # backward and recompute the rest there. Non-reentrant, the kind torch.compile traces in one graph.
         self.checkpointed = False
 
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor | None = None,
-        attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-    ) -> Tensor:
-        """``attend`` maps the block's ``q, k, v`` to its heads' outputs; by default, SDPA over ``x``'s own
-        entries (causal or not, under ``mask``)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        """``attend`` maps the block's rotated ``q, k, v`` to its heads' outputs."""
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self.residual, x, cos, sin, mask, attend, use_reentrant=False)
-        return self.residual(x, cos, sin, mask, attend)
+            return checkpoint(self.residual, x, cos, sin, attend, use_reentrant=False)
+        return self.residual(x, cos, sin, attend)
 
-    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, attend: Callable | None) -> Tensor:
-        if attend is None:
-            heads = self.attn.attend(rms_norm(x), cos, sin, mask)
-        else:
-            heads = attend(*self.attn.qkv(rms_norm(x), cos, sin))
-        x = x + self.attn.project(heads)
+    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+        x = x + self.attn.project(attend(*self.attn.qkv(rms_norm(x), cos, sin)))
         return x + self.mlp(rms_norm(x))
 
     @torch.no_grad()
@@ -216,10 +209,6 @@ class GPT(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """``[b, n]`` token ids → ``[b, n, vocab]`` logits (fp32, soft-capped)."""
         return self.logits(self.token_hidden(tokens))
-
-    def forward_entries(self, emb: Tensor, positions: Tensor, spans: Tensor) -> Tensor:
-        """``[b, n, d]`` entry embeddings at ``[b, n]`` positions and spans → ``[b, n, vocab]`` logits."""
-        return self.logits(self.hidden(emb, positions, spans))
 
     @typechecked
     def nll(self, h: Float[Tensor, "b n d"], targets: Int[Tensor, "b n"]) -> Float[Tensor, "b n"]:

@@ -222,7 +222,7 @@ class NodeTable:
 
     @property
     def block_view(self) -> Bool[Tensor, " nodes"]:
-        """The one view every node is scored from (:func:`mcfn.core.system.focus_scores`): each eligible LOD1 gist,
+        """The one view every node is scored from (:func:`mcfn.core.focus.focus_scores`): each eligible LOD1 gist,
         and as tokens the text no eligible LOD1 gist covers (the tail, and a stream's newest partial block)."""
         blocks = (self.lod == 1) & self.eligible
         return blocks | ((self.lod == 0) & ~self.covered_above(blocks))

@@ -18,18 +18,15 @@ times each stage on its own, so the phase table always times the program that tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
-
 import torch
 from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from mcfn.config import RunConfig
-from mcfn.core.allocator import allocate, node_scores_of
 from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.focus import refocus
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
 from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
@@ -102,11 +99,6 @@ class MegaContext(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor, " r"]:
-    """``[rows]``: each row's horizon (I11) at the tail's first token, the first prediction a training cut serves."""
-    return torch.full((rows,), layout.T - layout.H, device=device)
-
-
 def training_horizon(system: MegaContext, noise: VariantNoise) -> Int[Tensor, " b"]:
     """Each window's training horizon ``[B]`` (I11): the tail's first token, or with ``mc.lens.horizons = "chunks"``
     the start ``T - H + cR`` of its drawn chunk ``c`` (a tensor: one graph for every horizon)."""
@@ -133,74 +125,6 @@ def chunk_tail_nll(
 
 
 @typechecked
-def focus_scores(
-    system: MegaContext,
-    tree: Tree,
-    window: Int[Tensor, "b t1"],
-    nodes: NodeTable,
-    horizon: Int[Tensor, " b"] | None = None,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
-) -> Float[Tensor, "b nodes"]:
-    """Every node's score ``[B, nodes]``, read once from one fixed view, the :attr:`NodeTable.block_view`
-    (every eligible LOD1 gist, the tail as tokens), up to ``horizon [B]`` (:func:`seen_until`; by default the
-    start of the tail, the first prediction the cut serves), and spread to every level
-    (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (LensNet by default).
-
-    Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
-    context of far gists asks for the recent text back and a context of recent text asks for the far gists,
-    and the refocus alternated between the two forever (LABLOG, 2026-11-25, seventh session)."""
-    if scorer is None:
-        scorer = partial(system.lensnet, layout=nodes.layout, tokens=window[:, : nodes.layout.T])
-    B = window.size(0)
-    horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
-    view = nodes.with_sizes(W=nodes.layout.block_view_width)
-    wc = assemble(tree, repeat(nodes.block_view, "n -> b 1 n", b=B), window, view)
-    with torch.no_grad():
-        scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
-    return nodes.spread_block_scores(scores)
-
-
-@typechecked
-def settle(
-    cut: Bool[Tensor, "b a nodes"],
-    scores: Float[Tensor, "b nodes"],
-    nodes: NodeTable,
-    steps: int,
-    explore: Float[Tensor, "b a i nodes"] | None = None,
-    noise: float = 0.0,
-) -> Bool[Tensor, "b a nodes"]:
-    """``steps`` allocator steps on ``A`` cuts per sample with fixed ``scores``, plus ``noise`` times the exploration
-    noise ``explore`` (then one step per ``i``). Without noise the cut stops changing within a few steps."""
-    B = cut.size(0)
-    steps = explore.size(2) if explore is not None else steps
-    rows = repeat(scores, "b n -> (b a) n", a=cut.size(1))
-    cut = rearrange(cut, "b a n -> (b a) n")
-    for step in range(steps):
-        noisy = rows if explore is None else rows + noise * rearrange(explore[:, :, step], "b a n -> (b a) n")
-        cut = allocate(cut, noisy, nodes)
-    return rearrange(cut, "(b a) n -> b a n", b=B)
-
-
-@typechecked
-def refocus(
-    system: MegaContext,
-    tree: Tree,
-    window: Int[Tensor, "b t1"],
-    cut: Bool[Tensor, "b a nodes"],
-    nodes: NodeTable,
-    explore: Tensor | None = None,
-    iterations: int = 1,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
-    horizon: Int[Tensor, " b"] | None = None,
-) -> Bool[Tensor, "b a nodes"]:
-    """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: :func:`focus_scores` once, then
-    ``iterations`` allocator steps (:func:`settle`, with ``alloc_noise`` times ``explore [B, A, I, nodes]`` if
-    given). ``nodes`` may be another layout's (a streaming view)."""
-    scores = focus_scores(system, tree, window, nodes, horizon, scorer)
-    return settle(cut, scores, nodes, iterations, explore, system.alloc_noise)
-
-
-@typechecked
 def allocator_cuts(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b a nodes"]:
@@ -209,7 +133,10 @@ def allocator_cuts(
     A, B = system.alloc_variants, window.size(0)
     start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
     horizon = training_horizon(system, noise)
-    return refocus(system, tree, window, start, system.nodes, explore=noise.explore[:, -A:], horizon=horizon)
+    explore = noise.explore[:, -A:]
+    return refocus(
+        system.lensnet, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise
+    )
 
 
 # The stages of the step, in order. Each is a pure function of the system and tensors.

@@ -121,7 +121,7 @@ def focused_context(
     absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
     tree, window = view_tree(stream, view)
-    cut = focus_cut(system, tree, window, view, steps, previous, scorer)
+    cut = focus_cut(system.lensnet, tree, window, view, steps, previous, scorer)
     return view_context(tree, cut, window, view)
 
 

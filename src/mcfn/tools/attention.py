@@ -4,7 +4,7 @@ The bar a learned policy must clear. From the coarsest full-coverage context, re
 the base model is run once with its attention probabilities written out; each entry's score is the attention
 mass the last ``H`` entries it reads give it (summed over layers and heads), less the mean over the context's
 entries. Read past the horizon, the tail's own tokens would pick the far blocks that hold them. With these scores in
-LensNet's place, :func:`~mcfn.core.system.refocus` and the focus allocator expand the entries with the most
+LensNet's place, :func:`~mcfn.core.focus.refocus` and the focus allocator expand the entries with the most
 mass and collapse the groups with the least.
 """
 
@@ -35,7 +35,7 @@ def attention_mass(base: GPT, wc: WorkingContext, tail: int) -> Float[Tensor, "r
 
 @typechecked
 def attention_scores(base: GPT, tail: int, wc: WorkingContext) -> Float[Tensor, "r w"]:
-    """A training-free scorer for :func:`mcfn.core.system.refocus`: each entry's attention mass from the last
+    """A training-free scorer for :func:`mcfn.core.focus.refocus`: each entry's attention mass from the last
     ``tail`` entries, less the context's mean (bind ``base`` and ``tail`` with ``partial``)."""
     mass = attention_mass(base, wc, tail)
     mean = mass.sum(-1, keepdim=True) / wc.valid.sum(-1, keepdim=True)

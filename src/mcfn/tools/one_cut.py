@@ -14,12 +14,13 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
+from mcfn.core.focus import refocus
 from mcfn.core.match import match_scorer
 from mcfn.core.model import GPT
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.step import split_window
-from mcfn.core.system import MegaContext, refocus
+from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
 from mcfn.tools.attention import attention_scores
@@ -93,7 +94,7 @@ def focus_contexts(
     if system.lensnet is not None:
         scorers["lens"] = None
     return {
-        name: refocus(system, tree, window, start, nodes, iterations=steps, scorer=scorer, horizon=horizon)
+        name: refocus(system.lensnet, tree, window, start, nodes, iterations=steps, scorer=scorer, horizon=horizon)
         for name, scorer in scorers.items()
     }
 

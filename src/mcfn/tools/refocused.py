@@ -158,7 +158,9 @@ def predict_chunk(
             scorer = focus_scorer(system, name, one_window, view, R)
             prior = previous[name][row]
             steps = protocol.steps if prior is None or protocol.warm_steps == 0 else protocol.warm_steps
-            cut = focus_cut(system, one_tree, one_window, view, steps, prior if protocol.warm_steps else None, scorer)
+            cut = focus_cut(
+                system.lensnet, one_tree, one_window, view, steps, prior if protocol.warm_steps else None, scorer
+            )
             previous[name][row] = view_context(one_tree, cut, one_window, view)
             chosen.append(full_cut(cut, real, ids, nodes, n, upto))
             cuts[name][row].append(chosen[-1][0, 0])
