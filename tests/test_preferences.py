@@ -63,7 +63,7 @@ def test_property_I6_legality_of_targets(case):
     shape, batch, seed = case
     system, wc, shown, tails = random_setup(shape, batch, seed)
     table, L = system.nodes, system.layout.L
-    y, _, _, rows = preference_targets(shown, tails, wc, table, WEIGHTS.temperature)
+    y, _, _, rows, *_ = preference_targets(shown, tails, wc, table, WEIGHTS.temperature)
     lod, node, valid = wc.lod[rows], wc.node[rows], wc.valid[rows]
     assert not ((y != 0) & ~valid).any(), "no target on padding (I3)"
     assert not ((y > 0) & (lod == 0)).any(), "never + on LOD0"
@@ -102,8 +102,8 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
     system, wc, shown, tails = random_setup(shape, batch, seed)
     layout, table, T = system.layout, system.nodes, shape["T"]
     temperature = WEIGHTS.temperature
-    y, _, _, rows = preference_targets(shown, tails, wc, table, temperature)
-    y_swapped, _, _, rows_swapped = preference_targets(shown, -tails, wc, table, temperature)
+    y, _, _, rows, *_ = preference_targets(shown, tails, wc, table, temperature)
+    y_swapped, _, _, rows_swapped, *_ = preference_targets(shown, -tails, wc, table, temperature)
     assert not torch.equal(rows, rows_swapped) or layout.V == 1
     fwd, back = token_targets(y, rows, wc, T), token_targets(y_swapped, rows_swapped, wc, T)
     assert ((fwd * back) <= 0).all(), "swapping the pair flips every sign"
@@ -115,7 +115,7 @@ def test_property_I7_polarity_swap_flips_identical_gives_none(case):
         torch.zeros(batch, T + 1, dtype=torch.long),
         table,
     )
-    y_same, _, _, _ = preference_targets(same, tails, same_wc, table, temperature)
+    y_same, _, _, _, *_ = preference_targets(same, tails, same_wc, table, temperature)
     assert (y_same == 0).all()
 
 
@@ -129,7 +129,7 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     window = torch.zeros(1, layout.T + 1, dtype=torch.long)
     tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
     wc = assemble(tree, shown[None], window, table)
-    y, tie, _, rows = preference_targets(shown[None], torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
+    y, tie, _, rows, *_ = preference_targets(shown[None], torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
     assert int(rows[0, 0]) == 1  # the coarsest cut is the worse one
     node, valid = wc.node[rows][0, 0], wc.valid[rows][0, 0]
     lod2, lod1 = layout.level_offsets[2], layout.level_offsets[1]
@@ -159,7 +159,7 @@ def test_under_gist_leave_out_a_far_block_that_won_teaches_drops_on_its_lod1_sib
         window = torch.zeros(1, layout.T + 1, dtype=torch.long)
         tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
         wc = assemble(tree, shown, window, table)
-        y, _, _, rows = preference_targets(shown, torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
+        y, _, _, rows, *_ = preference_targets(shown, torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
         node, valid = wc.node[rows][0, 0], wc.valid[rows][0, 0]
         want = {lod1 + 1: 1, lod1 + 0: want_siblings, lod1 + 2: want_siblings, lod1 + 3: want_siblings}
         want |= {lod2 + 1: -1, lod2 + 2: 1}  # [16,32) left out by the better one (a drop); [32,48) has tokens
@@ -254,12 +254,12 @@ def test_property_I7_more_detail_that_helped_is_an_expand_target_and_the_reverse
     system, shown, wc, gist = coarse_and_fine(shape, pick, seed)
     nodes, temperature = system.nodes, WEIGHTS.temperature
     # The fine context is better: the coarse one is told to expand exactly that gist, and nothing else.
-    y, _, _, rows = preference_targets(shown, torch.tensor([[2.0, 1.0]]), wc, nodes, temperature)
+    y, _, _, rows, *_ = preference_targets(shown, torch.tensor([[2.0, 1.0]]), wc, nodes, temperature)
     assert int(rows[0, 0]) == 0, "targets land on the worse (coarse) context"
     expected = (wc.node[0] == gist) & wc.valid[0]
     assert torch.equal(y[0, 0], expected.long())
     # The coarse context is better: the fine one is told to collapse the gist's K children, and nothing else.
-    y, _, _, rows = preference_targets(shown, torch.tensor([[1.0, 2.0]]), wc, nodes, temperature)
+    y, _, _, rows, *_ = preference_targets(shown, torch.tensor([[1.0, 2.0]]), wc, nodes, temperature)
     assert int(rows[0, 0]) == 1, "targets land on the worse (fine) context"
     children = (nodes.parent[wc.node[1]] == gist) & wc.valid[1]
     assert int(children.sum()) == shape["K"]
@@ -275,7 +275,7 @@ def test_property_I7_a_gradient_step_moves_every_targeted_score_toward_its_targe
     scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
     weights = dataclasses.replace(WEIGHTS, budget=torch.tensor(0.0))
     lens_losses(scores, shown, tails, wc, system.nodes, weights).losses["loss_lens"].backward()
-    y, _, _, rows = preference_targets(shown, tails, wc, system.nodes, weights.temperature)
+    y, _, _, rows, *_ = preference_targets(shown, tails, wc, system.nodes, weights.temperature)
     targeted = y != 0
     assert targeted.any()
     step = -scores.grad[rows]  # gradient descent direction on the worse context's entries

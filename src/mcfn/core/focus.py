@@ -62,7 +62,7 @@ def focus_scores(
 
     Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
     context of far gists asks for the recent text back and a context of recent text asks for the far gists,
-    and the refocus alternated between the two forever (LABLOG, 2026-11-25, seventh session)."""
+    and the refocus would alternate between the two forever."""
     if scorer is None:
         scorer = partial(lensnet, layout=nodes.layout, tokens=window[:, : nodes.layout.T])
     B = window.size(0)

@@ -1,7 +1,7 @@
 """``match``, a training-free focus: the far text that an n-gram copy would read next.
 
 The far past pays by exact recall, and which far text a tail will copy becomes legible only a few tokens before
-the copy (LABLOG, tenth session). So: each of the newest ``queries`` positions ``j`` up to the horizon ``h`` looks
+the copy (LABLOG). So: each of the newest ``queries`` positions ``j`` up to the horizon ``h`` looks
 up every earlier position ``p`` whose n-gram (the tokens ``p - n + 1 .. p``) equals its own. If the text after ``p``
 were being copied, the prediction at ``h + t`` would read position ``p + (h - j) + t``; each match votes
 ``1 / (the matches of j's n-gram)`` on those positions for ``t`` in ``[0, reach)``, the tokens read before the next
@@ -23,7 +23,7 @@ from torch import Tensor
 from mcfn.core.context import WorkingContext
 from mcfn.typecheck import typechecked
 
-NGRAM = 3  # n: trigrams (designed on training windows; LABLOG, eleventh session)
+NGRAM = 3  # n: trigrams (chosen on training windows against n = 2; LABLOG)
 QUERIES = 32  # the newest positions up to the horizon that look up their n-gram
 KEY_BASE = 65537  # above every token id (data.vocab_size <= 65536)
 

@@ -189,10 +189,6 @@ class NodeTable:
         """Per node, whether a cut may leave it out (:meth:`droppable_entry` of every node id)."""
         return self.droppable_entry(torch.arange(self.layout.n_nodes, device=self.lod.device))
 
-    def top_covered(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows top"]:
-        """Per top-level block, whether a cut shows anything inside it."""
-        return self.level(self.covered_inside(shown), self.layout.L)
-
     def covered_inside(self, shown: Bool[Tensor, "*rows nodes"]) -> Bool[Tensor, "*rows nodes"]:
         """Per node, whether a cut shows the node itself or anything inside its span."""
         levels = [self.level(shown, 0)]

@@ -44,6 +44,7 @@ Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over sampl
 from __future__ import annotations
 
 from itertools import combinations
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,17 @@ def ordered_pairs(tails: Float[Tensor, "b v"], temperature: Tensor) -> tuple[Ten
     return better, worse, torch.tanh((ti - tj).abs() / temperature)
 
 
+class PairTargets(NamedTuple):
+    """What LensNet's preference loss learns from, for every pair ``[B, P]`` of variant slots."""
+
+    target: Int[Tensor, "b p w"]  # I7's signed target on each entry of the worse slot's context
+    tie: Bool[Tensor, "b p w"]  # entries both slots show alike, labelled 1/2
+    weight: Float[Tensor, "b p"]  # tanh of the NLL gap over the temperature
+    rows: Int[Tensor, "b p"]  # the worse slot's row in the packed contexts
+    better: Int[Tensor, "b p"]  # the slot of lower tail NLL
+    worse: Int[Tensor, "b p"]
+
+
 @typechecked
 def preference_targets(
     shown: Bool[Tensor, "b v nodes"],
@@ -135,12 +147,12 @@ def preference_targets(
     wc: WorkingContext,
     nodes: NodeTable,
     temperature: Tensor,
-) -> tuple[Int[Tensor, "b p w"], Bool[Tensor, "b p w"], Float[Tensor, "b p"], Int[Tensor, "b p"]]:
+) -> PairTargets:
     """Targets on the worse variant's entries for every pair (:func:`detail_targets`, with the better
     variant the one of lower tail NLL) and the pair weights ``w [B, P]``."""
     better, worse, weight = ordered_pairs(tails, temperature)
     target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
-    return target, tie, weight, rows
+    return PairTargets(target, tie, weight, rows, better, worse)
 
 
 @typechecked
@@ -190,8 +202,7 @@ def lens_losses(
 ) -> StepOutput:
     """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics; ``loss_pair`` only
     ``with_pair`` (a config constant, ``mc.lens.pair_weight > 0``: the step does not pay for a term that is off)."""
-    better, worse, pair_w = ordered_pairs(tails, weights.temperature)
-    target, tie, rows = detail_targets(shown, better, worse, wc, nodes)
+    target, tie, pair_w, rows, better, worse = preference_targets(shown, tails, wc, nodes, weights.temperature)
     s = scores[rows]  # [B, P, W]
     y = target.float()
     w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target

@@ -7,7 +7,7 @@ reading long contexts, and ``full`` is the upper bound it should be.
 
 The same forward can also write out where the tail's attention goes, per tree node
 (:mod:`mcfn.core.attention`): LensNet's auxiliary target. (Context distillation of the full window's tail
-predictions into the gists was measured and retired: LABLOG 2026-11-24.)
+predictions into the gists was measured and retired: LABLOG.)
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def _ending(tok: Tokenizer, parts: list[tuple[str, bool]], length: int, tail: in
     return ids, flags
 
 
-def _place(rng: random.Random, row: list[int], ending: list[int], flags: list[bool], answer: list[bool]) -> None:
+def _place(row: list[int], ending: list[int], flags: list[bool], answer: list[bool]) -> None:
     """Write the question at the end of ``row`` ([T + 1]) and mark its answer tokens' target positions."""
     start = len(row) - len(ending)
     _write(row, start, ending)
@@ -77,7 +77,7 @@ def _passkey(rng: random.Random, row: list[int], tok: Tokenizer, tail: int) -> t
     at = rng.randint(0, room)
     _write(row, at, fact)
     answer = [False] * (len(row) - 1)
-    _place(rng, row, ending, flags, answer)
+    _place(row, ending, flags, answer)
     return answer, at / (len(row) - 1)
 
 
@@ -99,7 +99,7 @@ def _kv_recall(rng: random.Random, row: list[int], tok: Tokenizer, tail: int) ->
     for at, line in zip(starts, lines, strict=True):
         _write(row, at, line)
     answer = [False] * (len(row) - 1)
-    _place(rng, row, ending, flags, answer)
+    _place(row, ending, flags, answer)
     return answer, starts[asked[0]] / (len(row) - 1)
 
 
@@ -109,7 +109,7 @@ def _copy(rng: random.Random, row: list[int], tok: Tokenizer, tail: int) -> tupl
     at = rng.randint(0, len(row) - 2 * tail - COPY_SPAN)
     span = row[at : at + COPY_SPAN]
     answer = [False] * (len(row) - 1)
-    _place(rng, row, span, [False] + [True] * (COPY_SPAN - 1), answer)
+    _place(row, span, [False] + [True] * (COPY_SPAN - 1), answer)
     return answer, at / (len(row) - 1)
 
 

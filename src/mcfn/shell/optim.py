@@ -124,7 +124,7 @@ def clip_gradients(model: nn.Module, clip: float) -> tuple[Tensor, Tensor]:
     """Clip LensNet's gradient and the rest's (base model, GistNet, decoder) to ``clip`` each, and return the
     joint norm and LensNet's, both before clipping. One joint clip would couple them: LensNet's loss is a policy
     objective of its own, and a gradient spike there (its pair-level term sums over whole contexts, norms of
-    20-100 against the rest's 1-2) scaled the base model's step down with it (LABLOG 2026-11-24, third session)."""
+    20-100 against the rest's 1-2) would scale the base model's step down with it (measured: LABLOG)."""
     lens, rest = [], []
     for name, p in model.named_parameters():
         (lens if name.startswith("lensnet.") else rest).append(p)

@@ -1,7 +1,7 @@
 """The evaluation's earlier protocol, kept beside generation's for comparison: one cut for all ``H`` tail predictions
 (``R = H``), chosen at the first scored prediction's position. Generation refocuses every ``R`` tokens instead
 (:mod:`mcfn.tools.refocused`); under one cut nothing a policy may read beat truncation on natural text, because which
-far text a tail will copy is mostly not legible from before it (LABLOG, tenth session)."""
+far text a tail will copy is mostly not legible from before it (LABLOG has the measurements)."""
 
 from __future__ import annotations
 
