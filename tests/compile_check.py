@@ -3,7 +3,9 @@ call, and the same outputs (and gradients) as eager. Compile tests call it inste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +17,35 @@ def tensor_leaves(out: Any) -> dict[str, torch.Tensor]:
     """Every tensor in a nested output (StepOutput, tuples, dicts), by its path."""
     leaves, _ = tree_flatten_with_path(out)
     return {keystr(path): leaf.detach() for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
+@dataclass(frozen=True)
+class CountingCompile:
+    """The compile function of every compile test: ``fullgraph=True, dynamic=False`` (a graph break raises) on a
+    backend that counts the frames it compiles. Pass it where the product takes a ``compile_fn``."""
+
+    counter: CompileCounterWithBackend
+
+    def __call__(self, fn: Callable) -> Callable:
+        return torch.compile(fn, backend=self.counter, fullgraph=True, dynamic=False)
+
+    @staticmethod
+    def forbid_recompiles() -> None:
+        """From now on a recompile raises (call it once every shape has been compiled)."""
+        torch.compiler.set_stance("fail_on_recompile")
+
+
+@contextmanager
+def one_graph(backend: str = "aot_eager") -> Iterator[CountingCompile]:
+    """A :class:`CountingCompile` for the block's compiled code; on leaving it, exactly one frame was compiled (no
+    graph break, no recompile), and the compiler's stance is back to its default. Use inside ``fresh_dynamo``."""
+    compile_fn = CountingCompile(CompileCounterWithBackend(backend))
+    try:
+        yield compile_fn
+    finally:
+        torch.compiler.set_stance("default")
+    frames = compile_fn.counter.frame_count
+    assert frames == 1, f"{frames} frames: a graph break or a recompile"
 
 
 def run_once(fn: Callable, args: Sequence, loss: Callable[[Any], torch.Tensor] | None, params: list) -> tuple:
@@ -40,10 +71,9 @@ def assert_one_graph_equals_eager(
     """``fn`` compiled (``fullgraph=True, dynamic=False``) on each argument tuple of ``batches``: the same tensors
     as eager, and with ``loss`` the same gradients on ``params``; recompiling after the first batch fails, and
     exactly one frame is compiled. Run it inside the ``fresh_dynamo`` fixture."""
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=False)
     params = list(params)
-    try:
+    with one_graph(backend) as compile_fn:
+        compiled = compile_fn(fn)
         for i, args in enumerate(batches):
             got, got_grads = run_once(compiled, args, loss, params)
             if against_eager:
@@ -56,7 +86,4 @@ def assert_one_graph_equals_eager(
                     if a is not None:
                         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
             if i == 0:
-                torch.compiler.set_stance("fail_on_recompile")
-    finally:
-        torch.compiler.set_stance("default")
-    assert counter.frame_count == 1, f"{counter.frame_count} frames: a graph break or a recompile"
+                compile_fn.forbid_recompiles()

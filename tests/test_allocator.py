@@ -5,15 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from builders import adversarial, adversarial_scores, cases, check_cut, expanded, make_system
 from einops import rearrange
 from hypothesis import given
-from hypothesis import strategies as st
-from test_mc import cases, make_system
 
 from mcfn.config import coarsest_cover_size
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.nodes import NodeTable
-from mcfn.core.preferences import lod_map
 from mcfn.core.variants import (
     coarsest_cut,
     draw_variant_noise,
@@ -22,33 +20,6 @@ from mcfn.core.variants import (
     recent_cut,
     sample_variants,
 )
-
-
-def token_coverage(shown: torch.Tensor, layout) -> torch.Tensor:
-    """``[..., T]``: how many shown nodes cover each token."""
-    coverage = torch.zeros(*shown.shape[:-1], layout.T, dtype=torch.int64)
-    for k in range(layout.L + 1):
-        lo = layout.level_offsets[k]
-        coverage += shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
-    return coverage
-
-
-def check_cut(shown: torch.Tensor, layout) -> None:
-    """A valid working context (I2): text covered at most once; what is left out is a union of whole spans of
-    droppable gists (eligible, at LODmax, or with ``leave_out = "gist"`` at any level from LOD1), so each
-    aligned block of ``K^lowest_drop`` tokens is covered whole or left out whole, and only an eligible one is
-    left out; the tail at LOD0; within W."""
-    coverage = token_coverage(shown, layout)
-    assert (coverage <= 1).all(), "disjoint spans (I2)"
-    unit = layout.K**layout.lowest_drop
-    blocks = rearrange(coverage, "... (n s) -> ... n s", s=unit)
-    assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "text is left out in whole droppable spans (I2)"
-    may_leave_out = torch.arange(layout.T // unit) < layout.eligible_counts[layout.lowest_drop]
-    assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible gist's span is left out (I2)"
-    assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
-    assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
-    eligible = NodeTable.of(layout).eligible
-    assert not (shown & ~eligible).any(), "no gist over the tail"
 
 
 def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> None:
@@ -77,21 +48,6 @@ def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> N
             )
             explained[r, children] = True
     assert torch.equal(before & ~after, explained), "a node disappeared without a legal action"
-
-
-adversarial = st.sampled_from(["normal", "huge", "tiny", "equal", "negative", "positive"])
-
-
-def adversarial_scores(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    return {
-        "normal": x,
-        "huge": x * 1e6,
-        "tiny": x * 1e-6,
-        "equal": torch.ones(shape),
-        "negative": -x.abs() - 1,
-        "positive": x.abs() + 1,
-    }[kind]
 
 
 @given(cases, adversarial)
@@ -276,13 +232,6 @@ def test_allocator_expands_the_best_and_collapses_the_worst_to_make_room():
     check_cut(swapped, layout)
     assert not swapped[0, gist] and swapped[0, (gist - lod1) * 4 : (gist - lod1) * 4 + 4].all()
     assert swapped[0, groups[0]] and int(swapped.sum()) == layout.W
-
-
-def expanded(cut: torch.Tensor, node: int, nodes: NodeTable) -> torch.Tensor:
-    """``cut [..., n_nodes]`` with the shown gist ``node`` replaced by its children."""
-    out = cut.clone()
-    out[..., node] = False
-    return out | (nodes.parent == node)
 
 
 def lod2_cut(layout, gists: list[int]) -> torch.Tensor:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from builders import VOCAB, decisive, make_system, random_batch
 from compile_check import assert_one_graph_equals_eager
-from test_mc import VOCAB, decisive, make_system
-from test_teacher import batch
 
 from mcfn.config import LensConfig, MCConfig, TeacherConfig
 from mcfn.core.attention import (
@@ -62,7 +61,7 @@ def test_the_teachers_mass_covers_the_window_once_per_level():
     from mcfn.core.teacher import teacher_losses
 
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
-    window, noise = batch(system)
+    window, noise = random_batch(system)
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
@@ -87,7 +86,7 @@ def test_a_node_holds_the_mass_of_the_tokens_under_its_span():
 
 
 def constructed_case(system, seed: int = 0):
-    window, noise = batch(system, seed=seed)
+    window, noise = random_batch(system, seed=seed)
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
     mass = torch.rand(window.size(0), system.layout.n_nodes, generator=torch.Generator().manual_seed(seed)) + 0.1
@@ -119,7 +118,7 @@ def test_scores_ranked_as_the_attention_beat_scores_ranked_against_it():
 
 def test_the_attention_target_trains_lensnet_and_only_lensnet():
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
-    window, noise = batch(system, seed=3)
+    window, noise = random_batch(system, seed=3)
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
     out = process_batch_lens(system, window, noise, weights)
     assert "loss_lens_attn" in out.losses and float(out.metrics["mc/lens_attn_kl"].detach()) > 0
@@ -134,7 +133,7 @@ def test_the_attention_target_trains_lensnet_and_only_lensnet():
 
 def test_without_the_weight_there_is_no_attention_term():
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))
-    window, noise = batch(system)
+    window, noise = random_batch(system)
     out = process_batch_lens(system, window, noise, LossWeights.of(MCConfig(), torch.device("cpu")))
     assert "loss_lens_attn" not in out.losses
 
@@ -147,5 +146,5 @@ def test_the_attention_target_needs_the_teacher():
 def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dynamo):
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
-    batches = [(system, *batch(system, seed=i), weights) for i in range(3)]
+    batches = [(system, *random_batch(system, seed=i), weights) for i in range(3)]
     assert_one_graph_equals_eager(process_batch_lens, batches)

@@ -8,33 +8,15 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from builders import awake, cases, contexts, padded_contexts, rewritten_after
 from hypothesis import given
 from hypothesis import strategies as st
-from test_mc import cases, contexts, rewritten_after
 
-from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.context import assemble, seen_until
 from mcfn.core.focus import refocus
-from mcfn.core.system import MegaContext, base_stage, tree_stage
+from mcfn.core.system import base_stage, tree_stage
 from mcfn.core.variants import coarsest_cut
 from mcfn.tools.attention import attention_scores
-
-
-def awake(system: MegaContext) -> MegaContext:
-    """Output projections start at zero, so a new model's attention changes nothing: wake them up, so that
-    what an entry attends to (padding, positions, spans) shows in the outputs."""
-    with torch.no_grad():
-        for name, p in system.named_parameters():
-            if name.endswith("c_proj.weight"):
-                torch.nn.init.normal_(p, std=0.3)
-    return system
-
-
-def padded_contexts(system: MegaContext, window: torch.Tensor) -> WorkingContext:
-    """Every sample's coarsest cut in rows of T slots: mostly padding."""
-    nodes = system.nodes.with_sizes(W=system.layout.T)
-    cut = coarsest_cut(system.layout, torch.device("cpu"))[None, None].expand(window.size(0), 1, -1)
-    with torch.no_grad():
-        return assemble(tree_stage(system, window), cut, window, nodes)
 
 
 @given(cases)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_mc import VOCAB, decisive, make_system, rewritten_after, spread_lens
+from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.system import tree_stage
 from mcfn.tools.attention import attention_mass

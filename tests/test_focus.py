@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
+from builders import adversarial, adversarial_scores, cases, check_cut
 from einops import rearrange
 from hypothesis import given
 from hypothesis import strategies as st
-from test_allocator import adversarial, adversarial_scores, check_cut
-from test_mc import cases
 
 from mcfn.core.allocator import allocate
 from mcfn.core.focus import settle

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from builders import VOCAB, decisive, make_system, spread_lens
+from compile_check import one_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mc import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.core.focus import carried_cut, focus_scores, shrink_to_budget, stream_view
 from mcfn.core.nodes import NodeTable
-from mcfn.core.step import compile_step
 from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
 from mcfn.inference import generation
@@ -61,24 +61,17 @@ def test_the_fixed_shape_token_step_matches_the_full_forward():
 def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
     """``--compile``: the per-token step compiled by inductor once, for every token across refocuses (each
     refocus's cache has capacity W) and for full decoding's own cache; the same greedy tokens as eager."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     system = decisive_system()
     prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
-    counter = CompileCounterWithBackend("inductor")
-
-    def compile_fn(fn):
-        return torch.compile(fn, backend=counter, fullgraph=True, dynamic=False)
-
     eager, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS)
-    compiled, _ = generate_mc(system, prompt, REFOCUS + 1, REFOCUS, compile_fn=compile_fn)
-    torch.compiler.set_stance("fail_on_recompile")
-    compiled_more, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS, compile_fn=compile_fn)
+    with one_graph("inductor") as compile_fn:
+        compiled, _ = generate_mc(system, prompt, REFOCUS + 1, REFOCUS, compile_fn=compile_fn)
+        compile_fn.forbid_recompiles()
+        compiled_more, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS, compile_fn=compile_fn)
     assert compiled.tolist() == eager[: REFOCUS + 1].tolist() and compiled_more.tolist() == eager.tolist()
-    assert counter.frame_count == 1
-    torch.compiler.set_stance("default")
     full_eager, _ = generate_full(system.base, prompt, 8)
-    full_compiled, _ = generate_full(system.base, prompt, 8, compile_fn=lambda f: compile_step(f, "default"))
+    with one_graph("inductor") as compile_fn:
+        full_compiled, _ = generate_full(system.base, prompt, 8, compile_fn=compile_fn)
     assert full_compiled.tolist() == full_eager.tolist()
 
 

@@ -4,10 +4,10 @@ the tail, the cut and LensNet read up to it, and its preference targets come fro
 from __future__ import annotations
 
 import torch
+from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mc import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.config import MCConfig
 from mcfn.core.system import process_batch_lens, training_horizon

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from builders import one_line_error
 from conftest import tiny_sections, write_profile
-from test_run import _error
 
 from mcfn.core.system import MegaContext
 from mcfn.profile import resolve
@@ -58,14 +58,14 @@ def test_mismatched_runs_are_refused_with_exit_2(tmp_path, profile, text_dir, ca
     plain = tmp_path / "plain"
     assert main(["--profile", str(profile), "--out", str(plain), "--steps", "5", "--no-mc"]) == 0
     out = tmp_path / "mc"
-    message = _error(["--profile", str(profile), "--out", str(out), "--init-from", str(plain),
+    message = one_line_error(["--profile", str(profile), "--out", str(out), "--init-from", str(plain),
                       "--set", "model.n_embd=64"], capsys)  # fmt: skip
     assert "--init-from" in message and "model.n_embd=32" in message and "64" in message
     other = write_profile(tmp_path / "other.toml", tiny_sections(f"text:{text_dir}", data={"vocab_size": 300}))
-    assert "different corpus or tokenizer" in _error(
+    assert "different corpus or tokenizer" in one_line_error(
         ["--profile", str(other), "--out", str(out), "--init-from", str(plain)], capsys
     )
-    assert "no checkpoint" in _error(
+    assert "no checkpoint" in one_line_error(
         ["--profile", str(profile), "--out", str(out), "--init-from", str(tmp_path)], capsys
     )
     assert not out.exists(), "nothing is written for a refused run"
@@ -83,5 +83,5 @@ def test_a_plain_phase_trains_the_base_alone_then_megacontext(tmp_path, profile,
     # The effective batch: B·T tokens every step; B whole windows in the plain phase, then B·V working contexts.
     assert [r["train/tokens_per_step"] for r in records] == [4 * 32] * 6
     assert [r["train/variants_per_step"] for r in records] == [4] * 3 + [4 * 3] * 3
-    assert "plain_steps" in _error(["--profile", str(profile), "--out", str(tmp_path / "x"), "--steps", "3",
+    assert "plain_steps" in one_line_error(["--profile", str(profile), "--out", str(tmp_path / "x"), "--steps", "3",
                                     "--set", "train.plain_steps=3"], capsys)  # fmt: skip

@@ -4,9 +4,8 @@ at most T/K of them, and every entry's score is its unit's."""
 from __future__ import annotations
 
 import torch
+from builders import awake, cases, contexts, padded_contexts
 from hypothesis import given
-from test_context import awake, padded_contexts
-from test_mc import cases, contexts
 
 from mcfn.core.lensnet import block_units, pool_blocks
 

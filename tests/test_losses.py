@@ -4,8 +4,8 @@ LOD metrics against a hand computation."""
 from __future__ import annotations
 
 import torch
+from builders import cases, contexts
 from hypothesis import given
-from test_mc import cases, contexts
 
 from mcfn.core.context import WorkingContext
 from mcfn.core.losses import tail_mask, tail_nll, variant_losses

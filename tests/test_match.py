@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from builders import rewritten_after
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mc import rewritten_after
 
 from mcfn.core.match import match_votes, ngram_keys
 

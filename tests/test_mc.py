@@ -2,133 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch._dynamo
+from builders import STEP_WEIGHTS, VOCAB, cases, contexts, flat, make_system, random_batches
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
-from hypothesis import strategies as st
 
-from mcfn.config import MCConfig, OptimConfig, coarsest_cover_size
+from mcfn.config import MCConfig, OptimConfig
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.outputs import StepOutput
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
+from mcfn.core.system import build_contexts, process_batch, process_batch_lens
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.core.weights import LossWeights
-from mcfn.profile import build_config
 from mcfn.shell.optim import build_optimizers
-
-VOCAB = 128
-STEP_WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
-
-
-def flat(out: StepOutput) -> dict[str, torch.Tensor]:
-    """Every tensor of a step's output under its name."""
-    return {**out.losses, **out.metrics, **out.histograms}
-
-
-def make_system(
-    T: int,
-    K: int,
-    L: int,
-    W: int,
-    H: int,
-    N: int,
-    seed: int = 0,
-    lens_width: int = 8,
-    teacher: dict | None = None,
-    lens: dict | None = None,
-    gist: dict | None = None,
-    leave_out: str = "top",
-    refocus_every: int = 16,
-) -> MegaContext:
-    cfg = build_config(
-        {
-            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
-            "data": {"seq_len": T},
-            "mc": {
-                "block_size": K,
-                "lod_max": L,
-                "budget": W,
-                "tail": H,
-                "variants": N,
-                "leave_out": leave_out,
-                "refocus_every": refocus_every,
-                "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
-                "lens": {"width": lens_width, **(lens or {})},
-                "teacher": teacher or {},
-            },
-        }
-    )
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
-    torch.manual_seed(seed)
-    system = MegaContext(cfg)
-    with torch.no_grad():  # a GistNet that does more than average its children
-        torch.nn.init.normal_(system.gistnet.out_proj.weight, std=0.5)
-    return system
-
-
-def spread_lens(system: MegaContext, seed: int) -> MegaContext:
-    """A LensNet with large random matrices: its scores spread, so that what it reads decides the cut (a test of
-    what it must not read then fails when it does)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in system.lensnet.parameters():
-            if p.ndim == 2:
-                torch.nn.init.normal_(p, std=1.0, generator=g)
-    return system
-
-
-def rewritten_after(window: torch.Tensor, horizon: torch.Tensor, seed: int) -> torch.Tensor:
-    """``window [B, T+1]`` with every token after ``horizon [B]`` replaced by a random one: what a cut chosen at
-    the horizon must not see (I11)."""
-    noise = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(seed))
-    return torch.where(torch.arange(window.size(1))[None] > horizon[:, None], noise, window)
-
-
-def decisive(system: MegaContext) -> MegaContext:
-    """A random system whose predictions depend strongly on its context, with logits far apart (greedy
-    choices and loss gaps then do not hinge on rounding)."""
-    with torch.no_grad():
-        torch.nn.init.normal_(system.base.lm_head.weight, std=2.0)
-        for block in system.base.blocks:
-            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
-            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
-    return system.eval()
-
-
-@st.composite
-def layouts(draw) -> dict:
-    """Tree shapes from K=2 to the default K=16, with the edges drawn on purpose: the smallest budget (the
-    coarsest cover), the largest (W = T) and the longest tail (H = T - K)."""
-    K = draw(st.sampled_from([2, 3, 4, 8, 16]))
-    L = draw(st.integers(1, {2: 3, 3: 2, 4: 2, 8: 2, 16: 2}[K]))
-    T = K**L * draw(st.integers(1, 3 if K**L <= 64 else 1))
-    while T < max(8, 2 * K):  # the smallest T a config accepts, and room for a tail of at least K before it
-        T *= 2
-    H = K * draw(st.one_of(st.just(T // K - 1), st.integers(1, T // K - 1)))
-    low = max(H, coarsest_cover_size(T, K, L, H))
-    W = draw(st.one_of(st.just(low), st.just(T), st.integers(low, T)))
-    N, leave_out = draw(st.integers(1, 3)), draw(st.sampled_from(["top", "gist"]))
-    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": N, "leave_out": leave_out}
-
-
-cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
-
-
-def contexts(
-    shape: dict, batch: int, seed: int, lens: dict | None = None
-) -> tuple[MegaContext, torch.Tensor, WorkingContext]:
-    system = make_system(**shape, seed=seed, lens=lens)
-    g = torch.Generator().manual_seed(seed)
-    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
-    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
-    with torch.no_grad():
-        return system, window, build_contexts(system, window, noise)[0]
 
 
 def valid_rows(wc: WorkingContext):
@@ -280,16 +168,9 @@ def test_network_is_in_the_optimizer_and_learns_in_the_training_step(network):
     assert changed == set(before), f"unchanged: {set(before) - changed}"
 
 
-def _batches(system: MegaContext, n: int, batch: int = 2):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(n):
-        window = torch.randint(0, VOCAB, (batch, system.layout.T + 1), generator=g)
-        yield window, draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
-
-
 def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
     system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
-    batches = [(system, window, noise, STEP_WEIGHTS) for window, noise in _batches(system, 24)]
+    batches = [(system, window, noise, STEP_WEIGHTS) for window, noise in random_batches(system, 24)]
     assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), against_eager=False)
 
 
@@ -305,7 +186,7 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
             torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
     weights = LossWeights.of(MCConfig(), torch.device("cpu"))
-    batches = [(system, window, noise, weights) for window, noise in _batches(system, 3)]
+    batches = [(system, window, noise, weights) for window, noise in random_batches(system, 3)]
     assert_one_graph_equals_eager(
         process_batch_lens, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()
     )

@@ -4,8 +4,8 @@ memory history is refused off CUDA and written once, after its steps."""
 from __future__ import annotations
 
 import torch
+from builders import STEP_WEIGHTS, VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager
-from test_mc import STEP_WEIGHTS, VOCAB, decisive, make_system
 
 from mcfn.core.model import set_activation_checkpointing
 from mcfn.core.system import process_batch_lens

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from builders import make_system
 from hypothesis import given
 from hypothesis import strategies as st
-from test_mc import make_system
 
 from mcfn.config import ModelConfig, OptimConfig
 from mcfn.core.model import GPT

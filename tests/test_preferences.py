@@ -13,11 +13,10 @@ import dataclasses
 import pytest
 import torch
 import torch._dynamo
+from builders import VOCAB, decisive, expanded, layouts, make_system
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 from hypothesis import strategies as st
-from test_allocator import expanded
-from test_mc import VOCAB, decisive, layouts, make_system
 
 from mcfn.config import MCConfig, coarsest_cover_size
 from mcfn.core.context import assemble

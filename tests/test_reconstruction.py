@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
+from builders import VOCAB, make_system
 from compile_check import assert_one_graph_equals_eager
-from test_mc import VOCAB, make_system
 
 from mcfn.config import GistConfig, MCConfig
 from mcfn.core.reconstruction import reconstruction_nll

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from test_mc import VOCAB, decisive, make_system, rewritten_after, spread_lens
+from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.focus import Refocus
 from mcfn.core.system import tree_stage

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from builders import one_line_error
 from conftest import tiny_sections, write_profile
 
 from mcfn.profile import config_from_saved
@@ -103,33 +104,26 @@ def test_wandb_offline_needs_no_account(tmp_path, profile, monkeypatch):
     assert list((out / "wandb").glob("offline-run-*"))
 
 
-def _error(argv, capsys) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: ")
-    return err[-1]
-
-
 def test_bad_inputs_exit_2_with_one_line(tmp_path, text_dir, profile, capsys):
     out = str(tmp_path / "run")
-    assert "does not exist" in _error(
+    assert "does not exist" in one_line_error(
         ["--profile", str(profile), "--out", out, "--data", str(tmp_path / "nope")], capsys
     )
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.txt").write_text("")
-    assert "no documents" in _error(["--profile", str(profile), "--out", out, "--data", str(empty)], capsys)
+    assert "no documents" in one_line_error(["--profile", str(profile), "--out", out, "--data", str(empty)], capsys)
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(b"not a parquet file")
-    assert "cannot read" in _error(["--profile", str(profile), "--out", out, "--data", str(garbage)], capsys)
-    assert "fewer than data.seq_len" in _error(
+    assert "cannot read" in one_line_error(["--profile", str(profile), "--out", out, "--data", str(garbage)], capsys)
+    assert "fewer than data.seq_len" in one_line_error(
         ["--profile", str(profile), "--out", out, "--no-mc", "--set", "data.seq_len=100000"], capsys
     )
-    assert "unknown key train.nope" in _error(
+    assert "unknown key train.nope" in one_line_error(
         ["--profile", str(profile), "--out", out, "--set", "train.nope=1"], capsys
     )
-    assert "no profile" in _error(["--profile", "missing-profile", "--out", out], capsys)
-    assert "no checkpoint" in _error(["--profile", str(profile), "--out", out, "--resume"], capsys)
+    assert "no profile" in one_line_error(["--profile", "missing-profile", "--out", out], capsys)
+    assert "no checkpoint" in one_line_error(["--profile", str(profile), "--out", out, "--resume"], capsys)
     assert not (tmp_path / "run").exists()  # nothing was written for any of these
 
 
@@ -138,17 +132,19 @@ def test_bad_checkpoints_are_refused_without_touching_the_run(tmp_path, profile,
     assert main(["--profile", str(profile), "--out", str(out), "--steps", "10"]) == 0
     before = snapshot(out)
     # Resuming with a different model is refused.
-    assert "model.n_embd" in _error(
+    assert "model.n_embd" in one_line_error(
         ["--profile", str(profile), "--out", str(out), "--steps", "20", "--resume", "--set", "model.n_embd=64"], capsys
     )
     # A fresh run into a directory that holds one is refused.
-    assert "already holds a run" in _error(["--profile", str(profile), "--out", str(out)], capsys)
+    assert "already holds a run" in one_line_error(["--profile", str(profile), "--out", str(out)], capsys)
     assert snapshot(out) == before
     # A corrupt checkpoint is refused, and nothing else changes.
     ckpt = out / "checkpoint.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:-100])
     before = snapshot(out)
-    assert "corrupt" in _error(["--profile", str(profile), "--out", str(out), "--steps", "20", "--resume"], capsys)
+    assert "corrupt" in one_line_error(
+        ["--profile", str(profile), "--out", str(out), "--steps", "20", "--resume"], capsys
+    )
     assert snapshot(out) == before
 
 

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from builders import decisive, make_system, random_batch
 from compile_check import assert_one_graph_equals_eager
-from test_mc import VOCAB, decisive, make_system
 
 from mcfn.config import MCConfig, TeacherConfig
 from mcfn.core.losses import recency_tail_nll, tail_nll
 from mcfn.core.step import plain_step
 from mcfn.core.system import build_contexts, process_batch
-from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 
 SHAPE = dict(T=32, K=4, L=2, W=16, H=8, N=2)
-
-
-def batch(system, seed: int = 0, b: int = 2):
-    g = torch.Generator().manual_seed(seed)
-    window = torch.randint(0, VOCAB, (b, system.layout.T + 1), generator=g)
-    return window, draw_variant_noise(system.layout, b, g, torch.device("cpu"))
 
 
 def weights(full: float) -> LossWeights:
@@ -31,7 +24,7 @@ def weights(full: float) -> LossWeights:
 
 def test_loss_full_is_the_plain_loss_of_the_whole_window():
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 0.5}))
-    window, noise = batch(system)
+    window, noise = random_batch(system)
     with torch.no_grad():
         out = process_batch(system, window, noise, weights(0.5))
         plain = plain_step(system.base, window).losses["loss_lm"]
@@ -43,7 +36,7 @@ def test_the_recency_tail_nll_is_the_full_windows_when_the_window_fits():
     """The baseline variant shows the last W tokens at LOD0: its tail NLL, read off the packed forward, is the
     full window's, up to what the older tokens change, and identical when the window is no longer than W."""
     system = decisive(make_system(T=16, K=4, L=1, W=16, H=8, N=1))
-    window, noise = batch(system)
+    window, noise = random_batch(system)
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
@@ -52,7 +45,7 @@ def test_the_recency_tail_nll_is_the_full_windows_when_the_window_fits():
     torch.testing.assert_close(recency, full, atol=1e-5, rtol=1e-5)
     # With W < T the variants differ: the rows read are the baseline's (slot 0 of tail_nll), not another's.
     system = decisive(make_system(**SHAPE))
-    window, noise = batch(system)
+    window, noise = random_batch(system)
     with torch.no_grad():
         wc, _, _ = build_contexts(system, window, noise)
         nll = system.base.nll(system.base.hidden(wc.emb, wc.position, wc.span.float()), wc.target)
@@ -64,7 +57,7 @@ def test_the_recency_tail_nll_is_the_full_windows_when_the_window_fits():
 def test_the_step_with_the_teacher_is_one_graph_equal_to_eager(fresh_dynamo):
     """The last batch brings new weight values: they are tensors, so it does not recompile."""
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))
-    batches = [(system, *batch(system, seed=i), weights(1.0) if i < 3 else weights(0.1)) for i in range(4)]
+    batches = [(system, *random_batch(system, seed=i), weights(1.0) if i < 3 else weights(0.1)) for i in range(4)]
     assert_one_graph_equals_eager(process_batch, batches)
 
 
@@ -81,7 +74,7 @@ def test_the_attention_target_by_hand_on_a_tiny_window():
 
     system = decisive(make_system(T=16, K=2, L=2, W=12, H=4, N=1, teacher={"full_weight": 1.0}))
     base, layout = system.base, system.layout
-    window, _ = batch(system, seed=3)
+    window, _ = random_batch(system, seed=3)
     inputs, targets = window[:, :-1], window[:, 1:]
     T, H = 16, 4
     matrices = []

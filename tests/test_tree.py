@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from builders import STEP_WEIGHTS, VOCAB, decisive, make_system, random_batches
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_mc import STEP_WEIGHTS, VOCAB, _batches, decisive, make_system
 
 from mcfn.core.system import history_tree, process_batch
 from mcfn.core.tree import block_hidden
@@ -72,7 +72,7 @@ def test_hidden_features_train_gistnet_not_the_base_blocks():
 
 def test_the_step_with_hidden_gists_is_one_graph_equal_to_eager(fresh_dynamo):
     system = make_system(T=32, K=4, L=2, W=16, H=8, N=2, gist={"source": "hidden"})
-    batches = [(system, window, noise, STEP_WEIGHTS) for window, noise in _batches(system, 3)]
+    batches = [(system, window, noise, STEP_WEIGHTS) for window, noise in random_batches(system, 3)]
     assert_one_graph_equals_eager(
         process_batch, batches, loss=lambda out: out.total(), params=system.gistnet.parameters()
     )

@@ -1,0 +1,218 @@
+"""What the tests build and check with: small systems and batches, Hypothesis strategies over tree shapes, the
+cut checker, and adversarial scores. One home, so that test files import from here and never from each other."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from einops import rearrange
+from hypothesis import strategies as st
+
+from mcfn.config import MCConfig, coarsest_cover_size
+from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.nodes import NodeTable
+from mcfn.core.outputs import StepOutput
+from mcfn.core.preferences import lod_map
+from mcfn.core.system import MegaContext, build_contexts, tree_stage
+from mcfn.core.variants import coarsest_cut, draw_variant_noise
+from mcfn.core.weights import LossWeights
+from mcfn.profile import build_config
+from train.run import main
+
+VOCAB = 128
+
+
+STEP_WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
+
+
+def flat(out: StepOutput) -> dict[str, torch.Tensor]:
+    """Every tensor of a step's output under its name."""
+    return {**out.losses, **out.metrics, **out.histograms}
+
+
+def make_system(
+    T: int,
+    K: int,
+    L: int,
+    W: int,
+    H: int,
+    N: int,
+    seed: int = 0,
+    lens_width: int = 8,
+    teacher: dict | None = None,
+    lens: dict | None = None,
+    gist: dict | None = None,
+    leave_out: str = "top",
+    refocus_every: int = 16,
+) -> MegaContext:
+    cfg = build_config(
+        {
+            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
+            "data": {"seq_len": T},
+            "mc": {
+                "block_size": K,
+                "lod_max": L,
+                "budget": W,
+                "tail": H,
+                "variants": N,
+                "leave_out": leave_out,
+                "refocus_every": refocus_every,
+                "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
+                "lens": {"width": lens_width, **(lens or {})},
+                "teacher": teacher or {},
+            },
+        }
+    )
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=VOCAB))
+    torch.manual_seed(seed)
+    system = MegaContext(cfg)
+    with torch.no_grad():  # a GistNet that does more than average its children
+        torch.nn.init.normal_(system.gistnet.out_proj.weight, std=0.5)
+    return system
+
+
+def spread_lens(system: MegaContext, seed: int) -> MegaContext:
+    """A LensNet with large random matrices: its scores spread, so that what it reads decides the cut (a test of
+    what it must not read then fails when it does)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in system.lensnet.parameters():
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, std=1.0, generator=g)
+    return system
+
+
+def rewritten_after(window: torch.Tensor, horizon: torch.Tensor, seed: int) -> torch.Tensor:
+    """``window [B, T+1]`` with every token after ``horizon [B]`` replaced by a random one: what a cut chosen at
+    the horizon must not see (I11)."""
+    noise = torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(seed))
+    return torch.where(torch.arange(window.size(1))[None] > horizon[:, None], noise, window)
+
+
+def decisive(system: MegaContext) -> MegaContext:
+    """A random system whose predictions depend strongly on its context, with logits far apart (greedy
+    choices and loss gaps then do not hinge on rounding)."""
+    with torch.no_grad():
+        torch.nn.init.normal_(system.base.lm_head.weight, std=2.0)
+        for block in system.base.blocks:
+            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+    return system.eval()
+
+
+@st.composite
+def layouts(draw) -> dict:
+    """Tree shapes from K=2 to the default K=16, with the edges drawn on purpose: the smallest budget (the
+    coarsest cover), the largest (W = T) and the longest tail (H = T - K)."""
+    K = draw(st.sampled_from([2, 3, 4, 8, 16]))
+    L = draw(st.integers(1, {2: 3, 3: 2, 4: 2, 8: 2, 16: 2}[K]))
+    T = K**L * draw(st.integers(1, 3 if K**L <= 64 else 1))
+    while T < max(8, 2 * K):  # the smallest T a config accepts, and room for a tail of at least K before it
+        T *= 2
+    H = K * draw(st.one_of(st.just(T // K - 1), st.integers(1, T // K - 1)))
+    low = max(H, coarsest_cover_size(T, K, L, H))
+    W = draw(st.one_of(st.just(low), st.just(T), st.integers(low, T)))
+    N, leave_out = draw(st.integers(1, 3)), draw(st.sampled_from(["top", "gist"]))
+    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": N, "leave_out": leave_out}
+
+
+cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
+
+
+def contexts(
+    shape: dict, batch: int, seed: int, lens: dict | None = None
+) -> tuple[MegaContext, torch.Tensor, WorkingContext]:
+    system = make_system(**shape, seed=seed, lens=lens)
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (batch, shape["T"] + 1), generator=g)
+    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
+    with torch.no_grad():
+        return system, window, build_contexts(system, window, noise)[0]
+
+
+def random_batches(system: MegaContext, n: int, batch: int = 2):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        window = torch.randint(0, VOCAB, (batch, system.layout.T + 1), generator=g)
+        yield window, draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
+
+
+def token_coverage(shown: torch.Tensor, layout) -> torch.Tensor:
+    """``[..., T]``: how many shown nodes cover each token."""
+    coverage = torch.zeros(*shown.shape[:-1], layout.T, dtype=torch.int64)
+    for k in range(layout.L + 1):
+        lo = layout.level_offsets[k]
+        coverage += shown[..., lo : lo + layout.level_sizes[k]].repeat_interleave(layout.K**k, dim=-1)
+    return coverage
+
+
+def check_cut(shown: torch.Tensor, layout) -> None:
+    """A valid working context (I2): text covered at most once; what is left out is a union of whole spans of
+    droppable gists (eligible, at LODmax, or with ``leave_out = "gist"`` at any level from LOD1), so each
+    aligned block of ``K^lowest_drop`` tokens is covered whole or left out whole, and only an eligible one is
+    left out; the tail at LOD0; within W."""
+    coverage = token_coverage(shown, layout)
+    assert (coverage <= 1).all(), "disjoint spans (I2)"
+    unit = layout.K**layout.lowest_drop
+    blocks = rearrange(coverage, "... (n s) -> ... n s", s=unit)
+    assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "text is left out in whole droppable spans (I2)"
+    may_leave_out = torch.arange(layout.T // unit) < layout.eligible_counts[layout.lowest_drop]
+    assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible gist's span is left out (I2)"
+    assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
+    assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"
+    eligible = NodeTable.of(layout).eligible
+    assert not (shown & ~eligible).any(), "no gist over the tail"
+
+
+adversarial = st.sampled_from(["normal", "huge", "tiny", "equal", "negative", "positive"])
+
+
+def adversarial_scores(kind: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return {
+        "normal": x,
+        "huge": x * 1e6,
+        "tiny": x * 1e-6,
+        "equal": torch.ones(shape),
+        "negative": -x.abs() - 1,
+        "positive": x.abs() + 1,
+    }[kind]
+
+
+def expanded(cut: torch.Tensor, node: int, nodes: NodeTable) -> torch.Tensor:
+    """``cut [..., n_nodes]`` with the shown gist ``node`` replaced by its children."""
+    out = cut.clone()
+    out[..., node] = False
+    return out | (nodes.parent == node)
+
+
+def awake(system: MegaContext) -> MegaContext:
+    """Output projections start at zero, so a new model's attention changes nothing: wake them up, so that
+    what an entry attends to (padding, positions, spans) shows in the outputs."""
+    with torch.no_grad():
+        for name, p in system.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, std=0.3)
+    return system
+
+
+def padded_contexts(system: MegaContext, window: torch.Tensor) -> WorkingContext:
+    """Every sample's coarsest cut in rows of T slots: mostly padding."""
+    nodes = system.nodes.with_sizes(W=system.layout.T)
+    cut = coarsest_cut(system.layout, torch.device("cpu"))[None, None].expand(window.size(0), 1, -1)
+    with torch.no_grad():
+        return assemble(tree_stage(system, window), cut, window, nodes)
+
+
+def random_batch(system, seed: int = 0, b: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (b, system.layout.T + 1), generator=g)
+    return window, draw_variant_noise(system.layout, b, g, torch.device("cpu"))
+
+
+def one_line_error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ")
+    return err[-1]
