@@ -9,11 +9,11 @@ import pytest
 import torch
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
-from mcfn.core.system import tree_stage
 from mcfn.tools.attention import attention_mass
+from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_stats import retained_with_interval, spearman
-from mcfn.tools.evaluation import CONDITIONS, EvalSettings, default_budgets, evaluate
+from mcfn.tools.evaluation import CONDITIONS, default_budgets, evaluate
 from mcfn.tools.one_cut import predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8
@@ -187,6 +187,7 @@ def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():
     for w in (window, rewritten):
         generator = torch.Generator().manual_seed(4)
         with torch.no_grad():
-            preds.append(predict_budget(system, tree_stage(system, w), w, horizon, W, 4, 2, generator))
+            batch = EvalBatch.of(system, EvalSettings((W,), random_contexts=4, refocus=2), w, horizon)
+            preds.append(predict_budget(batch, W, generator))
     assert not torch.allclose(preds[0].nll, preds[1].nll), "the rewritten tail is scored differently"
     torch.testing.assert_close(preds[0].preference, preds[1].preference)

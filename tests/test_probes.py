@@ -9,7 +9,6 @@ from conftest import make_documents
 from mcfn.data.probes import PAIRS, PROBES, QUERIES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
-from mcfn.tools.eval_stats import Scores
 from mcfn.tools.evaluation import record
 from mcfn.tools.one_cut import Predictions
 
@@ -101,16 +100,14 @@ def test_the_scorer_counts_a_window_answered_only_when_every_answer_token_is_the
     answer_only[..., 5:7] = True  # wrong everywhere but on the answer
     full = (torch.ones(2, 8), torch.ones(2, 8, dtype=torch.bool))
     for hit, expected in ((always, 1.0), (never, 0.0), (answer_only, 1.0)):
-        out = Scores()
-        record(out, scored_predictions(hit), {"full": full}, scored, torch.zeros(2))
+        out = record(scored_predictions(hit), {"full": full}, scored, torch.zeros(2))
         for name in ("recency", "random", "lens", "oracle"):
             assert float(torch.cat(out.correct[name]).mean()) == expected, name
         assert torch.equal(torch.cat(out.nats["lens"]), torch.full((2,), 2.0, dtype=torch.float64))  # 2 tokens x 1
         assert torch.equal(torch.cat(out.nbytes), torch.full((2,), 4.0, dtype=torch.float64))
     half = never.clone()
     half[0, :, 5:7] = True  # the first window answered, the second not
-    out = Scores()
-    record(out, scored_predictions(half), {"full": full}, scored, torch.zeros(2))
+    out = record(scored_predictions(half), {"full": full}, scored, torch.zeros(2))
     assert torch.cat(out.correct["lens"]).tolist() == [1.0, 0.0]
 
 
@@ -120,12 +117,10 @@ def test_the_measured_gap_is_positive_when_the_first_random_context_is_better():
     nll = torch.ones(1, 4, 8)
     nll[0, 1] = 0.5  # the first random context (slot 1) predicts better than the second (slot 2)
     slots = {"recency": slice(0, 1), "random": slice(1, 3), "lens": slice(3, 4)}
-    out = Scores()
     scored = torch.ones(1, 8, dtype=torch.int64)
     full = (torch.ones(1, 8), torch.ones(1, 8, dtype=torch.bool))
     one_chunk = torch.zeros(1, 8, dtype=torch.int64)
-    record(
-        out, Predictions(nll, hit, slots, one_chunk, torch.tensor([[[1.0]]])), {"full": full}, scored, torch.zeros(1)
-    )
+    pred = Predictions(nll, hit, slots, one_chunk, torch.tensor([[[1.0]]]))
+    out = record(pred, {"full": full}, scored, torch.zeros(1))
     assert torch.cat(out.measured).tolist() == [4.0] and torch.cat(out.predicted).tolist() == [1.0]
     assert float(torch.cat(out.nats["oracle"])[0]) == 4.0  # the oracle is the better random context

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.focus import Refocus
-from mcfn.core.system import tree_stage
 from mcfn.inference.generation import teacher_forced_mc
 from mcfn.inference.render import lod_string
+from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.refocused import predict_chunked
 
 T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
@@ -22,11 +22,9 @@ def moving_system():
 
 def chunked(system, window, horizon, warm_steps=1, random_contexts=4):
     with torch.no_grad():
-        tree = tree_stage(system, window)
-        protocol = Refocus(R, steps=4, warm_steps=warm_steps)
-        return predict_chunked(
-            system, tree, window, horizon, W, protocol, random_contexts, torch.Generator().manual_seed(0)
-        )
+        settings = EvalSettings((W,), random_contexts, refocus=4, refocus_every=R, warm_steps=warm_steps)
+        batch = EvalBatch.of(system, settings, window, horizon)
+        return predict_chunked(batch, W, torch.Generator().manual_seed(0))
 
 
 def shown_layout(cut: torch.Tensor, system, n: int) -> str:
@@ -80,13 +78,11 @@ def test_per_chunk_oracle_is_never_worse_than_any_random_cut_of_its_chunk():
     system = moving_system()
     window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(5))
     pred = chunked(system, window, torch.full((3,), T - H))
-    from mcfn.tools.eval_stats import Scores
     from mcfn.tools.evaluation import per_chunk, record
 
     scored = torch.ones(3, H)
-    out = Scores()
     full = (torch.zeros(3, H), torch.zeros(3, H, dtype=torch.bool))
-    record(out, pred, {"full": full}, scored, torch.zeros(3))
+    out = record(pred, {"full": full}, scored, torch.zeros(3))
     chunk_nats = per_chunk(pred, scored > 0, scored)[0]  # [B, M, C]
     assert chunk_nats.size(-1) == H // R
     oracle = out.nats["oracle"][0]

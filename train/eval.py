@@ -46,21 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    from mcfn.shell.evaluate import evaluate_checkpoint
+    from mcfn.shell.evaluate import EvalRequest, evaluate_checkpoint
 
-    report, table = evaluate_checkpoint(
-        args.ckpt,
-        data=args.data,
-        out_dir=args.out,
-        batches=args.batches,
-        budgets=args.budgets,
-        random_contexts=args.random_contexts,
-        refocus=args.refocus,
-        refocus_every=args.refocus_every,
-        device=args.device,
-        tasks=args.tasks,
-        reference=args.reference,
-    )
+    flags = vars(args).copy()
+    flags.pop("json")
+    report, table = evaluate_checkpoint(EvalRequest(**flags))
     print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

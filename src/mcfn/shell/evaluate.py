@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,8 +16,9 @@ from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
+from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.evaluation import EvalSettings, check_settings, default_budgets, evaluate
+from mcfn.tools.evaluation import check_settings, default_budgets, evaluate
 
 
 def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
@@ -55,26 +57,33 @@ def load_reference(path: Path, trained: Trained, device: torch.device) -> GPT:
     return reference.model
 
 
-def evaluate_checkpoint(
-    ckpt: Path,
-    data: str | None = None,
-    out_dir: Path | None = None,
-    batches: int | None = None,
-    budgets: str | None = None,
-    random_contexts: int = 8,
-    refocus: int = 4,
-    refocus_every: int | None = None,
-    device: str = "auto",
-    tasks: list[str] | None = None,
-    reference: Path | None = None,
-) -> tuple[dict, str]:
+@dataclass(frozen=True)
+class EvalRequest:
+    """What ``train.eval`` is asked for, one field per flag (``python -m train.eval --help`` says each)."""
+
+    ckpt: Path
+    data: str | None = None
+    out: Path | None = None
+    batches: int | None = None
+    budgets: str | None = None
+    random_contexts: int = 8
+    refocus: int = 4
+    refocus_every: int | None = None
+    device: str = "auto"
+    tasks: list[str] | None = None
+    reference: Path | None = None
+
+
+def evaluate_checkpoint(request: EvalRequest) -> tuple[dict, str]:
     """``train.eval``: load, evaluate, write the outputs; returns the report and its table."""
+    ckpt, data, tasks, reference = request.ckpt, request.data, request.tasks, request.reference
+    random_contexts, refocus, refocus_every = request.random_contexts, request.refocus, request.refocus_every
     if random_contexts < 2:
         raise UserError("--random-contexts must be >= 2 (the rank correlation compares pairs)")
     if refocus < 1:
         raise UserError("--refocus must be >= 1")
     chosen = parse_tasks(tasks)
-    trained = load_trained(ckpt, resolve_device(device))
+    trained = load_trained(ckpt, resolve_device(request.device))
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
     cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
@@ -83,12 +92,12 @@ def evaluate_checkpoint(
             raise UserError(f"--task {name}: {reason}")
     plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
     split = trained.corpus.val if data is None else encode_source(data, tok, cfg.data.min_doc_chars)
-    n_batches = batches or cfg.train.eval_batches
+    n_batches = request.batches or cfg.train.eval_batches
     if n_batches < 1:
         raise UserError("--batches must be >= 1")
     windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
     settings = EvalSettings(
-        parse_budgets(budgets, layout),
+        parse_budgets(request.budgets, layout),
         random_contexts,
         refocus,
         chosen,
@@ -99,5 +108,5 @@ def evaluate_checkpoint(
     report["checkpoint_step"] = trained.step
     report["data"] = data or f"{cfg.data.source} (validation split)"
     report["reference"] = None if reference is None else str(reference)
-    table = write_eval_outputs(report, out_dir or (ckpt if ckpt.is_dir() else ckpt.parent))
+    table = write_eval_outputs(report, request.out or (ckpt if ckpt.is_dir() else ckpt.parent))
     return report, table

@@ -20,8 +20,9 @@ from mcfn.data.loader import validation_batches
 from mcfn.data.probes import PROBES
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
+from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate
+from mcfn.tools.evaluation import default_budgets, evaluate
 from mcfn.tools.report import write_report
 
 SUMMARY_NAME = "summary.json"

@@ -1,7 +1,7 @@
 """What the training loop trains: the plain GPT or MegaContext, behind one small interface.
 
 A task owns its model and its (optionally compiled) step and evaluation functions. ``train_step``
-returns the step's :class:`~mcfn.core.outputs.StepOutput`; ``evaluate`` returns floats for the log.
+returns the step's :class:`~mcfn.core.outputs.StepOutput`; ``validate`` returns the held-out figures for the log.
 Anything random in a step is drawn from a generator seeded by ``(seed, step)``, so a step depends
 only on the run's seed and its index: resuming replays exactly.
 """
@@ -67,7 +67,7 @@ class PlainTask:
         """What the base model reads per window at ``step``: the whole window, once."""
         return 1
 
-    def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
+    def validate(self, batches: list[Tensor]) -> dict[str, float]:
         bpb = validation_bpb(lambda i, w: self._eval(self.model, w, self.token_bytes), batches, self.device)
         return {"val/bpb": float(bpb)}
 
@@ -141,7 +141,7 @@ class MCTask:
             for v, kind in enumerate(kinds)
         ]
 
-    def evaluate(self, batches: list[Tensor]) -> dict[str, float]:
+    def validate(self, batches: list[Tensor]) -> dict[str, float]:
         def sums(i: int, window: Tensor) -> tuple[Tensor, Tensor]:
             return self._eval(
                 self.model, window, self.noise(window.size(0), derive_seed(VAL_SEED, "val_noise", i)), self.token_bytes

@@ -4,7 +4,7 @@ Its state is everything the run holds while it loops: the session (data, task, o
 ``progress`` it counts, the progress bar, the stop flag a signal sets, the batch prefetcher, the memory
 history and the compile cache. Its methods are the run's steps, as torchtitan splits them:
 :meth:`Trainer.forward_backward` (one batch, in micro-batches), :meth:`Trainer.optimizer_step` (one update) and
-:meth:`Trainer.train` (evaluate, checkpoint, step, log, stop, until ``train.steps``).
+:meth:`Trainer.train` (validate, checkpoint, step, log, stop, until ``train.steps``).
 
 The trainer reads tensors back from the step only at log and eval steps; everything between is device work.
 Step ``s`` (0-based) trains on batch ``s`` with the parameters after ``s`` updates; its record in
@@ -107,7 +107,7 @@ class Trainer:
                 record: dict[str, Any] = {"step": step}
                 last = step == cfg.steps
                 if (step % cfg.eval_every == 0 or last) and s.world.is_main:
-                    record.update(self.evaluate(step))
+                    record.update(self.validate(step))
                 if step > s.start_step and (step % cfg.ckpt_every == 0 or last):
                     save_state(s, step)
                 if last:
@@ -218,13 +218,13 @@ class Trainer:
             f"(optim.*_lr), set optim.grad_clip, or check the data"
         )
 
-    def evaluate(self, step: int) -> dict[str, float]:
+    def validate(self, step: int) -> dict[str, float]:
         """Validation bits per byte of the current parameters, shown on the bar and returned for the record."""
         s, progress = self.s, self.progress
         s.model.eval()
         t0 = time.perf_counter()
         with s.autocast():
-            result = s.task.evaluate(s.val_batches)
+            result = s.task.validate(s.val_batches)
             base = s.model.base if isinstance(s.model, MegaContext) else s.model
             passkey = probe_accuracy(base, s.val_batches, s.corpus.tokenizer, s.cfg.mc.tail)
         if passkey is not None:  # when retrieval forms: the pass key answered reading the whole window

@@ -43,7 +43,8 @@ from mcfn.core.step import compile_step
 from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
-from mcfn.tools.evaluation import EvalSettings, default_budgets, evaluate_tasks
+from mcfn.tools.eval_batch import EvalSettings
+from mcfn.tools.evaluation import default_budgets, score_tasks
 from mcfn.typecheck import checks
 
 
@@ -325,7 +326,7 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
         system.zero_grad(set_to_none=True)
 
     def evaluation() -> None:
-        evaluate_tasks(system, [window], token_bytes, None, settings)
+        score_tasks(system, [window], token_bytes, None, settings)
 
     timer, out = Timer(device), {}
     for name, fn in (("step", step), ("eval", evaluation)):

@@ -32,6 +32,16 @@ class Scores:
         self.nats.setdefault(name, []).append(nats.double().cpu())
         self.correct.setdefault(name, []).append(correct.double().cpu())
 
+    def extend(self, other: Scores) -> None:
+        """Append ``other``'s windows (a later batch) to these."""
+        for name in other.nats:
+            self.nats.setdefault(name, []).extend(other.nats[name])
+            self.correct.setdefault(name, []).extend(other.correct[name])
+        for mine, theirs in ((self.nbytes, other.nbytes), (self.depth, other.depth)):
+            mine.extend(theirs)
+        self.predicted.extend(other.predicted)
+        self.measured.extend(other.measured)
+
 
 BOOTSTRAP = 1000  # resamples of the windows for the retained fraction's interval
 BOOTSTRAP_SEED = 0

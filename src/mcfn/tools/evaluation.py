@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -53,32 +52,22 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mcfn.config import most_refocus_every
-from mcfn.core.focus import Refocus, refocus_budget
+from mcfn.core.focus import refocus_budget
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.preferences import pair_slots
 from mcfn.core.step import split_window
-from mcfn.core.system import MegaContext, tree_stage
+from mcfn.core.system import MegaContext
 from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.seeding import derive_seed
+from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
-from mcfn.tools.one_cut import predict_budget, tail_predictions
+from mcfn.tools.one_cut import Predictions, predict_budget, tail_predictions
 from mcfn.tools.refocused import predict_chunked
 
 CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "oracle")
 LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    budgets: tuple[int, ...]  # W per sweep row; the first is the headline
-    random_contexts: int = 8  # M: random compressed contexts per window (random and oracle)
-    refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
-    tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
-    probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
-    refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens
-    warm_steps: int = 1  # allocator steps of every refocus after a window's first, from the previous context
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -95,10 +84,11 @@ def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tens
     return tail_predictions(base, base.token_hidden(inputs), first, targets[:, -tail:])
 
 
-def record(out: Scores, pred, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth) -> None:
-    """Append one batch's per-window scores to ``out``: ``scored [B, H]`` holds the bytes of each tail target
-    that counts (0: not scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The
-    oracle is the best random context of each chunk, and the rank pairs are compared chunk by chunk."""
+def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth: Tensor) -> Scores:
+    """One batch's per-window scores: ``scored [B, H]`` holds the bytes of each tail target that counts (0: not
+    scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The oracle is the best random
+    context of each chunk, and the rank pairs are compared chunk by chunk."""
+    out = Scores()
     mask = scored > 0
     for name, (nll, hit) in references.items():
         out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
@@ -123,9 +113,10 @@ def record(out: Scores, pred, references: dict[str, tuple[Tensor, Tensor]], scor
         scored_chunk = repeat(chunk_bytes > 0, "b c -> b c p", p=i.size(1))
         out.predicted.append(pred.preference[scored_chunk].cpu())
         out.measured.append(measured[scored_chunk].cpu())  # > 0: i better
+    return out
 
 
-def per_chunk(pred, mask: Tensor, scored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def per_chunk(pred: Predictions, mask: Tensor, scored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The random contexts' scored nats and wrong answers per chunk ``[B, M, C]``, and each chunk's bytes ``[B, C]``."""
     C = int(pred.chunk.max()) + 1
     slot = pred.chunk.clamp(min=0)
@@ -158,6 +149,7 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
 
 
 PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
+PARTS = ("all", "longrange")  # what a task's scores cover: every scored target, and (corpus) the long-range ones
 
 
 def protocol_budgets(settings: EvalSettings, layout: Layout, protocol: str) -> tuple[int, ...]:
@@ -181,40 +173,34 @@ def score_batch(
     token_bytes: Tensor,
     settings: EvalSettings,
     index: int,
-    scores: dict[str, dict[int, Scores]],
-    longrange: dict[str, dict[int, Scores]] | None = None,
     reference: GPT | None = None,
-) -> None:
-    """Score one batch of a task at every budget under both protocols, appending to ``scores[protocol][budget]``
-    (and for ``corpus`` the long-range tokens' scores to ``longrange``). The same random contexts for every
-    checkpoint on these windows."""
+) -> dict[str, dict[str, dict[int, Scores]]]:
+    """One batch of a task scored at every budget under both protocols: ``{"all": {protocol: {budget: Scores}}}``,
+    and ``"longrange"`` the same on the long-range tokens (defined at the headline budget: what full context
+    predicts much better than truncation). The same random contexts for every checkpoint on these windows."""
     layout, window = system.layout, probe.window
-    tree = tree_stage(system, window)
     targets = split_window(window)[1][:, layout.T - layout.H :]
     scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
     horizon = probe.answer.long().argmax(-1)  # the first scored prediction's position: what a cut may be chosen from
+    batch = EvalBatch.of(system, settings, window, horizon)
     references = {"full": full_predictions(system.base, window, layout.H)}
     if reference is not None:
         references["full_plain"] = full_predictions(reference, window, layout.H)
     generator = torch.Generator(device=window.device)
+    out: dict[str, dict[str, dict[int, Scores]]] = {"all": {}, "longrange": {}}
     long_range = None
-    protocol = Refocus(settings.refocus_every, settings.refocus, settings.warm_steps)
     for name in PROTOCOLS[::-1]:  # one cut first: it defines the long-range tokens
+        predict = predict_budget if name == "one_cut" else predict_chunked
+        out["all"][name], out["longrange"][name] = {}, {}
         for budget in protocol_budgets(settings, layout, name):
             generator.manual_seed(derive_seed(budget, "eval_contexts", index))
-            M = settings.random_contexts
-            if name == "one_cut":
-                pred = predict_budget(system, tree, window, horizon, budget, M, settings.refocus, generator)
-            else:
-                pred = predict_chunked(
-                    system, tree, window, horizon, budget, protocol, settings.random_contexts, generator
-                )
-            record(scores[name][budget], pred, references, scored, probe.depth)
-            if longrange is not None:
-                if long_range is None:  # defined at the headline budget: what full context predicts much better
-                    gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
-                    long_range = scored * (gain > LONG_RANGE_MARGIN)
-                record(longrange[name][budget], pred, references, long_range, probe.depth)
+            pred = predict(batch, budget, generator)
+            out["all"][name][budget] = record(pred, references, scored, probe.depth)
+            if long_range is None:
+                gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
+                long_range = scored * (gain > LONG_RANGE_MARGIN)
+            out["longrange"][name][budget] = record(pred, references, long_range, probe.depth)
+    return out
 
 
 def summarise_task(
@@ -240,7 +226,7 @@ def summarise_task(
     return result
 
 
-def evaluate_tasks(
+def score_tasks(
     system: MegaContext,
     windows: list[Tensor],
     token_bytes: Tensor,
@@ -262,18 +248,21 @@ def evaluate_tasks(
         if reason is not None:  # a question longer than the scored tail: reported, not scored
             tasks[task] = {"skipped": reason}
             continue
-        scores = {p: {w: Scores() for w in settings.budgets} for p in PROTOCOLS}
-        longrange = {p: {w: Scores() for w in settings.budgets} for p in PROTOCOLS} if task == "corpus" else None
+        scores = {part: {p: {w: Scores() for w in settings.budgets} for p in PROTOCOLS} for part in PARTS}
         batches = windows if task == "corpus" else windows[: settings.probe_batches]
         for index, batch in enumerate(batches):
             probe = make_probe(task, batch, tokenizer, layout.H, derive_seed(PROBES.index(task), "eval_probes", index))
             probe = ProbeBatch(probe.window.to(device), probe.answer.to(device), probe.depth)
-            score_batch(system, probe, token_bytes, settings, index, scores, longrange, reference)
+            for part, by_protocol in score_batch(system, probe, token_bytes, settings, index, reference).items():
+                for p, by_budget in by_protocol.items():
+                    for w, batch_scores in by_budget.items():
+                        scores[part][p][w].extend(batch_scores)
             if progress is not None:
                 progress()
+        longrange = scores["longrange"] if task == "corpus" else None
         per_protocol = {
             p: summarise_task(
-                settings, layout, task, scores[p], None if longrange is None else longrange[p], p,
+                settings, layout, task, scores["all"][p], None if longrange is None else longrange[p], p,
                 system.lensnet is not None,
             )
             for p in PROTOCOLS
@@ -291,13 +280,13 @@ def evaluate(
     settings: EvalSettings,
     reference: torch.nn.Module | None = None,
 ) -> dict:
-    """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`evaluate_tasks`
+    """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`score_tasks`
     on the held-out ``windows`` with a progress bar on stderr. The headline keys come from ``corpus`` at the
     first budget, and ``tasks`` holds every task; :mod:`mcfn.tools.eval_report` formats it."""
     probes = len(windows[: settings.probe_batches])
     total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted
     with tqdm(total=total, desc="eval", unit="batch", file=sys.stderr, dynamic_ncols=True) as bar:
-        tasks = evaluate_tasks(system, windows, token_bytes, tokenizer, settings, reference, lambda: bar.update(1))
+        tasks = score_tasks(system, windows, token_bytes, tokenizer, settings, reference, lambda: bar.update(1))
     head = tasks[settings.tasks[0]]
     layout = system.layout
     return {

@@ -24,6 +24,7 @@ from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
 from mcfn.tools.attention import attention_scores
+from mcfn.tools.eval_batch import EvalBatch
 from mcfn.typecheck import typechecked
 
 
@@ -48,25 +49,16 @@ def context_predictions(
     return *(rearrange(x, "(b s) h -> b s h", b=window.size(0)) for x in (nll, hit)), wc
 
 
-def budget_contexts(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    horizon: Tensor,
-    nodes: NodeTable,
-    random_contexts: int,
-    steps: int,
-    generator,
-) -> tuple[Tensor, dict[str, slice]]:
-    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn`` and
-    ``lens`` choose theirs from what lies up to ``horizon [B]``, the position of the first scored prediction."""
-    B, M, device = window.size(0), random_contexts, window.device
+def budget_contexts(batch: EvalBatch, nodes: NodeTable, generator: torch.Generator) -> tuple[Tensor, dict[str, slice]]:
+    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn``,
+    ``match`` and ``lens`` choose theirs from what lies up to each window's horizon."""
+    B, M, device = batch.window.size(0), batch.settings.random_contexts, batch.window.device
     noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
     parts = {
         "recency": recency_cut(nodes.layout, B, device),
         "recent": repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B),
         "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
-        **focus_contexts(system, tree, window, horizon, nodes, steps),
+        **focus_contexts(batch, nodes),
     }
     return stacked(parts)
 
@@ -80,12 +72,10 @@ def stacked(parts: dict[str, Tensor]) -> tuple[Tensor, dict[str, slice]]:
     return torch.cat(list(parts.values()), dim=1), slots
 
 
-def focus_contexts(
-    system: MegaContext, tree: Tree, window: Tensor, horizon: Tensor, nodes: NodeTable, steps: int
-) -> dict[str, Tensor]:
-    """The cuts ``[B, 1, nodes]`` that read the window up to ``horizon [B]``: ``attn``, ``match``, and ``lens`` with a
+def focus_contexts(batch: EvalBatch, nodes: NodeTable) -> dict[str, Tensor]:
+    """The cuts ``[B, 1, nodes]`` that read each window up to its horizon: ``attn``, ``match``, and ``lens`` with a
     LensNet; each refocused from the coarsest cut."""
-    layout = nodes.layout
+    system, window, layout = batch.system, batch.window, nodes.layout
     start = repeat(system.coarsest, "n -> b 1 n", b=window.size(0))
     scorers = {
         "attn": partial(attention_scores, system.base, layout.H),
@@ -94,7 +84,16 @@ def focus_contexts(
     if system.lensnet is not None:
         scorers["lens"] = None
     return {
-        name: refocus(system.lensnet, tree, window, start, nodes, iterations=steps, scorer=scorer, horizon=horizon)
+        name: refocus(
+            system.lensnet,
+            batch.tree,
+            window,
+            start,
+            nodes,
+            iterations=batch.settings.refocus,
+            scorer=scorer,
+            horizon=batch.horizon,
+        )
         for name, scorer in scorers.items()
     }
 
@@ -111,28 +110,15 @@ class Predictions:
     preference: Tensor | None  # [B, C, P]: LensNet's preference between every pair of a chunk's random contexts
 
 
-def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:
-    """``tree`` with every gist's embedding zeroed (tokens kept): what ``lens_nogist`` reads."""
-    return Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
-
-
-def predict_budget(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    horizon: Tensor,
-    budget: int,
-    random_contexts: int,
-    steps: int,
-    generator,
-) -> Predictions:
+def predict_budget(batch: EvalBatch, budget: int, generator: torch.Generator) -> Predictions:
     """Every condition's tail predictions at ``budget``, each from one cut for the whole tail."""
-    nodes = system.nodes.with_sizes(W=budget)
-    shown, slots = budget_contexts(system, tree, window, horizon, nodes, random_contexts, steps, generator)
-    nll, hit, wc = context_predictions(system, tree, shown, window, nodes)
+    system, window, horizon = batch.system, batch.window, batch.horizon
+    nodes = batch.nodes(budget)
+    shown, slots = budget_contexts(batch, nodes, generator)
+    nll, hit, wc = context_predictions(system, batch.tree, shown, window, nodes)
     preference = None
     if system.lensnet is not None:
-        ablated = context_predictions(system, gists_zeroed(tree, nodes), shown[:, slots["lens"]], window, nodes)
+        ablated = context_predictions(system, batch.nogist, shown[:, slots["lens"]], window, nodes)
         slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
         nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
         B, S = shown.shape[:2]

@@ -28,7 +28,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
-from mcfn.core.focus import Refocus, StreamView, focus_cut, refocus_budget, stream_view, view_context, view_node_ids
+from mcfn.core.focus import StreamView, focus_cut, refocus_budget, stream_view, view_context, view_node_ids
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
@@ -36,7 +36,8 @@ from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recent_cut
 from mcfn.tools.attention import attention_scores
-from mcfn.tools.one_cut import Predictions, gists_zeroed, stacked
+from mcfn.tools.eval_batch import EvalBatch
+from mcfn.tools.one_cut import Predictions, stacked
 
 FOCUSES = ("attn", "match", "lens")  # the conditions that refocus with focus_cut
 
@@ -73,66 +74,69 @@ def recency_of(nodes: NodeTable, n: int, upto: int, budget: int, rows: int) -> T
     return ((node >= max(0, n - budget)) & (node < upto)).expand(rows, 1, -1)
 
 
-def predict_chunked(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    horizon: Tensor,
-    budget: int,
-    protocol: Refocus,
-    random_contexts: int,
-    generator: torch.Generator,
-) -> ChunkedPredictions:
+@dataclass(frozen=True)
+class Chunk:
+    """One chunk's predictions for the rows whose history is ``n`` tokens, and the cuts the focus conditions chose."""
+
+    slots: dict[str, slice]  # each condition's contexts among the S
+    nll: Tensor  # [g, S, k]: the k = min(R, T - n + 1) predictions after the horizon n - 1
+    hit: Tensor  # [g, S, k] bool
+    preference: Tensor | None  # [g, P]: LensNet's preference between every pair of the chunk's random cuts
+    contexts: dict[str, list[WorkingContext]]  # per focus condition, per row: what the next refocus carries (warm)
+    cuts: dict[str, Tensor]  # per focus condition: [g, nodes] each row's cut as a cut of the whole window
+
+
+def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -> ChunkedPredictions:
     """Every condition's tail predictions ``[B, S, H]`` at ``budget`` under generation's protocol."""
+    system, window, horizon = batch.system, batch.window, batch.horizon
     layout = system.layout
-    T, H, R = layout.T, layout.H, protocol.every
+    T, H, R = layout.T, layout.H, batch.settings.refocus_every
     B, device = window.size(0), window.device
-    nodes = system.nodes.with_sizes(W=budget)
+    nodes = batch.nodes(budget)
     refocus_budget(nodes.layout, R)
     first = horizon - (T - H)  # the first scored tail column per row
     column = torch.arange(H, device=device)
     chunk = torch.where(column[None] >= first[:, None], (column[None] - first[:, None]) // R, -1)
     n_chunks = int(chunk.max()) + 1
-    nogist = gists_zeroed(tree, nodes)
+    M = batch.settings.random_contexts
     slots, nll, hit = None, None, None
-    preference = torch.zeros(B, n_chunks, random_contexts * (random_contexts - 1) // 2, device=device)
+    preference = torch.zeros(B, n_chunks, M * (M - 1) // 2, device=device)
     previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in FOCUSES}
     cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in FOCUSES}
     for c in range(n_chunks):
         at = horizon + c * R
         for n in sorted(set((at[at < T] + 1).tolist())):
             rows = torch.nonzero(at + 1 == n).flatten()
-            chunk_slots, chunk_nll, chunk_hit, chunk_pref = predict_chunk(
-                system, tree, nogist, window, rows, n, nodes, protocol, random_contexts, generator, previous, cuts
-            )
+            carried = {name: [previous[name][row] for row in rows.tolist()] for name in FOCUSES}
+            part = predict_chunk(batch, rows, n, nodes, generator, carried)
             if slots is None:
-                slots = chunk_slots
-                nll = torch.zeros(B, chunk_nll.size(1), H, device=device)
-                hit = torch.zeros(B, chunk_nll.size(1), H, dtype=torch.bool, device=device)
-            columns = n - 1 - (T - H) + torch.arange(chunk_nll.size(-1), device=device)
-            nll[rows[:, None], :, columns[None]] = rearrange(chunk_nll, "g s k -> g k s")
-            hit[rows[:, None], :, columns[None]] = rearrange(chunk_hit, "g s k -> g k s")
-            if chunk_pref is not None:
-                preference[rows, c] = chunk_pref
+                slots = part.slots
+                nll = torch.zeros(B, part.nll.size(1), H, device=device)
+                hit = torch.zeros(B, part.nll.size(1), H, dtype=torch.bool, device=device)
+            columns = n - 1 - (T - H) + torch.arange(part.nll.size(-1), device=device)
+            nll[rows[:, None], :, columns[None]] = rearrange(part.nll, "g s k -> g k s")
+            hit[rows[:, None], :, columns[None]] = rearrange(part.hit, "g s k -> g k s")
+            if part.preference is not None:
+                preference[rows, c] = part.preference
+            for name, contexts in part.contexts.items():
+                for i, row in enumerate(rows.tolist()):
+                    previous[name][row] = contexts[i]
+                    cuts[name][row].append(part.cuts[name][i])
     return ChunkedPredictions(nll, hit, slots, chunk, preference if system.lensnet is not None else None, cuts)
 
 
 def predict_chunk(
-    system: MegaContext,
-    tree: Tree,
-    nogist: Tree,
-    window: Tensor,
+    batch: EvalBatch,
     rows: Tensor,
     n: int,
     nodes: NodeTable,
-    protocol: Refocus,
-    random_contexts: int,
     generator: torch.Generator,
-    previous: dict[str, list[WorkingContext | None]],
-    cuts: dict[str, list[list[Tensor]]],
-) -> tuple[dict[str, slice], Tensor, Tensor, Tensor | None]:
-    """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions ``[g, S, k]`` of the
-    ``k = min(R, T - n + 1)`` tokens after the horizon ``n - 1``, and LensNet's pair preferences ``[g, P]``."""
+    carried: dict[str, list[WorkingContext | None]],
+) -> Chunk:
+    """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions of the tokens after
+    the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold)."""
+    system, tree, window = batch.system, batch.tree, batch.window
+    protocol, M = batch.settings.protocol, batch.settings.random_contexts
     layout, R = nodes.layout, protocol.every
     budget, upto = layout.W - R, min(n + R - 1, layout.T)
     view = stream_view(n, layout, budget)
@@ -147,33 +151,31 @@ def predict_chunk(
             rows.numel(), 1, -1
         ),
     }
-    M = random_contexts
     noise = draw_variant_noise(view_nodes.with_sizes(N=M).layout, rows.numel(), generator, window.device)
     random_view = compressed_cuts(noise, view_nodes.with_sizes(N=M))
     parts["random"] = full_cut(random_view, real, ids, nodes, n, upto)
+    contexts: dict[str, list[WorkingContext]] = {}
     for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
-        chosen = []
-        for i, row in enumerate(rows.tolist()):
+        chosen, contexts[name] = [], []
+        for i, prior in enumerate(carried[name]):
             one_tree, one_window = view_tree[i : i + 1], view_window[i : i + 1]
             scorer = focus_scorer(system, name, one_window, view, R)
-            prior = previous[name][row]
-            steps = protocol.steps if prior is None or protocol.warm_steps == 0 else protocol.warm_steps
-            cut = focus_cut(
-                system.lensnet, one_tree, one_window, view, steps, prior if protocol.warm_steps else None, scorer
-            )
-            previous[name][row] = view_context(one_tree, cut, one_window, view)
+            warm = prior if protocol.warm_steps else None
+            steps = protocol.steps if warm is None else protocol.warm_steps
+            cut = focus_cut(system.lensnet, one_tree, one_window, view, steps, warm, scorer)
+            contexts[name].append(view_context(one_tree, cut, one_window, view))
             chosen.append(full_cut(cut, real, ids, nodes, n, upto))
-            cuts[name][row].append(chosen[-1][0, 0])
         parts[name] = torch.cat(chosen)
     shown, slots = stacked(parts)
     nll, hit = chunk_predictions(system, tree[rows], shown, window[rows], nodes, n, upto)
     preference = None
     if system.lensnet is not None:
-        ablated = chunk_predictions(system, nogist[rows], parts["lens"], window[rows], nodes, n, upto)
+        ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window[rows], nodes, n, upto)
         slots["lens_nogist"] = slice(shown.size(1), shown.size(1) + 1)
         nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)
         preference = random_preferences(system, view_tree, random_view, view_window, view_nodes, view)
-    return slots, nll, hit, preference
+    cuts = {name: parts[name][:, 0] for name in contexts}
+    return Chunk(slots, nll, hit, preference, contexts, cuts)
 
 
 def chunk_predictions(

@@ -1,0 +1,63 @@
+"""What the evaluation's functions share: its settings, and one held-out batch as every condition is scored from it.
+
+:class:`EvalBatch` carries the model, the batch's window, its summary tree (and the tree with every gist zeroed, for
+``lens_nogist``), and each window's horizon, so that the two protocols (:mod:`mcfn.tools.one_cut`,
+:mod:`mcfn.tools.refocused`) take one value instead of the same six arguments each, and return what they compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from mcfn.core.focus import Refocus
+from mcfn.core.nodes import NodeTable
+from mcfn.core.system import MegaContext, tree_stage
+from mcfn.core.tree import Tree
+from mcfn.data.probes import PROBES
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    budgets: tuple[int, ...]  # W per sweep row; the first is the headline
+    random_contexts: int = 8  # M: random compressed contexts per window (random and oracle)
+    refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
+    tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
+    probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
+    refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens
+    warm_steps: int = 1  # allocator steps of every refocus after a window's first, from the previous context
+
+    @property
+    def protocol(self) -> Refocus:
+        """Generation's refocus as the evaluation runs it."""
+        return Refocus(self.refocus_every, self.refocus, self.warm_steps)
+
+
+def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:
+    """``tree`` with every gist's embedding zeroed (tokens kept): what ``lens_nogist`` reads."""
+    return Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
+
+
+@dataclass(frozen=True)
+class EvalBatch:
+    """One held-out batch of ``B`` windows, ready to score at any budget."""
+
+    system: MegaContext
+    settings: EvalSettings
+    window: Tensor  # [B, T + 1] token ids (with the task's probe written in)
+    horizon: Tensor  # [B] int64: each window's first scored prediction's position, what a cut is chosen up to (I11)
+    tree: Tree  # [B, n_nodes, D]: the summary tree the working contexts read
+    nogist: Tree  # [B, n_nodes, D]: the same with every gist zeroed
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, system: MegaContext, settings: EvalSettings, window: Tensor, horizon: Tensor) -> EvalBatch:
+        tree = tree_stage(system, window)
+        return cls(system, settings, window, horizon, tree, gists_zeroed(tree, system.nodes))
+
+    def nodes(self, budget: int) -> NodeTable:
+        """The node table of the training layout at ``budget``."""
+        return self.system.nodes.with_sizes(W=budget)
