@@ -2,7 +2,7 @@
 
 Sections: ``model``, ``data``, ``optim``, ``train`` and ``mc``, the last with nested ``gist``, ``lens`` and
 ``alloc`` tables. An out-of-range value raises a one-line :class:`~mcfn.errors.UserError` naming its dotted
-key (``mc.lens.temperature``). Reading profiles and overrides into a config is :mod:`mcfn.profile`'s job.
+key (``mc.lens.pair_weight``). Reading profiles and overrides into a config is :mod:`mcfn.profile`'s job.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ class ModelConfig:
     n_layer: int = 4
     n_head: int = 2
     n_embd: int = 128
-    softcap: float = 15.0
-    rope_base: float = 10000.0
     # Set from the trained tokenizer at run time (padded to a multiple of 64), never from a profile.
     vocab_size: int = field(default=0, metadata={"derived": True})
 
@@ -36,8 +34,6 @@ class ModelConfig:
         _require(self.n_head >= 1, "model.n_head", "must be >= 1")
         _require(self.n_embd % self.n_head == 0, "model.n_embd", "must be a multiple of model.n_head")
         _require((self.n_embd // self.n_head) % 2 == 0, "model.n_embd", "head width must be even (rotary)")
-        _require(self.softcap > 0, "model.softcap", "must be > 0")
-        _require(self.rope_base > 1, "model.rope_base", "must be > 1")
 
     @property
     def head_dim(self) -> int:
@@ -52,7 +48,6 @@ class DataConfig:
     min_doc_chars: int = 512  # shorter documents are skipped
     val_fraction: float = 0.05  # share of documents (by path hash) held out for validation
     tokenizer_train_chars: int = 20_000_000  # characters of the training split the BPE is trained on
-    cache_dir: str = ""  # tokenizer and token caches; empty means $MCFN_CACHE or ~/.cache/mcfn
     # Share of training windows rewritten by the long-range generators (facts written into the real text, the
     # question at the end, in the scored tail), drawn on a stream of their own; 0: natural text only.
     mix: float = 0.0
@@ -78,29 +73,13 @@ class OptimConfig:
     matrix_lr: float = 0.02  # Muon, for the 2-D block matrices
     embedding_lr: float = 0.3  # AdamW, token embedding
     unembedding_lr: float = 0.008  # AdamW, output head
-    gain_lr: float = 0.02  # AdamW, the attention heads' gains (one scalar per head)
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.8
-    adam_beta2: float = 0.95
-    warmup_frac: float = 0.0  # share of steps with a linear warmup
-    warmdown_frac: float = 0.3  # share of steps at the end with a linear decay
-    final_lr_frac: float = 0.05  # learning-rate multiplier reached at the last step
+    warmdown_frac: float = 0.3  # share of steps at the end with a linear decay (to 5 % of the rate)
     grad_clip: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
-        for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "gain_lr"):
+        for name in ("matrix_lr", "embedding_lr", "unembedding_lr"):
             _require(getattr(self, name) > 0, f"optim.{name}", "must be > 0")
-        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
-        _require(0 <= self.adam_beta1 < 1, "optim.adam_beta1", "must be in [0, 1)")
-        _require(0 <= self.adam_beta2 < 1, "optim.adam_beta2", "must be in [0, 1)")
-        _require(0 <= self.warmup_frac <= 1, "optim.warmup_frac", "must be in [0, 1]")
         _require(0 <= self.warmdown_frac <= 1, "optim.warmdown_frac", "must be in [0, 1]")
-        _require(
-            self.warmup_frac + self.warmdown_frac <= 1,
-            "optim.warmdown_frac",
-            "warmup_frac + warmdown_frac must be <= 1",
-        )
-        _require(0 <= self.final_lr_frac <= 1, "optim.final_lr_frac", "must be in [0, 1]")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
 
 
@@ -124,9 +103,7 @@ def most_refocus_every(budget: int, tail: int, block: int, lod_max: int) -> int:
     return budget - tail - (block - 1) * lod_max
 
 
-GIST_KINDS = ("gistnet", "mean")
 LEAVE_OUT_RULES = ("top", "gist")
-GIST_SOURCES = ("embedding", "hidden")
 LENS_HORIZONS = ("tail", "chunks")
 
 
@@ -135,12 +112,6 @@ class GistConfig:
     layers: int = 2
     width: int = 0  # GistNet's internal width; 0 means half the model width
     heads: int = 2
-    # "gistnet": the learned summary; "mean": the plain mean of the children, the control a GistNet must beat.
-    kind: str = "gistnet"
-    # What a LOD1 gist's transformer reads: "embedding", the tokens' input embeddings; "hidden", the base model's
-    # own hidden states over each top-level block read on its own (detached). Either way the gist stays anchored
-    # at the mean of its tokens' embeddings, the space the base model reads.
-    source: str = "embedding"
     # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
     recon_weight: float = 0.0
 
@@ -148,8 +119,6 @@ class GistConfig:
         _require(self.layers >= 1, "mc.gist.layers", "must be >= 1")
         _require(self.width >= 0, "mc.gist.width", "must be >= 0")
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
-        _require(self.kind in GIST_KINDS, "mc.gist.kind", f"must be one of {', '.join(GIST_KINDS)}")
-        _require(self.source in GIST_SOURCES, "mc.gist.source", f"must be one of {', '.join(GIST_SOURCES)}")
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
 
 
@@ -159,17 +128,12 @@ class LensConfig:
     layers: int = 2
     width: int = 0  # LensNet's internal width; 0 means half the model width
     heads: int = 2
-    weight: float = 1.0  # weight of the whole LensNet loss in the step's total
-    pref_weight: float = 1.0  # Bradley-Terry preference term
-    budget_weight: float = 0.1  # expansion/collapse balance term
     # Pair-level Bradley-Terry: the sum of the scores on every entry two variants differ in predicts which is
     # better (mcfn.core.preferences.pair_margin), so raw tokens that won are credited too.
     pair_weight: float = 0.0
-    temperature: float = 0.5  # nats: pair weight tanh(|dNLL| / temperature)
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
-    every: int = 1  # compute the LensNet loss on every k-th step only
     # Where LensNet is trained to choose a cut: "tail", at the tail's start with targets from the whole tail;
     # "chunks", at a uniformly drawn chunk start T - H + cR inside the tail (R = mc.refocus_every, where generation and
     # the evaluation ask it), with targets from that chunk's R predictions and the teacher's from its queries.
@@ -182,10 +146,8 @@ class LensConfig:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("weight", "pref_weight", "budget_weight", "pair_weight", "attention_weight"):
+        for name in ("pair_weight", "attention_weight"):
             _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
-        _require(self.temperature > 0, "mc.lens.temperature", "must be > 0")
-        _require(self.every >= 1, "mc.lens.every", "must be >= 1")
         _require(self.horizons in LENS_HORIZONS, "mc.lens.horizons", f"must be one of {', '.join(LENS_HORIZONS)}")
 
 
@@ -284,13 +246,9 @@ class TrainConfig:
     compile_mode: str = "max-autotune"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     wandb: str = "offline"
-    wandb_project: str = "mcfn"
     lod_map_every: int = 50  # print (and append to lod_maps.txt) sample 0's working contexts; 0: never
-    max_bad_steps: int = 3  # non-finite losses in a row that stop the run (each one skips its update)
     final_eval: bool = True  # MC runs end with train.eval's table (full/recency/random/lens/oracle) and plot
     final_eval_batches: int = 32  # validation batches for it: more than eval_batches, the differences are small
-    # Of those, how many also carry each long-range probe (passkey, kv-recall, copy); 0: the corpus task only.
-    final_eval_probe_batches: int = 8
     # A run directory (or checkpoint) whose trained base model this run starts from (two-stage training); the
     # rest (GistNet, LensNet, optimizers, step) starts afresh. Empty: from scratch.
     init_from: str = ""
@@ -301,9 +259,8 @@ class TrainConfig:
     # one more forward of every block per step).
     activation_checkpointing: bool = False
     # A file for CUDA's memory history (torch.cuda.memory._dump_snapshot, for https://pytorch.org/memory_viz),
-    # recorded from the first step and written after ``memory_snapshot_steps`` steps; empty: off. CUDA only.
+    # recorded from the first step and written after the third; empty: off. CUDA only.
     memory_snapshot: str = ""
-    memory_snapshot_steps: int = 3
 
     def __post_init__(self) -> None:
         for name in (
@@ -314,14 +271,11 @@ class TrainConfig:
             "final_eval_batches",
             "log_every",
             "ckpt_every",
-            "max_bad_steps",
-            "memory_snapshot_steps",
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
         _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
         _require(0 <= self.plain_steps < self.steps, "train.plain_steps", "must lie in [0, train.steps)")
-        _require(self.final_eval_probe_batches >= 0, "train.final_eval_probe_batches", "must be >= 0")
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")
         _require(
@@ -367,7 +321,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict[str, Any]:
-        """Every setting under its dotted key (``mc.lens.weight``)."""
+        """Every setting under its dotted key (``mc.lens.pair_weight``)."""
         return flatten(self.to_dict())
 
     def digest(self) -> str:

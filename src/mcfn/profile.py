@@ -72,8 +72,53 @@ def _from_saved(cls: type, values: dict[str, Any]) -> Any:
     return cls(**{k: _from_saved(types[k], v) if dataclasses.is_dataclass(types[k]) else v for k, v in values.items()})
 
 
+ANY_VALUE = object()
+# Knobs taken out of the config, each with the value the code now fixes (ANY_VALUE: one that never changed what a
+# run computes: where files went, what it logged). A saved config that holds one still loads when it holds that
+# value, as every run trained before the knob went does; another value is refused, since the code cannot honour it.
+RETIRED: dict[str, Any] = {
+    "model.softcap": 15.0,
+    "model.rope_base": 10000.0,
+    "data.cache_dir": ANY_VALUE,
+    "optim.gain_lr": 0.02,
+    "optim.weight_decay": 0.0,
+    "optim.adam_beta1": 0.8,
+    "optim.adam_beta2": 0.95,
+    "optim.warmup_frac": 0.0,
+    "optim.final_lr_frac": 0.05,
+    "train.wandb_project": ANY_VALUE,
+    "train.max_bad_steps": ANY_VALUE,
+    "train.final_eval_probe_batches": ANY_VALUE,
+    "train.memory_snapshot_steps": ANY_VALUE,
+    "mc.gist.kind": "gistnet",
+    "mc.gist.source": "embedding",
+    "mc.lens.weight": 1.0,
+    "mc.lens.pref_weight": 1.0,
+    "mc.lens.budget_weight": 0.1,
+    "mc.lens.temperature": 0.5,
+    "mc.lens.every": 1,
+}
+
+
+def without_retired(tables: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A saved config's tables without the :data:`RETIRED` keys; a ``UserError`` if one holds another value."""
+    kept = {}
+    for key, value in tables.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            kept[key] = without_retired(value, f"{name}.")
+        elif name not in RETIRED:
+            kept[key] = value
+        elif RETIRED[name] is not ANY_VALUE and value != RETIRED[name]:
+            raise UserError(
+                f"the checkpoint was trained with {name}={value!r}; this mcfn fixes it at {RETIRED[name]!r}"
+            )
+    return kept
+
+
 def config_from_saved(sections: dict[str, dict[str, Any]]) -> RunConfig:
     """The config a checkpoint was written with, derived fields included (the file is ours, not the user's)."""
+    sections = without_retired(sections)
     try:
         return RunConfig(**{name: _from_saved(cls, sections[name]) for name, cls in _SECTION_TYPES.items()})
     except (KeyError, TypeError) as e:

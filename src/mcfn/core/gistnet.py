@@ -2,12 +2,10 @@
 
 A small bidirectional transformer (the GPT's own block without the causal mask) at its own width,
 usually half the model's, since it runs over every eligible token and must stay cheap. It reads the
-``K`` children (token embeddings for LOD1, LOD1 gists for LOD2), or in their place ``features`` of the same
-children (the base model's hidden states over the tokens, ``mc.gist.source = "hidden"``), adds a learned
-embedding of the level it is building, mean-pools the result and adds a projection of that to the mean of the
-children. The projection starts at zero, so a new GistNet's gist is the plain average of its children, already in
-the embedding space the base model reads. With ``mean_only`` it stays that average (``mc.gist.kind = "mean"``):
-the control that tells whether the learned part carries anything.
+``K`` children (token embeddings for LOD1, LOD1 gists for LOD2), adds a learned embedding of the level it is
+building, mean-pools the result and adds a projection of that to the mean of the children. The projection starts at
+zero, so a new GistNet's gist is the plain average of its children, already in the embedding space the base model
+reads. What the learned part adds is measured by ``gist_worth`` (every gist zeroed, ``lens_nogist``).
 """
 
 from __future__ import annotations
@@ -16,16 +14,14 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from mcfn.core.model import Block, bidirectional, rms_norm, rotary_tables
+from mcfn.core.model import ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.typecheck import typechecked
 
 
 class GistNet(nn.Module):
-    def __init__(
-        self, d_model: int, width: int, n_layer: int, n_head: int, block_size: int, lod_max: int, mean_only=False
-    ):
+    def __init__(self, d_model: int, width: int, n_layer: int, n_head: int, block_size: int, lod_max: int):
         super().__init__()
-        self.block_size, self.width, self.mean_only = block_size, width, mean_only
+        self.block_size, self.width = block_size, width
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.level_emb = nn.Parameter(torch.zeros(lod_max, width))
         self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
@@ -44,17 +40,12 @@ class GistNet(nn.Module):
         nn.init.zeros_(self.out_proj.weight)
 
     @typechecked
-    def forward(
-        self, children: Float[Tensor, "m k d"], level: int, features: Float[Tensor, "m k d"] | None = None
-    ) -> Float[Tensor, "m d"]:
+    def forward(self, children: Float[Tensor, "m k d"], level: int) -> Float[Tensor, "m d"]:
         """Gists of ``m`` blocks of ``k`` children each, building LOD ``level`` (1-based): the children's mean
-        plus what the transformer reads from ``features`` (the children themselves when ``None``)."""
-        if self.mean_only:  # a config constant: static under compile
-            return children.mean(dim=1)
+        plus what the transformer reads from them."""
         positions = torch.arange(children.size(1), device=children.device, dtype=torch.float32)[None]
-        cos, sin = rotary_tables(positions, torch.ones_like(positions), self.head_dim, 10000.0)
-        read = children if features is None else features
-        x = self.in_proj(rms_norm(read)) + self.level_emb[level - 1]
+        cos, sin = rotary_tables(positions, torch.ones_like(positions), self.head_dim, ROPE_BASE)
+        x = self.in_proj(rms_norm(children)) + self.level_emb[level - 1]
         for block in self.blocks:
             x = block(x, cos, sin, bidirectional)
         return children.mean(dim=1) + self.out_proj(rms_norm(x).mean(dim=1))

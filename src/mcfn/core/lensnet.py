@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from mcfn.core.context import WorkingContext
 from mcfn.core.match import match_votes
-from mcfn.core.model import Block, bidirectional, rms_norm, rotary_tables
+from mcfn.core.model import ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
@@ -145,7 +145,7 @@ class LensNet(nn.Module):
             columns.append(unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach))
         features = torch.stack(columns, dim=-1)
         x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
-        cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, 10000.0)
+        cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
         attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
         for block in self.blocks:
             x = block(x, cos, sin, attend)

@@ -27,6 +27,9 @@ from torch.utils.checkpoint import checkpoint
 from mcfn.config import ModelConfig
 from mcfn.typecheck import typechecked
 
+SOFTCAP = 15.0  # logits are squashed to (-15, 15): tanh soft-capping, as in nanochat
+ROPE_BASE = 10000.0  # the rotary base of every transformer here
+
 
 @typechecked
 def rms_norm(x: Float[Tensor, "*batch d"]) -> Float[Tensor, "*batch d"]:
@@ -187,7 +190,7 @@ class GPT(nn.Module):
     ) -> Float[Tensor, "b n d"]:
         """Final hidden states (normed) over entries at the given positions and spans. The one block loop:
         training, prefill, the token step and the attention read-out differ only in ``attend``."""
-        cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, self.cfg.rope_base)
+        cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, ROPE_BASE)
         x = rms_norm(emb)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, attend=partial(attend, layer))
@@ -195,8 +198,7 @@ class GPT(nn.Module):
 
     @typechecked
     def logits(self, h: Float[Tensor, "b n d"]) -> Float[Tensor, "b n v"]:
-        cap = self.cfg.softcap
-        return cap * torch.tanh(self.lm_head(h).float() / cap)
+        return SOFTCAP * torch.tanh(self.lm_head(h).float() / SOFTCAP)
 
     @typechecked
     def token_hidden(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:

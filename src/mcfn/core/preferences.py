@@ -16,7 +16,7 @@ aligned group of ``K`` siblings is in ``c`` and its parent is eligible (collapsi
 overlaps the tail is not an action the allocator can take), and a ``-`` as a drop only on a droppable gist.
 
 Each pair is weighted by how much it teaches, ``w = tanh(|ΔNLL| / τ)``: 0 for variants that score the
-same, approaching 1 for a clear winner; ``τ`` (``mc.lens.temperature``) sets the scale in nats.
+same, approaching 1 for a clear winner; ``τ`` (0.5 nats, :data:`mcfn.core.weights.TEMPERATURE`) sets the scale.
 
 Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over samples, pairs or entries):
 
@@ -224,7 +224,7 @@ def lens_losses(
         metrics["mc/lens_pair_agreement"] = ((margin > 0).float() * pair_w).sum() / pair_w.sum().clamp(min=1e-6)
         total = total + weights.pair * pair
     metrics["mc/lens_loss"] = total
-    out = StepOutput({"loss_lens": weights.lens * total}, metrics, {})
+    out = StepOutput({"loss_lens": total}, metrics, {})
     return out.merge(lens_metrics(scores, wc.valid, s, y, w))
 
 

@@ -38,7 +38,7 @@ from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
 from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses
-from mcfn.core.tree import Tree, block_hidden, build_tree
+from mcfn.core.tree import Tree, build_tree
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
@@ -59,9 +59,7 @@ class MegaContext(nn.Module):
             mc.gist.heads,
             mc.block_size,
             mc.lod_max,
-            mean_only=mc.gist.kind == "mean",
         )
-        self.gist_from_hidden = mc.gist.source == "hidden"
         self.use_recon = mc.gist.recon_weight > 0
         self.gist_decoder = (
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
@@ -149,9 +147,8 @@ def tree_stage(system: MegaContext, window: Int[Tensor, "b t1"]) -> Tree:
 
 
 def history_tree(system: MegaContext, tokens: Int[Tensor, "b t"]) -> Tree:
-    """The summary tree over ``tokens`` (``t`` = the layout's ``T``), from what ``mc.gist.source`` names."""
-    features = block_hidden(system.base, tokens, system.layout.top_span) if system.gist_from_hidden else None
-    return build_tree(system.gistnet, system.base.embed(tokens), system.layout, features)
+    """The summary tree over ``tokens`` (``t`` = the layout's ``T``)."""
+    return build_tree(system.gistnet, system.base.embed(tokens), system.layout)
 
 
 @stage("variants")

@@ -15,13 +15,16 @@ from torch import Tensor
 
 from mcfn.config import MCConfig
 
+# LensNet's loss: the entry-wise preference term at weight 1 and the budget term at 0.1; a pair of variants weighs
+# tanh(|ΔNLL| / 0.5 nats). Fixed values (tests switch terms off through the fields below).
+PREF_WEIGHT, BUDGET_WEIGHT, TEMPERATURE = 1.0, 0.1, 0.5
+
 
 @dataclass(frozen=True)
 class LossWeights:
-    lens: Tensor  # the whole LensNet loss (mc.lens.weight)
-    pref: Tensor  # its Bradley–Terry preference term
+    pref: Tensor  # LensNet's Bradley–Terry preference term
     budget: Tensor  # its budget term
-    pair: Tensor  # its pair-level Bradley–Terry term
+    pair: Tensor  # its pair-level Bradley–Terry term (mc.lens.pair_weight)
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
@@ -31,11 +34,10 @@ class LossWeights:
     def of(cls, mc: MCConfig, device: torch.device) -> LossWeights:
         lens, teacher = mc.lens, mc.teacher
         values = {
-            "lens": lens.weight,
-            "pref": lens.pref_weight,
-            "budget": lens.budget_weight,
+            "pref": PREF_WEIGHT,
+            "budget": BUDGET_WEIGHT,
             "pair": lens.pair_weight,
-            "temperature": lens.temperature,
+            "temperature": TEMPERATURE,
             "attention": lens.attention_weight,
             "full": teacher.full_weight,
             "recon": mc.gist.recon_weight,

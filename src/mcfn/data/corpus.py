@@ -53,8 +53,9 @@ class Corpus:
     val: Split
 
 
-def cache_root(cfg: DataConfig) -> Path:
-    return Path(cfg.cache_dir or os.environ.get("MCFN_CACHE") or Path.home() / ".cache" / "mcfn").expanduser()
+def cache_root() -> Path:
+    """Where tokenizers and token caches live: ``$MCFN_CACHE``, or ``~/.cache/mcfn``."""
+    return Path(os.environ.get("MCFN_CACHE") or Path.home() / ".cache" / "mcfn").expanduser()
 
 
 def corpus_key(source: Source, cfg: DataConfig) -> str:
@@ -176,7 +177,7 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
     """Open the cached corpus for ``cfg``, building it first if needed."""
     source = open_source(cfg.source)
     key = corpus_key(source, cfg)
-    entry = cache_root(cfg) / key
+    entry = cache_root() / key
     if not (entry / "meta.json").is_file():
         _build(source, cfg, cfg.source, entry)
     try:

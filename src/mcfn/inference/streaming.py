@@ -75,22 +75,7 @@ class StreamingTree:
             if complete > level.length:
                 first, dim = level.length * K, below.data.size(1)
                 children = below.rows[first : complete * K].view(-1, K, dim)
-                features = self.features(first, complete * K) if k == 1 else None
-                by_block = None if features is None else features.view(-1, K, dim)
-                level.append(self.system.gistnet(children, level=k, features=by_block))
-
-    def features(self, first: int, end: int) -> Tensor | None:
-        """What LOD1's GistNet reads for tokens ``[first, end)``: ``None`` (their embeddings) unless the gists
-        come from the base model's hidden states, which it computes here, each top-level block read on its own
-        from its start as in training (:func:`mcfn.core.tree.block_hidden`)."""
-        if not self.system.gist_from_hidden:
-            return None
-        top, parts = self.layout.top_span, []
-        for block_start in range(first // top * top, end, top):
-            tokens = self.tokens.rows[block_start : min(block_start + top, end)]
-            hidden = self.system.base.token_hidden(tokens[None])[0]
-            parts.append(hidden[max(first - block_start, 0) :])
-        return torch.cat(parts)
+                level.append(self.system.gistnet(children, level=k))
 
 
 def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:

@@ -2,7 +2,7 @@
 
 The snapshot is a pickle that https://pytorch.org/memory_viz (or ``torch.cuda._memory_viz``) draws: every
 allocation with its stack, over time. It is recorded from the first step, compilation included, and written
-after ``train.memory_snapshot_steps`` steps, or when the run ends sooner.
+after ``SNAPSHOT_STEPS`` steps, or when the run ends sooner.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from mcfn.config import TrainConfig
 from mcfn.errors import UserError
 
 MAX_ENTRIES = 200_000  # allocation events kept (the oldest are dropped first)
+SNAPSHOT_STEPS = 3  # steps recorded: the first compiles, the next show the steady state
 
 
 def check_memory_snapshot(cfg: TrainConfig, device: torch.device) -> None:

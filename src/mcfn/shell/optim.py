@@ -58,6 +58,9 @@ class Float32Muon(torch.optim.Muon):
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
 HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
 GAINS = ("attn.gain",)  # one scalar per attention head: AdamW at the gain rate
+GAIN_LR = 0.02
+ADAM_BETAS = (0.8, 0.95)
+FINAL_LR_FRAC = 0.05  # the learning-rate multiplier the warmdown reaches at the last step
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
@@ -78,15 +81,15 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
     lr = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     fused = heads[0].is_cuda
     muon_cls = torch.optim.Muon if fused else Float32Muon
-    muon = muon_cls(matrices, lr=lr(cfg.matrix_lr), weight_decay=cfg.weight_decay)
+    muon = muon_cls(matrices, lr=lr(cfg.matrix_lr), weight_decay=0.0)
     adamw = torch.optim.AdamW(
         [
             {"params": embeddings, "lr": lr(cfg.embedding_lr)},
             {"params": heads, "lr": lr(cfg.unembedding_lr)},
-            {"params": gains, "lr": lr(cfg.gain_lr)},
+            {"params": gains, "lr": lr(GAIN_LR)},
         ],
-        betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay,
+        betas=ADAM_BETAS,
+        weight_decay=0.0,
         fused=fused,
         foreach=False if not fused else None,
     )
@@ -103,14 +106,12 @@ def current_lrs(optimizers: list[torch.optim.Optimizer], mult: float) -> dict[st
 
 
 def lr_multiplier(step: int, total: int, cfg: OptimConfig) -> float:
-    """Linear warmup, constant, then linear warmdown to ``final_lr_frac`` at the last step."""
-    warmup = round(cfg.warmup_frac * total)
+    """Constant, then a linear warmdown to :data:`FINAL_LR_FRAC` at the last step (no warmup: Muon does not need
+    one at these sizes)."""
     warmdown = round(cfg.warmdown_frac * total)
-    if step < warmup:
-        return (step + 1) / warmup
     if warmdown > 0 and step >= total - warmdown:
         progress = (step - (total - warmdown) + 1) / warmdown
-        return 1.0 - progress * (1.0 - cfg.final_lr_frac)
+        return 1.0 - progress * (1.0 - FINAL_LR_FRAC)
     return 1.0
 
 

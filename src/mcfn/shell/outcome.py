@@ -42,16 +42,20 @@ def git_commit(repo: Path = REPO_DIR) -> str:
         return "unknown"
 
 
+FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that also carry each long-range probe
+
+
 def final_evaluation(s: Session) -> dict | None:
     """An MC run's end-of-run table (full / recency / random / lens / oracle) on held-out windows."""
     if not (s.cfg.train.final_eval and isinstance(s.model, MegaContext)):
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     windows = validation_batches(s.corpus.val, window, cfg.final_eval_batches, cfg.batch_size)
-    probes = cfg.final_eval_probe_batches
-    tasks = PROBES if probes else ("corpus",)
     settings = EvalSettings(
-        default_budgets(s.model.layout), tasks=tasks, probe_batches=probes, refocus_every=s.cfg.mc.refocus_every
+        default_budgets(s.model.layout),
+        tasks=PROBES,
+        probe_batches=FINAL_EVAL_PROBE_BATCHES,
+        refocus_every=s.cfg.mc.refocus_every,
     )
     report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings)
     report["checkpoint_step"] = cfg.steps

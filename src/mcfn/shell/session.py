@@ -116,7 +116,7 @@ def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.devi
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     wandb = cfg.train.wandb if world.is_main else "disabled"
     resume_step = start_step if resume else None
-    log = MetricsLog(out_dir, cfg.to_dict(), wandb, cfg.train.wandb_project, resume_step, enabled=world.is_main)
+    log = MetricsLog(out_dir, cfg.to_dict(), wandb, "mcfn", resume_step, enabled=world.is_main)
     session = Session(
         cfg=cfg,
         out_dir=out_dir,

@@ -91,7 +91,7 @@ class MCTask:
         self.token_bytes, self.device, self.seed = token_bytes, device, cfg.train.seed
         self.alloc_iterations = mc.alloc.iterations
         self.generator = torch.Generator(device=device)
-        self.lens_every = mc.lens.every if mc.lens.enabled else 0
+        self.with_lens = mc.lens.enabled
         # Loss weights are tensors: changing one during training never recompiles the step.
         self.weights = LossWeights.of(mc, device)
         self.plain_steps = cfg.train.plain_steps
@@ -124,7 +124,7 @@ class MCTask:
         if rows is None:
             rows = slice(0, window.size(0))
         noise = self.noise(max(self.global_batch, rows.stop), derive_seed(self.seed, "train_noise", step))[rows]
-        if self.lens_every and step % self.lens_every == 0:
+        if self.with_lens:
             return self._step_lens(self.model, window, noise, self.weights)
         return self._step(self.model, window, noise, self.weights)
 

@@ -37,7 +37,7 @@ from mcfn.errors import RunAborted
 from mcfn.shell.compile_cache import CompileCache, artifacts_path
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.distributed import average_gradients, init_world, shutdown
-from mcfn.shell.memory import MemoryHistory, check_memory_snapshot
+from mcfn.shell.memory import SNAPSHOT_STEPS, MemoryHistory, check_memory_snapshot
 from mcfn.shell.microbatch import check_micro_batch, fitting_micro_batch, out_of_memory_message
 from mcfn.shell.optim import clip_gradients, current_lrs, lr_multiplier, set_lr_multiplier
 from mcfn.shell.outcome import LOD_MAPS_NAME, finish
@@ -48,6 +48,8 @@ from mcfn.tools.evaluation import probe_accuracy
 from mcfn.tools.flops import peak_flops, step_flops
 
 LOD_LEGEND = "a character per block of K tokens: 0 tokens, 1 and up gists, · not covered"
+
+MAX_BAD_STEPS = 3  # non-finite losses in a row that stop the run (each one skips its update)
 
 
 def say(text: str) -> None:
@@ -95,7 +97,7 @@ class Trainer:
                         mininterval=0.5, file=sys.stderr, disable=not s.world.is_main)  # fmt: skip
         self.stop = StopRequest()
         snapshot = cfg.memory_snapshot and s.world.is_main
-        self.history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, cfg.memory_snapshot_steps)
+        self.history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, SNAPSHOT_STEPS)
         self.compile_cache = open_compile_cache(s)
 
     def train(self) -> Progress:
@@ -200,14 +202,13 @@ class Trainer:
         return StepResult(loss, out, grad_norm, lens_norm, stop_requested, window, mult, times)
 
     def skip_update(self, step: int) -> None:
-        """Count a non-finite step; after ``train.max_bad_steps`` in a row, checkpoint the last good state and
-        stop."""
+        """Count a non-finite step; after :data:`MAX_BAD_STEPS` in a row, checkpoint the last good state and stop."""
         s, progress = self.s, self.progress
         progress.skipped += 1
         progress.bad_in_a_row += 1
         self.bar.write(f"step {step:5d} | non-finite loss: update skipped ({progress.skipped} so far)", file=sys.stderr)
         bad = progress.bad_in_a_row
-        if bad < s.cfg.train.max_bad_steps:
+        if bad < MAX_BAD_STEPS:
             return
         s.model.zero_grad(set_to_none=True)
         save_state(s, step + 1)
@@ -313,7 +314,7 @@ def open_compile_cache(s: Session) -> CompileCache | None:
     """Compiled runs hot-load torch's portable compile cache from beside the token cache (and keep it there)."""
     if not s.cfg.train.compile:
         return None
-    cache = CompileCache(artifacts_path(s.cfg, cache_root(s.cfg.data) / s.corpus.key, s.device))
+    cache = CompileCache(artifacts_path(s.cfg, cache_root() / s.corpus.key, s.device))
     if (message := cache.load()) and s.world.is_main:
         say(message)
     return cache

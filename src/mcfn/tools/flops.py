@@ -37,9 +37,6 @@ def step_flops(cfg: RunConfig, model: nn.Module) -> float:
     gist = model.gistnet
     blocks = sum(layout.eligible_counts[k] for k in range(1, layout.L + 1))
     flops += _transformer(_matmul_params(gist), cfg.mc.gist.layers, gist.width, B * blocks, layout.K, causal=False)
-    if cfg.mc.gist.source == "hidden":  # the base over every top-level block, forward only (a third)
-        top = layout.top_span
-        flops += _transformer(_matmul_params(model.base), m.n_layer, m.n_embd, B * T // top, top, causal=True) / 3
     if model.lensnet is not None:
         read = unit_capacity(layout.W, layout)
         flops += _transformer(
