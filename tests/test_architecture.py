@@ -53,5 +53,14 @@ def test_every_cited_invariant_and_section_is_defined_in_docs_design():
         if match
     }
     anchors = design_anchors()
-    assert {f"I{n}" for n in range(1, 11)} <= anchors and {f"§{n}" for n in range(1, 8)} <= anchors
+    assert {f"I{n}" for n in range(1, 13)} <= anchors and {f"§{n}" for n in range(1, 8)} <= anchors
     assert not {(name, where) for name, where in cited if name not in anchors}
+
+
+def test_the_readme_names_the_invariants_docs_design_defines():
+    """The README says which invariants there are as docs/DESIGN.md does: I1 to the highest it defines, and no
+    other range."""
+    highest = max(int(name[1:]) for name in design_anchors() if name.startswith("I"))
+    readme = (REPO / "README.md").read_text()
+    ranges = set(re.findall(r"\bI1[–-]I(\d+)\b", readme))
+    assert ranges == {str(highest)}, f"the README names I1–I{sorted(ranges)}; docs/DESIGN.md defines I1–I{highest}"
