@@ -28,7 +28,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
-from mcfn.core.focus import StreamView, focus_cut, refocus_budget, stream_view, view_context, view_node_ids
+from mcfn.core.focus import Refocus, StreamView, focus_cut, refocus_budget, stream_view, view_context, view_node_ids
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
@@ -156,16 +156,8 @@ def predict_chunk(
     parts["random"] = full_cut(random_view, real, ids, nodes, n, upto)
     contexts: dict[str, list[WorkingContext]] = {}
     for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
-        chosen, contexts[name] = [], []
-        for i, prior in enumerate(carried[name]):
-            one_tree, one_window = view_tree[i : i + 1], view_window[i : i + 1]
-            scorer = focus_scorer(system, name, one_window, view, R)
-            warm = prior if protocol.warm_steps else None
-            steps = protocol.steps if warm is None else protocol.warm_steps
-            cut = focus_cut(system.lensnet, one_tree, one_window, view, steps, warm, scorer)
-            contexts[name].append(view_context(one_tree, cut, one_window, view))
-            chosen.append(full_cut(cut, real, ids, nodes, n, upto))
-        parts[name] = torch.cat(chosen)
+        view_cuts, contexts[name] = refocus_rows(system, name, view_tree, view_window, view, protocol, carried[name])
+        parts[name] = full_cut(view_cuts, real, ids, nodes, n, upto)
     shown, slots = stacked(parts)
     nll, hit = chunk_predictions(system, tree[rows], shown, window[rows], nodes, n, upto)
     preference = None
@@ -176,6 +168,30 @@ def predict_chunk(
         preference = random_preferences(system, view_tree, random_view, view_window, view_nodes, view)
     cuts = {name: parts[name][:, 0] for name in contexts}
     return Chunk(slots, nll, hit, preference, contexts, cuts)
+
+
+def refocus_rows(
+    system: MegaContext,
+    name: str,
+    tree: Tree,
+    window: Tensor,
+    view: StreamView,
+    protocol: Refocus,
+    carried: list[WorkingContext | None],
+) -> tuple[Tensor, list[WorkingContext]]:
+    """Focus condition ``name``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``),
+    warm from its ``carried`` context where there is one: the view's cuts ``[g, 1, view_nodes]``, and the contexts
+    the next chunk carries."""
+    cuts, contexts = [], []
+    for i, prior in enumerate(carried):
+        one_tree, one_window = tree[i : i + 1], window[i : i + 1]
+        scorer = focus_scorer(system, name, one_window, view, protocol.every)
+        warm = prior if protocol.warm_steps else None
+        steps = protocol.steps if warm is None else protocol.warm_steps
+        cut = focus_cut(system.lensnet, one_tree, one_window, view, steps, warm, scorer)
+        contexts.append(view_context(one_tree, cut, one_window, view))
+        cuts.append(cut)
+    return torch.cat(cuts), contexts
 
 
 def chunk_predictions(
