@@ -165,12 +165,16 @@ class AllocConfig:
 
 @dataclass(frozen=True)
 class TeacherConfig:
-    """The full-window teacher (:mod:`mcfn.core.teacher`): one extra base forward over all ``T`` tokens."""
+    """The full-window teacher (:mod:`mcfn.core.teacher`): one extra base forward over the window's tokens."""
 
     full_weight: float = 0.0  # next-token loss over the whole window at LOD0 (keeps ``full`` an upper bound)
+    # Tokens the teacher reads, a bound on its cost; 0: all T. Else half of them are the window's last tokens (the
+    # tail among them), half a far stretch of whole top-level blocks drawn anew for every window and step.
+    stretch: int = 0
 
     def __post_init__(self) -> None:
         _require(self.full_weight >= 0, "mc.teacher.full_weight", "must be >= 0")
+        _require(self.stretch >= 0, "mc.teacher.stretch", "must be >= 0 (0: the whole window)")
 
     @property
     def enabled(self) -> bool:
@@ -302,6 +306,13 @@ class RunConfig:
         _require(mc.tail <= mc.budget <= seq_len, "mc.budget", "must lie between mc.tail and data.seq_len")
         need = coarsest_cover_size(seq_len, mc.block_size, mc.lod_max, mc.tail)
         _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
+        stretch = mc.teacher.stretch
+        _require(
+            stretch == 0 or (stretch % (2 * top) == 0 and mc.tail <= stretch // 2 and stretch < seq_len),
+            "mc.teacher.stretch",
+            f"must be 0 or a multiple of 2 * mc.block_size**mc.lod_max = {2 * top} below data.seq_len, its half at "
+            "least mc.tail",
+        )
         for name, width, heads in (("gist", self.gist_width, mc.gist.heads), ("lens", self.lens_width, mc.lens.heads)):
             _require(
                 width % heads == 0 and (width // heads) % 2 == 0,

@@ -25,7 +25,7 @@ import math
 
 import torch
 from einops import rearrange
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
@@ -90,11 +90,16 @@ def attention_target_loss(
     mass: Float[Tensor, "b nodes"],
     layout: Layout,
     weight: Float[Tensor, ""],
+    seen: Bool[Tensor, "b nodes"] | None = None,
 ) -> StepOutput:
     """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention share under each
     entry outside the tail to the softmax of LensNet's scores over those entries, averaged over contexts;
-    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does)."""
+    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does). With
+    ``seen`` (a bounded teacher's), only the entries whose node it read are candidates: the rest are not judged."""
     candidates = wc.valid & (wc.start < layout.T - layout.H)
+    if seen is not None:
+        seen_rows = rearrange(seen, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)
+        candidates = candidates & seen_rows.gather(1, wc.node.clamp(min=0))
     per_row = rearrange(mass, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)  # [B·V, nodes]
     entry_mass = torch.where(candidates, per_row.gather(1, wc.node.clamp(min=0)), 0.0)
     target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)

@@ -37,7 +37,7 @@ from mcfn.core.preferences import lens_losses
 from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
 from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
-from mcfn.core.teacher import teacher_losses
+from mcfn.core.teacher import stretch_positions, teacher_losses
 from mcfn.core.tree import Tree, build_tree
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.core.weights import LossWeights
@@ -79,6 +79,7 @@ class MegaContext(nn.Module):
         self.alloc_variants = mc.alloc_variants
         self.alloc_noise = mc.alloc.noise
         self.use_teacher = mc.teacher.enabled
+        self.teacher_stretch = mc.teacher.stretch  # tokens the teacher reads; 0: the whole window
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         self.use_pair = mc.lens.enabled and mc.lens.pair_weight > 0
         self.refocus_every = mc.refocus_every
@@ -185,12 +186,14 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
 
 @stage("teacher")
 def teacher_stage(
-    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights, horizon: Tensor
-) -> tuple[StepOutput, Tensor | None]:
-    """The full-window teacher; at in-tail horizons its attention target comes from each chunk's queries only."""
+    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights, horizon: Tensor, far: Tensor
+) -> tuple[StepOutput, Tensor | None, Tensor | None]:
+    """The full-window teacher; at in-tail horizons its attention target comes from each chunk's queries only; with
+    ``mc.teacher.stretch`` it reads a bounded stretch of each window, whose far half starts where ``far [B]`` says."""
     layout = system.layout
     queries = chunk_queries(horizon, layout, system.refocus_every) if system.chunk_horizons else None
-    return teacher_losses(system.base, window, recency_nll, layout, weights, system.use_lens_attention, queries)
+    read = stretch_positions(layout, system.teacher_stretch, far) if system.teacher_stretch else None
+    return teacher_losses(system.base, window, recency_nll, layout, weights, system.use_lens_attention, queries, read)
 
 
 @stage("lens_fwd")
@@ -209,13 +212,15 @@ def lens_loss_stage(
     tails: Tensor,
     wc: WorkingContext,
     weights: LossWeights,
-    mass: Tensor | None,
+    target: tuple[Tensor, Tensor | None] | None,
 ) -> StepOutput:
-    """The preference loss, and with the teacher's attention ``mass [B, nodes]`` the auxiliary attention target."""
+    """The preference loss, and with the teacher's attention ``target`` (its mass ``[B, nodes]``, and the nodes a
+    bounded teacher read) the auxiliary attention target."""
     out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_pair)
-    if mass is None:
+    if target is None:
         return out
-    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
+    mass, seen = target
+    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention, seen))
 
 
 @stage("recon")
@@ -233,19 +238,22 @@ def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> 
 
 
 def language_model_terms(
-    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights, horizon: Tensor
-) -> tuple[Tensor, StepOutput, Tensor | None]:
+    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights, noise: VariantNoise
+) -> tuple[Tensor, StepOutput, tuple[Tensor, Tensor | None] | None]:
     """The packed base forward's loss terms (``loss_lm`` over the whole tail), with the teacher's when it is on; the
     NLL ``[B, V]`` LensNet's preferences compare (the whole tail's, or with in-tail horizons the chunk's after each
-    window's ``horizon``); and the teacher's attention mass per node ``[B, nodes]`` when LensNet learns from it."""
+    window's training horizon); and the teacher's attention target (mass per node ``[B, nodes]``, and the nodes a
+    bounded teacher read) when LensNet learns from it."""
+    horizon = training_horizon(system, noise)
     hidden = base_stage(system, wc)
     nll, tails, out = loss_stage(system, hidden, wc)
     if system.chunk_horizons:  # a config constant: static under compile
         tails = chunk_tail_nll(nll, wc, system.layout, horizon, system.refocus_every)
     if not system.use_teacher:  # a config constant: static under compile
         return tails, out, None
-    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights, horizon)
-    return tails, out.merge(teacher), mass
+    recency_nll = recency_tail_nll(nll, wc, system.layout)
+    teacher, mass, seen = teacher_stage(system, window, recency_nll, weights, horizon, noise.teacher_far[:, 0])
+    return tails, out.merge(teacher), None if mass is None else (mass, seen)
 
 
 def with_recon(system: MegaContext, out: StepOutput, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
@@ -258,18 +266,17 @@ def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, weig
     """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's and reconstruction's terms)
     and the metrics."""
     wc, _, tree = build_contexts(system, window, noise)
-    terms = language_model_terms(system, window, wc, weights, training_horizon(system, noise))[1]
+    terms = language_model_terms(system, window, wc, weights, noise)[1]
     return with_recon(system, terms, tree, window, weights)
 
 
 def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
     wc, shown, tree = build_contexts(system, window, noise)
-    horizon = training_horizon(system, noise)
-    tails, out, mass = language_model_terms(system, window, wc, weights, horizon)
+    tails, out, target = language_model_terms(system, window, wc, weights, noise)
     out = with_recon(system, out, tree, window, weights)
-    scores = lens_stage(system, wc, horizon, window)
-    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
+    scores = lens_stage(system, wc, training_horizon(system, noise), window)
+    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, target))
 
 
 @torch.no_grad()

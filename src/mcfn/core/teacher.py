@@ -8,6 +8,13 @@ reading long contexts, and ``full`` is the upper bound it should be.
 The same forward can also write out where the tail's attention goes, per tree node
 (:mod:`mcfn.core.attention`): LensNet's auxiliary target. (Context distillation of the full window's tail
 predictions into the gists was measured and retired: LABLOG.)
+
+**A bounded teacher** (``mc.teacher.stretch = S``): the forward over all ``T`` tokens costs what a plain step at
+length ``T`` costs, growing like ``T²``. With a stretch the teacher reads ``S`` tokens at their own positions: the
+window's last ``S/2`` (the tail among them) and a far stretch of ``S/2`` tokens, whole top-level blocks, whose
+start is drawn anew for every window and step (:func:`stretch_positions`). Its cost is fixed whatever ``T``; over
+the steps it still reads every part of the window, at every distance from the tail; and the attention target covers
+the nodes the stretch read (the others are not judged, :func:`mcfn.core.attention.attention_target_loss`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,26 @@ from mcfn.typecheck import typechecked
 
 
 @typechecked
+def stretch_positions(layout: Layout, stretch: int, far: Float[Tensor, " b"]) -> Int[Tensor, "b s"]:
+    """The window positions ``[B, S]`` the bounded teacher reads, in order: ``S/2`` tokens from a top-level block
+    boundary drawn uniformly (``far [B]`` in ``[0, 1)``) among those that end before the near half, then the
+    window's last ``S/2`` tokens."""
+    half, top = stretch // 2, layout.top_span
+    starts = (layout.T - 2 * half) // top + 1  # far stretches that end before the near half begins
+    start = (far * starts).long().clamp(max=starts - 1) * top
+    offsets = torch.arange(half, device=far.device)
+    near = (layout.T - half + offsets).expand(far.size(0), -1)
+    return torch.cat([start[:, None] + offsets, near], dim=1)
+
+
+def read_nodes(read: Int[Tensor, "b s"], layout: Layout) -> Bool[Tensor, "b nodes"]:
+    """Per tree node, whether the positions ``read`` cover its whole span."""
+    tokens = torch.zeros(read.size(0), layout.T, device=read.device).scatter(1, read, 1.0)
+    spans = torch.cat([torch.full((size,), float(layout.K**k)) for k, size in enumerate(layout.level_sizes)])
+    return node_mass(tokens, layout) >= spans.to(read.device)
+
+
+@typechecked
 def teacher_losses(
     base: GPT,
     window: Int[Tensor, "b t1"],
@@ -34,27 +61,40 @@ def teacher_losses(
     weights: LossWeights,
     with_mass: bool = False,
     queries: Bool[Tensor, "b h"] | None = None,
-) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
+    read: Int[Tensor, "b s"] | None = None,
+) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None, Bool[Tensor, "b nodes"] | None]:
     """``loss_full`` (weighted), with its unweighted value as a metric; and with ``with_mass``, the tail's
     long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
     the full window predicts each tail target than the recency baseline (``recency_nll``, read off the packed
     forward: :func:`mcfn.core.losses.recency_tail_nll`), from the tail ``queries`` only where given (the chunk a
-    window's in-tail horizon serves)."""
+    window's in-tail horizon serves). With ``read`` (a bounded teacher's :func:`stretch_positions`, the tail last)
+    the forward reads only those positions, and the nodes it read whole ``[B, nodes]`` come back beside the mass
+    (``None``: every node)."""
     inputs, targets = split_window(window)
-    tail_start = layout.T - layout.H
-    if with_mass:  # a config constant: static under compile
-        positions = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
-        first = torch.full((window.size(0),), tail_start, device=window.device)
-        full_hidden, attention = hidden_and_tail_attention(
-            base, base.embed(inputs), positions, torch.ones_like(positions), first, layout.H
-        )
+    if read is None:
+        positions = torch.arange(layout.T, device=window.device)[None]
     else:
+        inputs, targets, positions = inputs.gather(1, read), targets.gather(1, read), read
+    n = inputs.size(1)
+    if with_mass:  # a config constant: static under compile
+        first = torch.full((window.size(0),), n - layout.H, device=window.device)
+        at = positions.float()
+        full_hidden, attention = hidden_and_tail_attention(
+            base, base.embed(inputs), at, torch.ones_like(at), first, layout.H
+        )
+    elif read is None:
         full_hidden = base.token_hidden(inputs)
-    nll = base.nll(full_hidden, targets)  # [B, T]
-    mass = None
+    else:
+        full_hidden = base.hidden(base.embed(inputs), positions.float(), torch.ones_like(positions.float()))
+    nll = base.nll(full_hidden, targets)  # [B, n]
+    mass, seen = None, None
     if with_mass:
         if queries is not None:
             attention = attention * queries[..., None]
-        mass = node_mass(long_range_mass(attention, recency_nll, nll[:, tail_start:]), layout)
+        token_mass = long_range_mass(attention, recency_nll, nll[:, n - layout.H :])  # [B, n]
+        if read is not None:
+            token_mass = torch.zeros(window.size(0), layout.T, device=window.device).scatter(1, read, token_mass)
+            seen = read_nodes(read, layout)
+        mass = node_mass(token_mass, layout)
     full_nll = nll.mean()
-    return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass
+    return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass, seen

@@ -41,6 +41,8 @@ class VariantNoise(TensorClass):
     # [B, N] int64: the chunk of R tail tokens whose start is the window's training horizon (column 0 is read;
     # mc.lens.horizons = "chunks"); all 0, the tail's start, otherwise
     tail_chunk: Tensor
+    # [B, N] uniform: where the bounded teacher's far stretch starts (column 0 is read; mc.teacher.stretch > 0)
+    teacher_far: Tensor
 
 
 def draw_variant_noise(
@@ -50,9 +52,11 @@ def draw_variant_noise(
     device: torch.device,
     alloc_iterations: int = 1,
     chunks: int = 1,
+    teacher_far: bool = False,
 ) -> VariantNoise:
     """The noise of a batch; with ``chunks > 1``, each window's training horizon is the start of a uniformly drawn
-    chunk of the tail (drawn last, so that the other draws are the same either way)."""
+    chunk of the tail; with ``teacher_far``, where the bounded teacher's far stretch starts (each drawn after the
+    variants' noise only when asked, so that the other draws are the same either way)."""
     shape = (batch, layout.N)
     priority = torch.rand(*shape, layout.n_nodes, generator=generator, device=device)
     share = torch.rand(*shape, layout.L, generator=generator, device=device)
@@ -62,8 +66,18 @@ def draw_variant_noise(
         chunk = torch.randint(0, chunks, shape, generator=generator, device=device)
     else:
         chunk = torch.zeros(shape, dtype=torch.int64, device=device)
+    if teacher_far:
+        far = torch.rand(*shape, generator=generator, device=device)
+    else:
+        far = torch.zeros(shape, device=device)
     return VariantNoise(
-        priority=priority, share=share, explore=explore, leave_out=leave_out, tail_chunk=chunk, batch_size=list(shape)
+        priority=priority,
+        share=share,
+        explore=explore,
+        leave_out=leave_out,
+        tail_chunk=chunk,
+        teacher_far=far,
+        batch_size=list(shape),
     )
 
 
@@ -150,6 +164,7 @@ def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
         explore=zeros[:, :, None],
         leave_out=zeros[..., 0],
         tail_chunk=zeros[..., 0].long(),
+        teacher_far=zeros[..., 0],
         batch_size=[1, 1],
     )
     return compressed_cuts(noise, NodeTable.of(tight, device))[0, 0]

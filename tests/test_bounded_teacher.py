@@ -1,0 +1,119 @@
+"""The bounded teacher (``mc.teacher.stretch``): it reads its stretch of each window and nothing else, always the
+tail, a far stretch that moves over the whole window, and its attention target judges only the nodes it read."""
+
+from __future__ import annotations
+
+import torch
+from builders import VOCAB, decisive, make_system
+from compile_check import assert_one_graph_equals_eager
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcfn.config import MCConfig, TeacherConfig
+from mcfn.core.nodes import Layout
+from mcfn.core.system import process_batch, process_batch_lens
+from mcfn.core.teacher import read_nodes, stretch_positions, teacher_losses
+from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
+
+SHAPE = dict(T=64, K=4, L=2, W=32, H=8, N=2)  # top-level blocks of 16 tokens
+STRETCH = 32  # the far 16 tokens (one top-level block) and the last 16
+
+
+def bounded_system(seed: int = 0):
+    teacher = {"full_weight": 1.0, "stretch": STRETCH}
+    return decisive(make_system(**SHAPE, seed=seed, teacher=teacher, lens={"attention_weight": 1.0}))
+
+
+def batch(system, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (2, system.layout.T + 1), generator=g)
+    return window, draw_variant_noise(system.layout, 2, g, torch.device("cpu"), teacher_far=True)
+
+
+def weights() -> LossWeights:
+    return LossWeights.of(MCConfig(teacher=TeacherConfig(full_weight=1.0, stretch=STRETCH)), torch.device("cpu"))
+
+
+@given(st.sampled_from([(4, 2, 64, 8, 32), (4, 1, 32, 4, 8), (2, 3, 64, 8, 16), (8, 1, 64, 16, 32)]), st.data())
+def test_property_the_stretch_is_the_tail_and_whole_far_blocks_before_it(shape, data):
+    """Every row reads S distinct positions in order: whole top-level blocks, then the window's last S/2 tokens (the
+    tail among them); and over the draws every top-level block before the near half is read."""
+    K, L, T, H, S = shape
+    layout = Layout(T=T, K=K, L=L, W=T // 2, H=H, N=1)
+    far = torch.tensor(data.draw(st.lists(st.floats(0, 0.999999), min_size=1, max_size=6)))
+    read = stretch_positions(layout, S, far)
+    top, half = layout.top_span, S // 2
+    assert read.shape == (far.numel(), S)
+    assert (read[:, 1:] > read[:, :-1]).all(), "distinct, in order"
+    assert (read[:, half:] == torch.arange(T - half, T)).all(), "the near half is the window's end, the tail in it"
+    assert (read[:, 0] % top == 0).all() and (read[:, half - 1] < T - half).all(), "whole far blocks before it"
+    grid = torch.linspace(0, 0.999999, 200)
+    reached = stretch_positions(layout, S, grid)[:, :half].unique()
+    assert torch.equal(reached, torch.arange(T - half)), "the far half can be any block before the near half"
+
+
+def test_the_bounded_teacher_reads_its_stretch_and_nothing_else():
+    """Rewriting every token the stretch does not read changes neither ``loss_full`` nor the attention mass; a
+    token of the tail does. Fails with the teacher reading the whole window, or a stretch without the tail."""
+    system = bounded_system()
+    window, noise = batch(system, seed=1)
+    layout = system.layout
+    read = stretch_positions(layout, STRETCH, noise.teacher_far[:, 0])
+    unread = torch.ones(2, layout.T + 1, dtype=torch.bool)
+    unread[torch.arange(2)[:, None], read] = False
+    unread[torch.arange(2)[:, None], read + 1] = False  # the targets of what it reads
+    rewritten = torch.where(
+        unread, torch.randint(0, VOCAB, window.shape, generator=torch.Generator().manual_seed(7)), window
+    )
+    assert not torch.equal(rewritten, window)
+    recency = torch.rand(2, layout.H, generator=torch.Generator().manual_seed(3))
+
+    def teach(w):
+        with torch.no_grad():
+            out, mass, seen = teacher_losses(system.base, w, recency, layout, weights(), True, read=read)
+        return out.metrics["train/loss_full"], mass, seen
+
+    (loss, mass, seen), (loss_b, mass_b, _) = teach(window), teach(rewritten)
+    torch.testing.assert_close(loss, loss_b)
+    torch.testing.assert_close(mass, mass_b)
+    tail_changed = window.clone()
+    tail_changed[:, layout.T - 2] = (tail_changed[:, layout.T - 2] + 1) % VOCAB
+    assert not torch.allclose(teach(tail_changed)[0], loss), "the tail is read"
+    assert torch.equal(seen, read_nodes(read, layout))
+    assert (mass[~seen] == 0).all() and (mass * seen).sum(-1).gt(0).all(), "mass on the read nodes only"
+    tokens_seen = seen[:, : layout.T]
+    assert torch.equal(tokens_seen, torch.zeros_like(tokens_seen).scatter(1, read, True))
+
+
+def test_the_attention_target_judges_only_the_nodes_the_stretch_read():
+    """With a bounded teacher, LensNet's attention loss does not move with its scores on entries the stretch did not
+    read. Fails with every entry a candidate (the unread ones would be pushed down as if nothing attended to them)."""
+    from mcfn.core.attention import attention_target_loss
+    from mcfn.core.system import build_contexts
+
+    system = bounded_system(seed=2)
+    window, noise = batch(system, seed=4)
+    layout = system.layout
+    read = stretch_positions(layout, STRETCH, noise.teacher_far[:, 0])
+    with torch.no_grad():
+        wc = build_contexts(system, window, noise)[0]
+        _, mass, seen = teacher_losses(system.base, window, torch.rand(2, layout.H), layout, weights(), True, read=read)
+    scores = torch.randn(wc.valid.shape, generator=torch.Generator().manual_seed(5))
+    one = torch.tensor(1.0)
+    seen_entry = seen.repeat_interleave(layout.V, 0).gather(1, wc.node.clamp(min=0)) & wc.valid
+    outside = wc.valid & ~seen_entry & (wc.start < layout.T - layout.H)
+    assert outside.any(), "some entries lie outside the stretch"
+    moved = scores + 5.0 * outside * torch.randn(scores.shape, generator=torch.Generator().manual_seed(6))
+    a = attention_target_loss(scores, wc, mass, layout, one, seen).losses["loss_lens_attn"]
+    b = attention_target_loss(moved, wc, mass, layout, one, seen).losses["loss_lens_attn"]
+    torch.testing.assert_close(a, b)
+
+
+def test_the_step_with_a_bounded_teacher_is_one_graph_equal_to_eager(fresh_dynamo):
+    """The far stretch moves from batch to batch as a tensor: one graph, no recompile, for both steps."""
+    system = bounded_system(seed=3)
+    batches = [(system, *batch(system, seed=i), weights()) for i in range(3)]
+    for step in (process_batch, process_batch_lens):
+        assert_one_graph_equals_eager(step, batches, loss=lambda out: out.total(), params=system.parameters())
+        torch._dynamo.reset()
