@@ -169,7 +169,7 @@ class TeacherConfig:
 
     full_weight: float = 0.0  # next-token loss over the whole window at LOD0 (keeps ``full`` an upper bound)
     # Tokens the teacher reads, a bound on its cost; 0: all T. Else half of them are the window's last tokens (the
-    # tail among them), half a far stretch of whole top-level blocks drawn anew for every window and step.
+    # tail among them), half a far stretch of whole blocks of K tokens drawn anew for every window and step.
     stretch: int = 0
 
     def __post_init__(self) -> None:
@@ -308,9 +308,9 @@ class RunConfig:
         _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
         stretch = mc.teacher.stretch
         _require(
-            stretch == 0 or (stretch % (2 * top) == 0 and mc.tail <= stretch // 2 and stretch < seq_len),
+            stretch == 0 or (stretch % (2 * mc.block_size) == 0 and mc.tail <= stretch // 2 and stretch < seq_len),
             "mc.teacher.stretch",
-            f"must be 0 or a multiple of 2 * mc.block_size**mc.lod_max = {2 * top} below data.seq_len, its half at "
+            f"must be 0 or a multiple of 2 * mc.block_size = {2 * mc.block_size} below data.seq_len, its half at "
             "least mc.tail",
         )
         for name, width, heads in (("gist", self.gist_width, mc.gist.heads), ("lens", self.lens_width, mc.lens.heads)):

@@ -11,8 +11,8 @@ predictions into the gists was measured and retired: LABLOG.)
 
 **A bounded teacher** (``mc.teacher.stretch = S``): the forward over all ``T`` tokens costs what a plain step at
 length ``T`` costs, growing like ``T²``. With a stretch the teacher reads ``S`` tokens at their own positions: the
-window's last ``S/2`` (the tail among them) and a far stretch of ``S/2`` tokens, whole top-level blocks, whose
-start is drawn anew for every window and step (:func:`stretch_positions`). Its cost is fixed whatever ``T``; over
+window's last ``S/2`` (the tail among them) and a far stretch of ``S/2`` tokens from a block boundary drawn anew
+for every window and step (:func:`stretch_positions`). Its cost is fixed whatever ``T``; over
 the steps it still reads every part of the window, at every distance from the tail; and the attention target covers
 the nodes the stretch read (the others are not judged, :func:`mcfn.core.attention.attention_target_loss`).
 """
@@ -34,12 +34,12 @@ from mcfn.typecheck import typechecked
 
 @typechecked
 def stretch_positions(layout: Layout, stretch: int, far: Float[Tensor, " b"]) -> Int[Tensor, "b s"]:
-    """The window positions ``[B, S]`` the bounded teacher reads, in order: ``S/2`` tokens from a top-level block
-    boundary drawn uniformly (``far [B]`` in ``[0, 1)``) among those that end before the near half, then the
-    window's last ``S/2`` tokens."""
-    half, top = stretch // 2, layout.top_span
-    starts = (layout.T - 2 * half) // top + 1  # far stretches that end before the near half begins
-    start = (far * starts).long().clamp(max=starts - 1) * top
+    """The window positions ``[B, S]`` the bounded teacher reads, in order: ``S/2`` tokens from a block boundary
+    drawn uniformly (``far [B]`` in ``[0, 1)``) among those that end before the near half, then the window's last
+    ``S/2`` tokens."""
+    half, K = stretch // 2, layout.K
+    starts = (layout.T - 2 * half) // K + 1  # far stretches that end before the near half begins
+    start = (far * starts).long().clamp(max=starts - 1) * K
     offsets = torch.arange(half, device=far.device)
     near = (layout.T - half + offsets).expand(far.size(0), -1)
     return torch.cat([start[:, None] + offsets, near], dim=1)

@@ -1,0 +1,228 @@
+"""How a training step's cost grows with the history ``T``: ``python -m train.bench --sweep-T 512,1024,...``.
+
+At the profile's ``W``, for each ``T`` and each condition:
+
+* ``plain``: the plain GPT's step over the whole window, ``[B, T]`` tokens with full attention;
+* ``mc``: the MegaContext step (LensNet's loss live) with the full-window teacher off;
+* ``mc_teacher``: with the teacher over all ``T`` tokens and its attention target on (the long-range recipe);
+* ``mc_bounded``: with the teacher bounded to a stretch of ``S`` tokens (``mc.teacher.stretch``).
+
+Each point is compiled (``fullgraph=True, dynamic=False``), warmed up, and timed over several steps (the median);
+it reports history tokens per second (``B·T`` over the step time), peak memory, and for the MC steps the share of
+the tree build, LensNet (forward and loss) and the teacher, each stage timed on its own as in
+:mod:`mcfn.tools.benchmark`. The tree's depth grows with ``T``: each ``T`` takes the profile's ``mc.lod_max`` or
+the smallest deeper one whose coarsest cover leaves at least half of the budget beyond the tail free.
+
+Each point runs in a process of its own, so its peak memory is its own (the resident set on the CPU, the
+allocator's peak on CUDA), and a point that runs out of memory or past ``cap_s`` seconds is reported as such
+while the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcfn.config import RunConfig, coarsest_cover_size
+from mcfn.core.step import compile_step, plain_step
+from mcfn.core.system import MegaContext, process_batch_lens
+from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
+from mcfn.errors import UserError
+from mcfn.tools.benchmark import Timer, _compiled_frames, _graph_breaks, time_phases
+
+CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded")
+SHARES = {"tree": ("tree_ms",), "lens": ("lens_fwd_ms", "lens_loss_ms"), "teacher": ("teacher_ms",)}
+
+
+def sweep_lod_max(T: int, cfg: RunConfig) -> int:
+    """The profile's ``mc.lod_max``, or the smallest deeper one whose coarsest cover at ``T`` leaves at least half
+    of the budget beyond the tail free (and divides ``T``)."""
+    mc = cfg.mc
+    for L in range(mc.lod_max, 12):
+        cover = coarsest_cover_size(T, mc.block_size, L, mc.tail)
+        if T % mc.block_size**L == 0 and cover - mc.tail <= (mc.budget - mc.tail) // 2:
+            return L
+    raise UserError(f"no tree depth fits T={T} into mc.budget={mc.budget} with room to spare")
+
+
+def point_config(cfg: RunConfig, T: int, condition: str, stretch: int) -> RunConfig:
+    """The config of one point: ``T`` tokens, its tree depth, and the teacher as the condition has it."""
+    mc = cfg.mc
+    full, attention = (0.0, 0.0) if condition in ("plain", "mc") else (1.0, 1.0)
+    teacher = dataclasses.replace(mc.teacher, full_weight=full, stretch=stretch if condition == "mc_bounded" else 0)
+    mc = dataclasses.replace(
+        mc,
+        lod_max=sweep_lod_max(T, cfg),
+        teacher=teacher,
+        lens=dataclasses.replace(mc.lens, attention_weight=attention),
+    )
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=T), mc=mc)
+
+
+def measure_point(
+    cfg: RunConfig, condition: str, vocab: int, device: torch.device, steps: int, warmup: int, mode: str | None
+) -> dict[str, Any]:
+    """One point, measured in this process (the sweep runs each in a process of its own)."""
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    torch.manual_seed(cfg.train.seed)
+    system = MegaContext(cfg).to(device)
+    layout, B = system.layout, cfg.train.batch_size
+    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    compile_fn: Callable = partial(compile_step, mode=mode) if mode else (lambda f: f)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    weights = LossWeights.of(cfg.mc, device)
+    bounded = cfg.mc.teacher.stretch > 0
+
+    def inputs() -> tuple:
+        window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
+        if condition == "plain":
+            return (system.base, window)
+        noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations, teacher_far=bounded)
+        return (system, window, noise, weights)
+
+    fn = compile_fn(plain_step if condition == "plain" else process_batch_lens)
+
+    def step(args: tuple) -> None:
+        with autocast:
+            out = fn(*args)
+        out.total().backward()
+        system.zero_grad(set_to_none=True)
+
+    timer = Timer(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first = timer(step, inputs())
+    for _ in range(warmup - 1):
+        step(inputs())
+    frames = _compiled_frames()
+    step_ms = statistics.median(timer(step, inputs()) for _ in range(steps))
+    recompiles = _compiled_frames() - frames
+    shares = {}
+    if condition != "plain":
+        phases = time_phases(partial(process_batch_lens, *inputs()), system, compile_fn, timer, autocast, 1, 2)
+        shares = {f"{name}_share": sum(phases.get(k, 0.0) for k in keys) / step_ms for name, keys in SHARES.items()}
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "T": layout.T,
+        "condition": condition,
+        "status": "ok",
+        "step_ms": step_ms,
+        "tokens_per_s": B * layout.T / (step_ms / 1e3),
+        "peak_mem_mb": peak / 2**20,
+        "compile_s": max(0.0, (first - step_ms) / 1e3) if mode else 0.0,
+        "graph_breaks": _graph_breaks(),
+        "recompiles": recompiles,
+        "lod_max": layout.L,
+        "n_nodes": layout.n_nodes,
+        "teacher_tokens": cfg.mc.teacher.stretch or (layout.T if cfg.mc.teacher.enabled else 0),
+        **shares,
+    }
+
+
+def run_sweep(
+    profile: str,
+    overrides: list[str],
+    lengths: list[int],
+    stretch: int,
+    steps: int,
+    warmup: int,
+    eager: bool,
+    cap_s: float,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[dict[str, Any]]:
+    """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``)."""
+    rows = []
+    for T in lengths:
+        for condition in CONDITIONS:
+            spec = {"profile": profile, "overrides": overrides, "T": T, "condition": condition, "stretch": stretch,
+                    "steps": steps, "warmup": warmup, "eager": eager}  # fmt: skip
+            command = [sys.executable, "-m", "train.bench", "--sweep-point", json.dumps(spec)]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=cap_s, check=False)
+                row = point_outcome(done, T, condition)
+            except subprocess.TimeoutExpired:
+                row = {"T": T, "condition": condition, "status": f"over the {cap_s:.0f} s cap"}
+            progress(format_row(row))
+            rows.append(row)
+    return rows
+
+
+def point_outcome(done: subprocess.CompletedProcess, T: int, condition: str) -> dict[str, Any]:
+    """A point's row from its process: its JSON, or why there is none."""
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    err = done.stderr.strip().splitlines()
+    memory = done.returncode in (-9, 137) or any("out of memory" in line.lower() for line in err[-5:])
+    status = "out of memory" if memory else f"failed: {err[-1] if err else done.returncode}"
+    return {"T": T, "condition": condition, "status": status}
+
+
+def format_row(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"T={row['T']:>6} {row['condition']:<11} {row['status']}"
+    shares = " ".join(f"{k.removesuffix('_share')} {row[k]:.0%}" for k in row if k.endswith("_share"))
+    return (
+        f"T={row['T']:>6} {row['condition']:<11} {row['step_ms']:9.1f} ms  {row['tokens_per_s']:10,.0f} tok/s  "
+        f"{row['peak_mem_mb']:8.0f} MB  L={row['lod_max']}  {shares}"
+    )
+
+
+def format_sweep_table(rows: list[dict[str, Any]]) -> str:
+    """One Markdown row per ``T``: each condition's step time and history tokens per second, and MC's ratios."""
+    by_t: dict[int, dict[str, dict]] = {}
+    for row in rows:
+        by_t.setdefault(row["T"], {})[row["condition"]] = row
+    head = "| T | L | " + " | ".join(f"{c} ms (tok/s, MB)" for c in CONDITIONS) + " | bounded / plain tok/s |"
+    lines = [head, "|" + "---:|" * (len(CONDITIONS) + 3)]
+    for T, cells in sorted(by_t.items()):
+        ok = {c: r for c, r in cells.items() if r["status"] == "ok"}
+        L = next((r["lod_max"] for r in ok.values() if r["condition"] != "plain"), "")
+        shown = [
+            f"{ok[c]['step_ms']:.0f} ({ok[c]['tokens_per_s']:,.0f}, {ok[c]['peak_mem_mb']:.0f})" if c in ok
+            else cells.get(c, {}).get("status", "–")
+            for c in CONDITIONS
+        ]  # fmt: skip
+        ratio = (
+            f"{ok['mc_bounded']['tokens_per_s'] / ok['plain']['tokens_per_s']:.2f}"
+            if "mc_bounded" in ok and "plain" in ok
+            else "–"
+        )
+        lines.append(f"| {T} | {L} | " + " | ".join(shown) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
+    """History tokens per second and peak memory against ``T``, log axes, one line per condition."""
+    from mcfn.tools.plots import plt
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    for condition in CONDITIONS:
+        ok = sorted((r for r in rows if r["condition"] == condition and r["status"] == "ok"), key=lambda r: r["T"])
+        if ok:
+            Ts = [r["T"] for r in ok]
+            speed.plot(Ts, [r["tokens_per_s"] for r in ok], "o-", label=condition)
+            memory.plot(Ts, [r["peak_mem_mb"] for r in ok], "o-", label=condition)
+    for ax, label in ((speed, "history tokens / s (B·T / step)"), (memory, "peak memory (MB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("history T (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    fig.suptitle("Training step cost against the history's length")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
