@@ -7,6 +7,10 @@ measured and how is in :mod:`mcfn.tools.benchmark`.
 ``python -m train.bench --decode RUN_DIR --prompt-file F`` instead times generation with a trained model:
 MegaContext (warm and cold refocuses) against full context at several prompt lengths
 (:mod:`mcfn.inference.decode_bench`).
+
+``python -m train.bench --profile NAME --sweep-T 512,1024,...`` instead measures how the training step's cost grows
+with the history: the plain step against the MC step with the teacher off, on and bounded, at each ``T``
+(:mod:`mcfn.tools.sweep`); ``bench_sweep.json`` and ``bench_sweep.png`` go into ``--out``.
 """
 
 from __future__ import annotations
@@ -42,9 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument(
         "--refocus-every", type=int, help="tokens decoded between refocuses (MC; default: the run's mc.refocus_every)"
     )
+    sweep = p.add_argument_group("cost against the history's length (instead of the step)")
+    sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
+    sweep.add_argument("--stretch", type=int, default=256, help="tokens the bounded teacher reads (mc_bounded)")
+    sweep.add_argument("--point-cap", type=float, default=600.0, help="seconds one point may take before it is skipped")
+    sweep.add_argument("--out", type=Path, default=Path("."), help="where bench_sweep.json and bench_sweep.png go")
+    sweep.add_argument("--sweep-point", help=argparse.SUPPRESS)  # one point, in the process the sweep starts
     args = p.parse_args(argv)
     if args.decode is not None:
         return exit_code(lambda: decode_benchmark(args))
+    if args.sweep_point is not None:
+        return exit_code(lambda: sweep_point(json.loads(args.sweep_point)))
+    if args.sweep_T is not None:
+        return exit_code(lambda: sweep_benchmark(args))
     try:
         cfg = resolve(args.profile, [parse_override(o) for o in args.overrides] + [("mc", "enabled", True)])
         if args.steps < 1 or args.warmup < 1:
@@ -68,6 +82,55 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def sweep_benchmark(args: argparse.Namespace) -> None:
+    from mcfn.tools.sweep import format_sweep_table, plot_sweep, run_sweep, sweep_lod_max
+
+    try:
+        lengths = [int(n) for n in args.sweep_T.split(",")]
+    except ValueError:
+        raise UserError(f"--sweep-T must be comma-separated integers, got {args.sweep_T!r}") from None
+    if args.steps < 1 or args.warmup < 1 or args.point_cap <= 0:
+        raise UserError("--steps and --warmup must be >= 1, --point-cap > 0")
+    cfg = resolve(args.profile, [parse_override(o) for o in args.overrides] + [("mc", "enabled", True)])
+    for T in lengths:  # refuse a length no tree fits before anything runs
+        sweep_lod_max(T, cfg)
+    rows = run_sweep(
+        args.profile,
+        args.overrides,
+        lengths,
+        args.stretch,
+        args.steps,
+        args.warmup,
+        args.eager,
+        args.point_cap,
+        progress=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True),
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_sweep.json").write_text(json.dumps(rows, indent=2))
+    plot_sweep(rows, args.out / "bench_sweep.png")
+    print(f"profile {args.profile}, W={cfg.mc.budget}, B={cfg.train.batch_size}, stretch {args.stretch}, "
+          f"compiled {not args.eager}, median of {args.steps} steps")  # fmt: skip
+    print(format_sweep_table(rows))
+
+
+def sweep_point(spec: dict) -> None:
+    """One point of the sweep, in a process of its own: its row as the last line of stdout."""
+    from mcfn.config import RunConfig
+    from mcfn.shell.devices import padded_vocab, resolve_device
+    from mcfn.tools.sweep import measure_point, point_config
+
+    cfg: RunConfig = resolve(
+        spec["profile"], [parse_override(o) for o in spec["overrides"]] + [("mc", "enabled", True)]
+    )
+    point = point_config(cfg, spec["T"], spec["condition"], spec["stretch"])
+    device = resolve_device(point.train.device)
+    mode = None if spec["eager"] else point.train.compile_mode
+    row = measure_point(
+        point, spec["condition"], padded_vocab(point.data.vocab_size), device, spec["steps"], spec["warmup"], mode
+    )
+    print(json.dumps(row))
 
 
 def decode_benchmark(args: argparse.Namespace) -> None:

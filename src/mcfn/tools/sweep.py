@@ -114,7 +114,9 @@ def measure_point(
         phases = time_phases(partial(process_batch_lens, *inputs()), system, compile_fn, timer, autocast, 1, 2)
         shares = {f"{name}_share": sum(phases.get(k, 0.0) for k in keys) / step_ms for name, keys in SHARES.items()}
     cuda = device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {
         "T": layout.T,
         "condition": condition,
@@ -142,11 +144,12 @@ def run_sweep(
     eager: bool,
     cap_s: float,
     progress: Callable[[str], None] = lambda line: None,
+    conditions: tuple[str, ...] = CONDITIONS,
 ) -> list[dict[str, Any]]:
     """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``)."""
     rows = []
     for T in lengths:
-        for condition in CONDITIONS:
+        for condition in conditions:
             spec = {"profile": profile, "overrides": overrides, "T": T, "condition": condition, "stretch": stretch,
                     "steps": steps, "warmup": warmup, "eager": eager}  # fmt: skip
             command = [sys.executable, "-m", "train.bench", "--sweep-point", json.dumps(spec)]
@@ -154,7 +157,7 @@ def run_sweep(
                 done = subprocess.run(command, capture_output=True, text=True, timeout=cap_s, check=False)
                 row = point_outcome(done, T, condition)
             except subprocess.TimeoutExpired:
-                row = {"T": T, "condition": condition, "status": f"over the {cap_s:.0f} s cap"}
+                row = {"T": T, "condition": condition, "status": f"over the {cap_s:g} s cap"}
             progress(format_row(row))
             rows.append(row)
     return rows
