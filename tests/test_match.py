@@ -66,7 +66,7 @@ def test_lensnet_reads_the_match_votes_only_behind_its_knob():
     """``mc.lens.match_feature``: off, LensNet never reads the tokens (the same scores bit for bit whatever they say);
     on, a far block that a copy of the newest trigram points at gets votes, and LensNet's scores tell the text with
     the copy from the text without it."""
-    from test_mc import decisive, make_system
+    from builders import decisive, make_system
 
     from mcfn.core.context import seen_until
     from mcfn.core.lensnet import unit_votes

@@ -151,7 +151,7 @@ def test_step_flops_estimate_matches_the_counted_flops(mc):
             "model": {"n_layer": 2, "n_head": 2, "n_embd": 64},
             "data": {"seq_len": 64},
             "train": {"batch_size": 2},
-            "mc": {"enabled": mc, "block_size": 4, "budget": 32, "tail": 8, "lens": {"every": 1}},
+            "mc": {"enabled": mc, "block_size": 4, "budget": 32, "tail": 8},
         }
     )
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=256))

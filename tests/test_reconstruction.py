@@ -68,8 +68,11 @@ def test_a_short_training_on_loss_recon_alone_lowers_it():
     assert float(nll.mean().detach()) < first - 0.5
 
 
-def test_the_mean_pool_control_is_the_plain_mean_of_the_children_and_recon_off_adds_no_term():
-    system, window, g = setup({"kind": "mean"})
+def test_a_new_gistnets_gist_is_the_plain_mean_of_its_children_and_recon_off_adds_no_term():
+    """GistNet's output projection starts at zero, so before it learns a gist is its children's mean, already in the
+    embedding space the base reads; with mc.gist.recon_weight = 0 there is no decoder and no loss_recon."""
+    system, window, g = setup({})
+    system.gistnet.reset_parameters()
     layout = system.layout
     tree = tree_stage(system, window)
     tokens = system.base.embed(window[:, : layout.T])
@@ -77,7 +80,7 @@ def test_the_mean_pool_control_is_the_plain_mean_of_the_children_and_recon_off_a
     want = tokens[:, : layout.eligible_counts[1] * layout.K].unflatten(1, (-1, layout.K)).mean(2)
     assert torch.allclose(lod1, want)
     noise = draw_variant_noise(layout, window.size(0), g, torch.device("cpu"))
-    out = process_batch(system, window, noise, weights({"kind": "mean"}))
+    out = process_batch(system, window, noise, weights({}))
     assert "loss_recon" not in out.losses and system.gist_decoder is None
 
 
