@@ -13,8 +13,9 @@ predictions into the gists was measured and retired: LABLOG.)
 length ``T`` costs, growing like ``T²``. With a stretch the teacher reads ``S`` tokens at their own positions: the
 window's last ``S/2`` (the tail among them) and a far stretch of ``S/2`` tokens from a block boundary drawn anew
 for every window and step (:func:`stretch_positions`). Its cost is fixed whatever ``T``; over
-the steps it still reads every part of the window, at every distance from the tail; and the attention target covers
-the nodes the stretch read (the others are not judged, :func:`mcfn.core.attention.attention_target_loss`).
+the steps it still reads every part of the window, at every distance from the tail; the attention target covers
+the nodes the stretch read (the others are not judged, :func:`mcfn.core.attention.attention_target_loss`); and
+``loss_full`` leaves out the tail, whose questions ask for far text the stretch mostly did not read.
 """
 
 from __future__ import annotations
@@ -96,5 +97,7 @@ def teacher_losses(
             token_mass = torch.zeros(window.size(0), layout.T, device=window.device).scatter(1, read, token_mass)
             seen = read_nodes(read, layout)
         mass = node_mass(token_mass, layout)
-    full_nll = nll.mean()
+    # A bounded teacher leaves the tail out of loss_full: its questions ask for far text the stretch mostly did not
+    # read, and learning to answer them without it unlearns retrieval (LABLOG). The tail is the packed variants' loss.
+    full_nll = nll.mean() if read is None else nll[:, : n - layout.H].mean()
     return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass, seen
