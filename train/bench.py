@@ -24,7 +24,7 @@ from mcfn.errors import UserError, exit_code
 from mcfn.profile import parse_override, resolve
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="bench-ref")
     p.add_argument("--json", type=Path, help="write the result here")
@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--point-cap", type=float, default=600.0, help="seconds one point may take before it is skipped")
     sweep.add_argument("--out", type=Path, default=Path("."), help="where bench_sweep.json and bench_sweep.png go")
     sweep.add_argument("--sweep-point", help=argparse.SUPPRESS)  # one point, in the process the sweep starts
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.decode is not None:
         return exit_code(lambda: decode_benchmark(args))
     if args.sweep_point is not None:

@@ -103,27 +103,18 @@ def measure_point(
     timer = Timer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    first = timer(step, inputs())
-    for _ in range(warmup - 1):
-        step(inputs())
-    frames = _compiled_frames()
-    step_ms = statistics.median(timer(step, inputs()) for _ in range(steps))
-    recompiles = _compiled_frames() - frames
+    first, step_ms, recompiles = warm_and_time(step, inputs, timer, warmup, steps)
     shares = {}
     if condition != "plain":
         phases = time_phases(partial(process_batch_lens, *inputs()), system, compile_fn, timer, autocast, 1, 2)
-        shares = {f"{name}_share": sum(phases.get(k, 0.0) for k in keys) / step_ms for name, keys in SHARES.items()}
-    cuda = device.type == "cuda"
-    peak = (
-        torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
+        shares = stage_shares(phases, step_ms)
     return {
         "T": layout.T,
         "condition": condition,
         "status": "ok",
         "step_ms": step_ms,
         "tokens_per_s": B * layout.T / (step_ms / 1e3),
-        "peak_mem_mb": peak / 2**20,
+        "peak_mem_mb": peak_memory_mb(device),
         "compile_s": max(0.0, (first - step_ms) / 1e3) if mode else 0.0,
         "graph_breaks": _graph_breaks(),
         "recompiles": recompiles,
@@ -132,6 +123,28 @@ def measure_point(
         "teacher_tokens": cfg.mc.teacher.stretch or (layout.T if cfg.mc.teacher.enabled else 0),
         **shares,
     }
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """This process's peak: the CUDA allocator's, or on the CPU the resident set's (Linux reports KiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def warm_and_time(step: Callable, inputs: Callable, timer: Timer, warmup: int, steps: int) -> tuple[float, float, int]:
+    """The first call's milliseconds (it compiles), the median of ``steps`` after ``warmup``, and the recompiles."""
+    first = timer(step, inputs())
+    for _ in range(warmup - 1):
+        step(inputs())
+    frames = _compiled_frames()
+    step_ms = statistics.median(timer(step, inputs()) for _ in range(steps))
+    return first, step_ms, _compiled_frames() - frames
+
+
+def stage_shares(phases: dict[str, float], step_ms: float) -> dict[str, float]:
+    """The tree's, LensNet's and the teacher's share of a step, from its stages timed on their own."""
+    return {f"{name}_share": sum(phases.get(k, 0.0) for k in keys) / step_ms for name, keys in SHARES.items()}
 
 
 def run_sweep(
