@@ -171,10 +171,14 @@ class TeacherConfig:
     # Tokens the teacher reads, a bound on its cost; 0: all T. Else half of them are the window's last tokens (the
     # tail among them), half a far stretch of whole blocks of K tokens drawn anew for every window and step.
     stretch: int = 0
+    # Another bound: every token reads only the `window` tokens up to itself, and the tail reads them all: the
+    # teacher's cost grows like T·window + H·T instead of T². 0: full attention.
+    window: int = 0
 
     def __post_init__(self) -> None:
         _require(self.full_weight >= 0, "mc.teacher.full_weight", "must be >= 0")
         _require(self.stretch >= 0, "mc.teacher.stretch", "must be >= 0 (0: the whole window)")
+        _require(self.window >= 0, "mc.teacher.window", "must be >= 0 (0: full attention)")
 
     @property
     def enabled(self) -> bool:
@@ -313,6 +317,8 @@ class RunConfig:
             f"must be 0 or a multiple of 2 * mc.block_size = {2 * mc.block_size} below data.seq_len, its half at "
             "least mc.tail",
         )
+        window = mc.teacher.window
+        _require(window == 0 or seq_len % window == 0, "mc.teacher.window", "must be 0 or divide data.seq_len")
         for name, width, heads in (("gist", self.gist_width, mc.gist.heads), ("lens", self.lens_width, mc.lens.heads)):
             _require(
                 width % heads == 0 and (width // heads) % 2 == 0,

@@ -22,14 +22,16 @@ scores' offset to the preference loss.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.model import GPT, causal_attention
+from mcfn.core.model import GPT, LayerAttention, causal_attention
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.typecheck import typechecked
@@ -54,9 +56,11 @@ def hidden_and_tail_attention(
     spans: Float[Tensor, "#r n"],
     first: Int[Tensor, " r"],
     tail: int,
+    attend: LayerAttention = causal_attention,
 ) -> tuple[Float[Tensor, "r n d"], Float[Tensor, "r h n"]]:
     """Final hidden states (normed, with gradient) and, for each of the ``tail`` query entries from ``first``
-    on, its causal attention probabilities over the entries, summed over layers and heads (detached)."""
+    on, its causal attention probabilities over the entries, summed over layers and heads (detached). ``attend``
+    is how every entry attends (causally over all before it by default; the tail's read-out always reads all)."""
     query = first[:, None] + torch.arange(tail, device=emb.device)  # [r, h]
     future = torch.arange(emb.size(1), device=emb.device)[None, None, :] > query[:, :, None]  # [r, h, n]
     pick = rearrange(query, "r h -> r 1 h 1")
@@ -68,10 +72,34 @@ def hidden_and_tail_attention(
             future[:, None], -torch.inf
         )
         per_layer.append(torch.softmax(logits, -1).sum(1))
-        return causal_attention(layer, q, k, v)
+        return attend(layer, q, k, v)
 
     hidden = base.hidden(emb, positions, spans, attend=causal_and_read_out)
     return hidden, sum(per_layer)  # summed in layer order, as a running total would
+
+
+def local_and_tail_attention(window: int, tail: int, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal attention ``[b, h, n, e]`` in which every entry reads the ``window`` entries up to itself, and the last
+    ``tail`` entries read every entry before them: a cost of about ``2·n·window + tail·n`` scores instead of
+    ``n²/2``. Each block of ``window`` queries reads its own block and the one before it (``n`` a multiple of
+    ``window``); with ``window >= n`` it is plain causal attention."""
+    n = q.size(2)
+    if window >= n:
+        return causal_attention(layer, q, k, v)
+    blocks = partial(rearrange, pattern="b h (m s) e -> b h m s e", s=window)
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    before = partial(F.pad, pad=(0, 0, 0, 0, 1, 0))  # block m - 1 beside block m (zeros before the first)
+    keys = torch.cat([before(kb)[:, :, :-1], kb], dim=3)
+    values = torch.cat([before(vb)[:, :, :-1], vb], dim=3)
+    i = torch.arange(window, device=q.device)[:, None]
+    j = torch.arange(2 * window, device=q.device)[None] - window  # key offset from its block's start
+    m = torch.arange(n // window, device=q.device)[:, None, None]
+    allowed = (j <= i) & (i - j < window) & ((m > 0) | (j >= 0))  # [m, s, 2s]: causal, within the window, real
+    local = rearrange(F.scaled_dot_product_attention(qb, keys, values, attn_mask=allowed), "b h m s e -> b h (m s) e")
+    query = n - tail + torch.arange(tail, device=q.device)
+    reads = torch.arange(n, device=q.device)[None] <= query[:, None]  # [tail, n]
+    tail_out = F.scaled_dot_product_attention(q[:, :, n - tail :], k, v, attn_mask=reads)
+    return torch.cat([local[:, :, : n - tail], tail_out], dim=2)
 
 
 @typechecked

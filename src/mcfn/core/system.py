@@ -80,6 +80,7 @@ class MegaContext(nn.Module):
         self.alloc_noise = mc.alloc.noise
         self.use_teacher = mc.teacher.enabled
         self.teacher_stretch = mc.teacher.stretch  # tokens the teacher reads; 0: the whole window
+        self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         self.use_pair = mc.lens.enabled and mc.lens.pair_weight > 0
         self.refocus_every = mc.refocus_every
@@ -193,7 +194,8 @@ def teacher_stage(
     layout = system.layout
     queries = chunk_queries(horizon, layout, system.refocus_every) if system.chunk_horizons else None
     read = stretch_positions(layout, system.teacher_stretch, far) if system.teacher_stretch else None
-    return teacher_losses(system.base, window, recency_nll, layout, weights, system.use_lens_attention, queries, read)
+    lens_attention, reach = system.use_lens_attention, system.teacher_window
+    return teacher_losses(system.base, window, recency_nll, layout, weights, lens_attention, queries, read, reach)
 
 
 @stage("lens_fwd")

@@ -20,12 +20,14 @@ the nodes the stretch read (the others are not judged, :func:`mcfn.core.attentio
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.core.attention import hidden_and_tail_attention, long_range_mass, node_mass
-from mcfn.core.model import GPT
+from mcfn.core.attention import hidden_and_tail_attention, local_and_tail_attention, long_range_mass, node_mass
+from mcfn.core.model import GPT, causal_attention
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.core.step import split_window
@@ -63,6 +65,7 @@ def teacher_losses(
     with_mass: bool = False,
     queries: Bool[Tensor, "b h"] | None = None,
     read: Int[Tensor, "b s"] | None = None,
+    reach: int = 0,
 ) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None, Bool[Tensor, "b nodes"] | None]:
     """``loss_full`` (weighted), with its unweighted value as a metric; and with ``with_mass``, the tail's
     long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
@@ -70,23 +73,26 @@ def teacher_losses(
     forward: :func:`mcfn.core.losses.recency_tail_nll`), from the tail ``queries`` only where given (the chunk a
     window's in-tail horizon serves). With ``read`` (a bounded teacher's :func:`stretch_positions`, the tail last)
     the forward reads only those positions, and the nodes it read whole ``[B, nodes]`` come back beside the mass
-    (``None``: every node)."""
+    (``None``: every node). With ``reach`` every token reads only the ``reach`` tokens up to itself, and the tail all
+    (:func:`mcfn.core.attention.local_and_tail_attention`)."""
     inputs, targets = split_window(window)
     if read is None:
         positions = torch.arange(layout.T, device=window.device)[None]
     else:
         inputs, targets, positions = inputs.gather(1, read), targets.gather(1, read), read
     n = inputs.size(1)
+    attend = causal_attention if not reach else partial(local_and_tail_attention, reach, layout.H)
     if with_mass:  # a config constant: static under compile
-        first = torch.full((window.size(0),), n - layout.H, device=window.device)
+        first = torch.full((inputs.size(0),), n - layout.H, device=inputs.device)
         at = positions.float()
         full_hidden, attention = hidden_and_tail_attention(
-            base, base.embed(inputs), at, torch.ones_like(at), first, layout.H
+            base, base.embed(inputs), at, torch.ones_like(at), first, layout.H, attend
         )
-    elif read is None:
+    elif read is None and not reach:
         full_hidden = base.token_hidden(inputs)
     else:
-        full_hidden = base.hidden(base.embed(inputs), positions.float(), torch.ones_like(positions.float()))
+        at = positions.float()
+        full_hidden = base.hidden(base.embed(inputs), at, torch.ones_like(at), attend=attend)
     nll = base.nll(full_hidden, targets)  # [B, n]
     mass, seen = None, None
     if with_mass:
