@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
     sweep.add_argument("--stretch", type=int, default=256, help="tokens the bounded teacher reads (mc_bounded)")
+    sweep.add_argument("--conditions", default="plain,mc,mc_teacher,mc_bounded", help="which conditions to measure")
     sweep.add_argument("--point-cap", type=float, default=600.0, help="seconds one point may take before it is skipped")
     sweep.add_argument("--out", type=Path, default=Path("."), help="where bench_sweep.json and bench_sweep.png go")
     sweep.add_argument("--sweep-point", help=argparse.SUPPRESS)  # one point, in the process the sweep starts
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def sweep_benchmark(args: argparse.Namespace) -> None:
-    from mcfn.tools.sweep import format_sweep_table, plot_sweep, run_sweep, sweep_lod_max
+    from mcfn.tools.sweep import CONDITIONS, format_sweep_table, plot_sweep, run_sweep, sweep_lod_max
 
     try:
         lengths = [int(n) for n in args.sweep_T.split(",")]
@@ -100,6 +101,9 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
     cfg = resolve(args.profile, [parse_override(o) for o in args.overrides] + [("mc", "enabled", True)])
     for T in lengths:  # refuse a length no tree fits before anything runs
         sweep_lod_max(T, cfg)
+    conditions = tuple(c.strip() for c in args.conditions.split(","))
+    if not set(conditions) <= set(CONDITIONS):
+        raise UserError(f"--conditions must name some of {', '.join(CONDITIONS)}")
     rows = run_sweep(
         args.profile,
         args.overrides,
@@ -110,6 +114,7 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
         args.eager,
         args.point_cap,
         progress=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True),
+        conditions=conditions,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_sweep.json").write_text(json.dumps(rows, indent=2))
