@@ -107,7 +107,7 @@ def measure_point(
     shares = {}
     if condition != "plain":
         phases = time_phases(partial(process_batch_lens, *inputs()), system, compile_fn, timer, autocast, 1, 2)
-        shares = stage_shares(phases, step_ms)
+        shares = {**stage_shares(phases, step_ms), "phases_ms": phases}
     return {
         "T": layout.T,
         "condition": condition,
