@@ -71,10 +71,9 @@ def teacher_losses(
     long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
     the full window predicts each tail target than the recency baseline (``recency_nll``, read off the packed
     forward: :func:`mcfn.core.losses.recency_tail_nll`), from the tail ``queries`` only where given (the chunk a
-    window's in-tail horizon serves). With ``read`` (a bounded teacher's :func:`stretch_positions`, the tail last)
-    the forward reads only those positions, and the nodes it read whole ``[B, nodes]`` come back beside the mass
-    (``None``: every node). With ``reach`` every token reads only the ``reach`` tokens up to itself, and the tail all
-    (:func:`mcfn.core.attention.local_and_tail_attention`)."""
+    window's in-tail horizon serves). With ``read`` (:func:`stretch_positions`, the tail last) it reads only those
+    positions and returns the nodes it read whole ``[B, nodes]`` (``None``: all); with ``reach`` every token reads the
+    ``reach`` tokens up to itself and the tail all (:func:`mcfn.core.attention.local_and_tail_attention`)."""
     inputs, targets = split_window(window)
     if read is None:
         positions = torch.arange(layout.T, device=window.device)[None]
