@@ -66,7 +66,7 @@ def hidden_and_tail_attention(
     pick = rearrange(query, "r h -> r 1 h 1")
     per_layer = []
 
-    def causal_and_read_out(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend_and_read_out(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         q_tail = q.detach().gather(2, pick.expand(-1, q.size(1), -1, q.size(-1)))  # [r, heads, h, e]
         logits = (q_tail @ k.detach().transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(
             future[:, None], -torch.inf
@@ -74,7 +74,7 @@ def hidden_and_tail_attention(
         per_layer.append(torch.softmax(logits, -1).sum(1))
         return attend(layer, q, k, v)
 
-    hidden = base.hidden(emb, positions, spans, attend=causal_and_read_out)
+    hidden = base.hidden(emb, positions, spans, attend=attend_and_read_out)
     return hidden, sum(per_layer)  # summed in layer order, as a running total would
 
 
@@ -124,12 +124,15 @@ def attention_target_loss(
     entry outside the tail to the softmax of LensNet's scores over those entries, averaged over contexts;
     ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does). With
     ``seen`` (a bounded teacher's), only the entries whose node it read are candidates: the rest are not judged."""
+
+    def per_entry(per_node: Tensor) -> Tensor:  # [B, nodes] -> [B·V, W]: each entry's node's value
+        rows = rearrange(per_node, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)
+        return rows.gather(1, wc.node.clamp(min=0))
+
     candidates = wc.valid & (wc.start < layout.T - layout.H)
     if seen is not None:
-        seen_rows = rearrange(seen, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)
-        candidates = candidates & seen_rows.gather(1, wc.node.clamp(min=0))
-    per_row = rearrange(mass, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)  # [B·V, nodes]
-    entry_mass = torch.where(candidates, per_row.gather(1, wc.node.clamp(min=0)), 0.0)
+        candidates = candidates & per_entry(seen)
+    entry_mass = torch.where(candidates, per_entry(mass), 0.0)
     target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)
     log_q = torch.log_softmax(scores.masked_fill(~candidates, -torch.inf), -1)
     cross = -(target * torch.where(candidates, log_q, 0.0)).sum(-1)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mcfn.core.attention import hidden_and_tail_attention, local_and_tail_attention, long_range_mass, node_mass
 from mcfn.core.model import GPT, causal_attention
-from mcfn.core.nodes import Layout
+from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.step import split_window
 from mcfn.core.weights import LossWeights
@@ -51,8 +51,7 @@ def stretch_positions(layout: Layout, stretch: int, far: Float[Tensor, " b"]) ->
 def read_nodes(read: Int[Tensor, "b s"], layout: Layout) -> Bool[Tensor, "b nodes"]:
     """Per tree node, whether the positions ``read`` cover its whole span."""
     tokens = torch.zeros(read.size(0), layout.T, device=read.device).scatter(1, read, 1.0)
-    spans = torch.cat([torch.full((size,), float(layout.K**k)) for k, size in enumerate(layout.level_sizes)])
-    return node_mass(tokens, layout) >= spans.to(read.device)
+    return node_mass(tokens, layout) >= NodeTable.of(layout, read.device).span
 
 
 @typechecked
@@ -79,18 +78,14 @@ def teacher_losses(
         positions = torch.arange(layout.T, device=window.device)[None]
     else:
         inputs, targets, positions = inputs.gather(1, read), targets.gather(1, read), read
-    n = inputs.size(1)
+    n, at = inputs.size(1), positions.float()
     attend = causal_attention if not reach else partial(local_and_tail_attention, reach, layout.H)
     if with_mass:  # a config constant: static under compile
         first = torch.full((inputs.size(0),), n - layout.H, device=inputs.device)
-        at = positions.float()
         full_hidden, attention = hidden_and_tail_attention(
             base, base.embed(inputs), at, torch.ones_like(at), first, layout.H, attend
         )
-    elif read is None and not reach:
-        full_hidden = base.token_hidden(inputs)
     else:
-        at = positions.float()
         full_hidden = base.hidden(base.embed(inputs), at, torch.ones_like(at), attend=attend)
     nll = base.nll(full_hidden, targets)  # [B, n]
     mass, seen = None, None

@@ -37,8 +37,8 @@ class Scores:
         for name in other.nats:
             self.nats.setdefault(name, []).extend(other.nats[name])
             self.correct.setdefault(name, []).extend(other.correct[name])
-        for mine, theirs in ((self.nbytes, other.nbytes), (self.depth, other.depth)):
-            mine.extend(theirs)
+        self.nbytes.extend(other.nbytes)
+        self.depth.extend(other.depth)
         self.predicted.extend(other.predicted)
         self.measured.extend(other.measured)
 

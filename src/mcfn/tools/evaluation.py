@@ -174,10 +174,12 @@ def score_batch(
     settings: EvalSettings,
     index: int,
     reference: GPT | None = None,
+    with_longrange: bool = False,
 ) -> dict[str, dict[str, dict[int, Scores]]]:
     """One batch of a task scored at every budget under both protocols: ``{"all": {protocol: {budget: Scores}}}``,
-    and ``"longrange"`` the same on the long-range tokens (defined at the headline budget: what full context
-    predicts much better than truncation). The same random contexts for every checkpoint on these windows."""
+    and ``with_longrange`` (``corpus``) ``"longrange"`` the same on the long-range tokens (defined at the headline
+    budget: what full context predicts much better than truncation). The same random contexts for every checkpoint
+    on these windows."""
     layout, window = system.layout, probe.window
     targets = split_window(window)[1][:, layout.T - layout.H :]
     scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
@@ -187,15 +189,17 @@ def score_batch(
     if reference is not None:
         references["full_plain"] = full_predictions(reference, window, layout.H)
     generator = torch.Generator(device=window.device)
-    out: dict[str, dict[str, dict[int, Scores]]] = {"all": {}, "longrange": {}}
+    parts = PARTS if with_longrange else PARTS[:1]
+    out: dict[str, dict[str, dict[int, Scores]]] = {part: {name: {} for name in PROTOCOLS} for part in parts}
     long_range = None
     for name in PROTOCOLS[::-1]:  # one cut first: it defines the long-range tokens
         predict = predict_budget if name == "one_cut" else predict_chunked
-        out["all"][name], out["longrange"][name] = {}, {}
         for budget in protocol_budgets(settings, layout, name):
             generator.manual_seed(derive_seed(budget, "eval_contexts", index))
             pred = predict(batch, budget, generator)
             out["all"][name][budget] = record(pred, references, scored, probe.depth)
+            if not with_longrange:
+                continue
             if long_range is None:
                 gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
                 long_range = scored * (gain > LONG_RANGE_MARGIN)
@@ -253,10 +257,11 @@ def score_tasks(
         for index, batch in enumerate(batches):
             probe = make_probe(task, batch, tokenizer, layout.H, derive_seed(PROBES.index(task), "eval_probes", index))
             probe = ProbeBatch(probe.window.to(device), probe.answer.to(device), probe.depth)
-            for part, by_protocol in score_batch(system, probe, token_bytes, settings, index, reference).items():
+            scored = score_batch(system, probe, token_bytes, settings, index, reference, task == "corpus")
+            for part, by_protocol in scored.items():
                 for p, by_budget in by_protocol.items():
-                    for w, batch_scores in by_budget.items():
-                        scores[part][p][w].extend(batch_scores)
+                    for w, one_batch in by_budget.items():
+                        scores[part][p][w].extend(one_batch)
             if progress is not None:
                 progress()
         longrange = scores["longrange"] if task == "corpus" else None
