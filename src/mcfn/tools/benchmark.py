@@ -67,11 +67,11 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def _graph_breaks() -> int:
+def graph_breaks_seen() -> int:
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
-def _compiled_frames() -> int:
+def compiled_frames() -> int:
     return torch._dynamo.utils.counters["frames"]["ok"]
 
 
@@ -163,7 +163,7 @@ def time_alternately(mc_step, mc_inputs, plain_step, plain_inputs, timer: Timer,
     for _ in range(warmup - 1):
         mc_step(mc_inputs())
         plain_step(plain_inputs())
-    frames_after_warmup = _compiled_frames()
+    frames_after_warmup = compiled_frames()
     mc_ms, plain_ms = [], []
     for _ in range(steps):
         inputs, tokens = mc_inputs(), plain_inputs()
@@ -173,7 +173,7 @@ def time_alternately(mc_step, mc_inputs, plain_step, plain_inputs, timer: Timer,
         "mc_ms": statistics.median(mc_ms),
         "plain_ms": statistics.median(plain_ms),
         "first_ms": first_mc + first_plain,
-        "recompiles": _compiled_frames() - frames_after_warmup,
+        "recompiles": compiled_frames() - frames_after_warmup,
         "steps": steps,
     }
 
@@ -202,7 +202,7 @@ def benchmark_result(
         "supervised_entries": supervised,
         # The first call of each step compiles; eager runs have nothing to report here.
         "compile_s": max(0.0, (timed["first_ms"] - mc_med - plain_med) / 1e3) if compile_mode else None,
-        "graph_breaks": _graph_breaks(),
+        "graph_breaks": graph_breaks_seen(),
         "recompiles": timed["recompiles"],
         "peak_mem_mb": peak,
         "tokens_per_s": shapes["B"] * shapes["T"] / (mc_med / 1e3),

@@ -39,7 +39,7 @@ from mcfn.core.system import MegaContext, process_batch_lens
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
-from mcfn.tools.benchmark import Timer, _compiled_frames, _graph_breaks, time_phases
+from mcfn.tools.benchmark import Timer, compiled_frames, graph_breaks_seen, time_phases
 
 CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded")
 SHARES = {"tree": ("tree_ms",), "lens": ("lens_fwd_ms", "lens_loss_ms"), "teacher": ("teacher_ms",)}
@@ -116,7 +116,7 @@ def measure_point(
         "tokens_per_s": B * layout.T / (step_ms / 1e3),
         "peak_mem_mb": peak_memory_mb(device),
         "compile_s": max(0.0, (first - step_ms) / 1e3) if mode else 0.0,
-        "graph_breaks": _graph_breaks(),
+        "graph_breaks": graph_breaks_seen(),
         "recompiles": recompiles,
         "lod_max": layout.L,
         "n_nodes": layout.n_nodes,
@@ -137,9 +137,9 @@ def warm_and_time(step: Callable, inputs: Callable, timer: Timer, warmup: int, s
     first = timer(step, inputs())
     for _ in range(warmup - 1):
         step(inputs())
-    frames = _compiled_frames()
+    frames = compiled_frames()
     step_ms = statistics.median(timer(step, inputs()) for _ in range(steps))
-    return first, step_ms, _compiled_frames() - frames
+    return first, step_ms, compiled_frames() - frames
 
 
 def stage_shares(phases: dict[str, float], step_ms: float) -> dict[str, float]:
