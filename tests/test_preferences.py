@@ -346,6 +346,16 @@ def test_lens_metrics_match_a_hand_computation():
     assert float(one.metrics["mc/preference_agreement"]) == 1.0  # a single target, and it agrees
 
 
+def test_the_score_histogram_counts_bfloat16_scores_exactly_in_float32():
+    """Under CUDA autocast LensNet's scores are bfloat16: CUDA's histc refuses that dtype (the MC step failed on an
+    H200 until the histogram read float32), and bfloat16 counts round above 256 (1001 would read 1000)."""
+    n = 1001
+    scores = torch.full((1, n), 0.3).bfloat16()
+    valid = torch.ones(1, n, dtype=torch.bool)
+    zero = torch.zeros(1, 1, n)
+    counts = lens_metrics(scores, valid, scores.float()[None], zero, zero).histograms["hist/policy_score"]
+    assert counts.dtype == torch.float32 and float(counts.sum()) == n
+
 def test_the_lens_step_with_the_pair_term_is_one_graph_equal_to_eager(fresh_dynamo):
     system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"pair_weight": 1.0}))
     assert system.use_pair

@@ -243,7 +243,9 @@ def lens_metrics(scores: Tensor, valid: Tensor, s: Tensor, y: Tensor, w: Tensor)
     n_valid = valid.sum(-1).clamp(min=1)
     row_mean = (scores * valid).sum(-1) / n_valid
     row_std = (((scores - row_mean[:, None]) * valid).square().sum(-1) / n_valid).clamp(min=1e-16).sqrt()
-    hist_input = torch.where(valid, scores.detach(), 2 * HIST_RANGE)  # padding lands outside the range
+    # In float32: under CUDA autocast the scores are bfloat16, which CUDA's histc refuses and whose counts would
+    # round above 256. Padding lands outside the range.
+    hist_input = torch.where(valid, scores.detach().float(), 2 * HIST_RANGE)
     metrics = {
         "mc/preference_agreement": agreement,
         "mc/pref_span_corr": corr,
