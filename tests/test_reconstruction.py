@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 from builders import VOCAB, make_system
-from compile_check import assert_one_graph_equals_eager
+from compile_check import assert_one_graph_equals_eager, one_graph
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mcfn.config import GistConfig, MCConfig
-from mcfn.core.reconstruction import reconstruction_nll
+from mcfn.core.reconstruction import gists_read, reconstruction_nll, sample_gists
 from mcfn.core.system import process_batch, tree_stage
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
@@ -41,6 +43,78 @@ def test_each_gist_is_read_back_into_its_own_tokens():
         assert torch.allclose(got[k - 1], torch.cat(terms).mean(), atol=1e-5), f"LOD{k}"
     shifted = torch.roll(tokens, -1, dims=1)
     assert not torch.allclose(got, reconstruction_nll(system.gist_decoder, system.base, tree, shifted, layout))
+
+
+def test_a_bounded_reconstruction_reads_a_sample_of_whole_gists_each_into_its_own_tokens():
+    """With ``max_tokens = 8`` (T = 32, K = 4: six eligible LOD1 gists of 4 tokens, one LOD2 gist of 16) the loss
+    reads two LOD1 gists a sequence, the ones :func:`sample_gists` draws, each against its own tokens; the LOD2
+    gist, larger than the bound, is still read once. The decoder never sees more gists than the bound allows."""
+    system, window, _ = setup({"recon_weight": 1.0})
+    layout, decoder = system.layout, system.gist_decoder
+    tree = tree_stage(system, window)
+    tokens = window[:, : layout.T]
+    seen: list[int] = []
+    hook = decoder.register_forward_hook(lambda mod, args, out: seen.append(out.shape[0] * out.shape[1]))
+    torch.manual_seed(7)
+    got = reconstruction_nll(decoder, system.base, tree, tokens, layout, max_tokens=8)
+    hook.remove()
+    b = tokens.size(0)
+    assert seen == [b * 8, b * 16], f"tokens read back per level: {seen}"
+    torch.manual_seed(7)
+    pick = sample_gists(b, layout.eligible_counts[1], gists_read(layout.eligible_counts[1], layout.K, 8), "cpu")
+    terms = []
+    for row in range(b):
+        for j in pick[row].tolist():
+            hidden = decoder(tree.emb[row, layout.level_offsets[1] + j][None], 1, layout.K)
+            terms.append(system.base.nll(hidden, tokens[row, j * layout.K : (j + 1) * layout.K][None])[0])
+    assert torch.allclose(got[0], torch.cat(terms).mean(), atol=1e-5)
+    everything = reconstruction_nll(decoder, system.base, tree, tokens, layout)
+    assert torch.allclose(got[1], everything[1]), "a level within the bound is read whole"
+    assert torch.equal(everything, reconstruction_nll(decoder, system.base, tree, tokens, layout, max_tokens=32))
+
+
+@given(n=st.integers(1, 64), span=st.sampled_from([2, 4, 8, 64]), max_tokens=st.integers(0, 600), b=st.integers(1, 3))
+def test_property_the_reconstruction_reads_at_most_its_bound_of_distinct_gists(n, span, max_tokens, b):
+    """Each row draws ``gists_read`` distinct gists of the level's ``n``: all of them without a bound, never more
+    tokens than the bound unless one gist is larger than it, and always at least one."""
+    m = gists_read(n, span, max_tokens)
+    assert 1 <= m <= n
+    assert m == n if max_tokens == 0 else (m * span <= max_tokens or m == 1)
+    assert m == n or (m + 1) * span > max_tokens, "the bound is used, not undershot"
+    pick = sample_gists(b, n, m, torch.device("cpu"))
+    assert pick.shape == (b, m) and int(pick.min()) >= 0 and int(pick.max()) < n
+    assert all(len(set(row)) == m for row in pick.tolist())
+
+
+def test_the_sample_is_drawn_afresh_and_covers_every_gist():
+    """Over many steps every eligible gist is read back (the estimate is not stuck on one subset)."""
+    counts = torch.zeros(40)
+    for _ in range(200):
+        counts += torch.bincount(sample_gists(1, 40, 4, torch.device("cpu"))[0], minlength=40)
+    assert (counts > 0).all() and counts.max() < 4 * counts.mean()
+
+
+def test_the_bounded_reconstruction_compiles_to_one_graph_equal_to_eager(fresh_dynamo):
+    """The sampled path (a config constant picks it) is one graph with no recompile, and draws the same gists as
+    eager from the same seed."""
+    system, _, g = setup({"recon_weight": 1.0})
+    layout = system.layout
+
+    def nll(window):
+        return reconstruction_nll(
+            system.gist_decoder, system.base, tree_stage(system, window), window[:, : layout.T], layout, 8
+        )
+
+    with one_graph() as compile_fn:
+        compiled = compile_fn(nll)
+        for i in range(3):
+            window = torch.randint(0, VOCAB, (2, SHAPE["T"] + 1), generator=g)
+            torch.manual_seed(i)
+            got = compiled(window)
+            torch.manual_seed(i)
+            torch.testing.assert_close(got, nll(window), atol=1e-5, rtol=1e-4)
+            if i == 0:
+                compile_fn.forbid_recompiles()
 
 
 def test_loss_recon_is_a_term_of_the_step_and_its_gradient_reaches_gistnet():

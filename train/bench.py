@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
-    sweep.add_argument("--stretch", type=int, default=256, help="tokens the bounded teacher reads (mc_bounded)")
+    sweep.add_argument("--window", type=int, default=128, help="tokens each position of the bounded teacher reads")
     sweep.add_argument("--conditions", default="plain,mc,mc_teacher,mc_bounded", help="which conditions to measure")
     sweep.add_argument("--point-cap", type=float, default=600.0, help="seconds one point may take before it is skipped")
     sweep.add_argument("--out", type=Path, default=Path("."), help="where bench_sweep.json and bench_sweep.png go")
@@ -108,7 +108,7 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
         args.profile,
         args.overrides,
         lengths,
-        args.stretch,
+        args.window,
         args.steps,
         args.warmup,
         args.eager,
@@ -119,7 +119,7 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_sweep.json").write_text(json.dumps(rows, indent=2))
     plot_sweep(rows, args.out / "bench_sweep.png")
-    print(f"profile {args.profile}, W={cfg.mc.budget}, B={cfg.train.batch_size}, stretch {args.stretch}, "
+    print(f"profile {args.profile}, W={cfg.mc.budget}, B={cfg.train.batch_size}, teacher window {args.window}, "
           f"compiled {not args.eager}, median of {args.steps} steps")  # fmt: skip
     print(format_sweep_table(rows))
 
@@ -133,7 +133,7 @@ def sweep_point(spec: dict) -> None:
     cfg: RunConfig = resolve(
         spec["profile"], [parse_override(o) for o in spec["overrides"]] + [("mc", "enabled", True)]
     )
-    point = point_config(cfg, spec["T"], spec["condition"], spec["stretch"])
+    point = point_config(cfg, spec["T"], spec["condition"], spec["window"])
     device = resolve_device(point.train.device)
     mode = None if spec["eager"] else point.train.compile_mode
     row = measure_point(

@@ -114,12 +114,16 @@ class GistConfig:
     heads: int = 2
     # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
     recon_weight: float = 0.0
+    # Tokens read back per level and sequence a step: a uniform sample of whole gists, so the reconstruction's
+    # cost stops growing with T (0: every gist). At T = 512 every gist fits, as before.
+    recon_tokens: int = 512
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.gist.layers", "must be >= 1")
         _require(self.width >= 0, "mc.gist.width", "must be >= 0")
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
+        _require(self.recon_tokens >= 0, "mc.gist.recon_tokens", "must be >= 0 (0: every gist)")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ It sees nothing but the gist and the offset, so whatever it predicts above the u
 the gist carries about its own tokens. The gradient reaches GistNet (and the token embeddings under it).
 Token ``s + j`` is the gist's *own* token, not the next one: this is autoencoding, not prediction (I5 is
 about the base model's targets).
+
+Reading every gist back costs the base's output head on every token of every level, ``L·T`` predictions a
+sequence: at T = 16384 that was 16.9 s of a 19.1 s step on the CPU. So each level reads back at most
+``max_tokens`` tokens a sequence (``mc.gist.recon_tokens``): a uniform sample of whole gists, drawn afresh
+each step, whose mean NLL is an unbiased estimate of the level's mean. Where the level holds no more than that,
+every gist is read, in order, as before.
 """
 
 from __future__ import annotations
@@ -42,25 +48,42 @@ class GistDecoder(nn.Module):
         return rms_norm(self.out_proj(torch.relu(x).square()))
 
 
+def gists_read(n: int, span: int, max_tokens: int) -> int:
+    """How many of a level's ``n`` eligible gists are read back: all of them unless ``max_tokens`` (0: no bound)
+    holds fewer of their ``span``-token spans, and at least one."""
+    return n if max_tokens <= 0 else min(n, max(1, max_tokens // span))
+
+
+def sample_gists(b: int, n: int, m: int, device: torch.device) -> Int[Tensor, "b m"]:
+    """``m`` distinct gist indices of ``0..n-1`` per row, uniformly at random (fixed shape: no recompile)."""
+    return torch.rand(b, n, device=device).topk(m, dim=1).indices
+
+
 @typechecked
 def reconstruction_nll(
-    decoder: GistDecoder, base: GPT, tree: Tree, tokens: Int[Tensor, "b t"], layout: Layout
+    decoder: GistDecoder, base: GPT, tree: Tree, tokens: Int[Tensor, "b t"], layout: Layout, max_tokens: int = 0
 ) -> Float[Tensor, " levels"]:
-    """Mean NLL (nats per token) of reading every eligible gist back into its own tokens, per level ``1..L``."""
+    """Mean NLL (nats per token) of reading eligible gists back into their own tokens, per level ``1..L``: every
+    one, or a uniform sample of at most ``max_tokens`` tokens' worth a sequence (:func:`gists_read`)."""
     out = []
     for k in range(1, layout.L + 1):
         n, span = layout.eligible_counts[k], layout.K**k  # config constants: static under compile
         lo = layout.level_offsets[k]
-        gists = rearrange(tree.emb[:, lo : lo + n], "b n d -> (b n) d")
-        own = rearrange(tokens[:, : n * span], "b (n s) -> (b n) s", s=span)
-        out.append(base.nll(decoder(gists, k, span), own).mean())
+        gists, own = tree.emb[:, lo : lo + n], rearrange(tokens[:, : n * span], "b (n s) -> b n s", s=span)
+        m = gists_read(n, span, max_tokens)
+        if m < n:  # config constants: static under compile
+            pick = sample_gists(tokens.size(0), n, m, tokens.device)
+            gists = gists.gather(1, pick[..., None].expand(-1, -1, gists.size(-1)))
+            own = own.gather(1, pick[..., None].expand(-1, -1, span))
+        hidden = decoder(rearrange(gists, "b m d -> (b m) d"), k, span)
+        out.append(base.nll(hidden, rearrange(own, "b m s -> (b m) s")).mean())
     return torch.stack(out)
 
 
 def reconstruction_loss(
-    decoder: GistDecoder, base: GPT, tree: Tree, tokens: Tensor, layout: Layout, weight: Tensor
+    decoder: GistDecoder, base: GPT, tree: Tree, tokens: Tensor, layout: Layout, weight: Tensor, max_tokens: int
 ) -> StepOutput:
     """``loss_recon``: the weighted mean over levels, and each level's NLL as a metric."""
-    nll = reconstruction_nll(decoder, base, tree, tokens, layout)
+    nll = reconstruction_nll(decoder, base, tree, tokens, layout, max_tokens)
     metrics = {f"mc/recon_lod{k}": nll[k - 1] for k in range(1, layout.L + 1)}
     return StepOutput({"loss_recon": weight * nll.mean()}, metrics, {})

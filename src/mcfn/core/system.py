@@ -6,7 +6,7 @@ The step is a composition of pure stage functions, compiled as one graph::
                        Tree │        [B, V, nodes]                    WC [B·V, W]       hidden [B·V, W, D]
                             │                                                  ├─► lens_stage ─► lens_loss_stage
                             │                                                  └─► teacher_stage (optional)
-                            └─► recon_stage (optional): every gist read back into its own tokens
+                            └─► recon_stage (optional): gists read back into their own tokens
 
 ``process_batch`` trains the base model and GistNet; ``process_batch_lens`` adds LensNet and its
 preference loss. They are separate functions (not one with a flag) so that each compiles to its own
@@ -61,6 +61,7 @@ class MegaContext(nn.Module):
             mc.lod_max,
         )
         self.use_recon = mc.gist.recon_weight > 0
+        self.recon_tokens = mc.gist.recon_tokens
         self.gist_decoder = (
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
         )
@@ -229,7 +230,9 @@ def lens_loss_stage(
 def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
     """``loss_recon`` (:mod:`mcfn.core.reconstruction`); the step calls it only when ``mc.gist.recon_weight`` > 0."""
     tokens = window[:, : system.layout.T]
-    return reconstruction_loss(system.gist_decoder, system.base, tree, tokens, system.layout, weights.recon)
+    return reconstruction_loss(
+        system.gist_decoder, system.base, tree, tokens, system.layout, weights.recon, system.recon_tokens
+    )
 
 
 def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> tuple[WorkingContext, Tensor, Tree]:
