@@ -356,6 +356,7 @@ def test_the_score_histogram_counts_bfloat16_scores_exactly_in_float32():
     counts = lens_metrics(scores, valid, scores.float()[None], zero, zero).histograms["hist/policy_score"]
     assert counts.dtype == torch.float32 and float(counts.sum()) == n
 
+
 def test_the_lens_step_with_the_pair_term_is_one_graph_equal_to_eager(fresh_dynamo):
     system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"pair_weight": 1.0}))
     assert system.use_pair

@@ -4,7 +4,15 @@ that runs past its cap reported as such while the sweep goes on."""
 from __future__ import annotations
 
 from mcfn.profile import parse_override, resolve
-from mcfn.tools.sweep import CONDITIONS, format_sweep_table, measure_point, point_config, run_sweep, sweep_lod_max
+from mcfn.tools.sweep import (
+    CONDITIONS,
+    format_sweep_table,
+    measure_point,
+    point_config,
+    run_sweep,
+    sweep_lod_max,
+    warm_caches,
+)
 
 TINY = [
     "model.n_layer=1",
@@ -62,3 +70,19 @@ def test_each_point_runs_in_its_own_process_and_one_past_its_cap_is_reported():
     assert rows == [{"T": T, "condition": "plain", "status": "over the 0.2 s cap"} for T in (64, 128)]
     (row,) = run_sweep("cpu-longrange", TINY, [64], 16, 1, 1, True, cap_s=300, conditions=("mc",))
     assert row["status"] == "ok" and FIELDS <= row.keys() and row["tokens_per_s"] > 0
+
+
+def test_warming_runs_every_point_at_once_and_counts_those_that_finished():
+    """The warm pass starts all its processes together and stops waiting at the cap: a clean exit counts, a
+    failure does not, and one still running at the cap is killed (all within about the cap, not their sum)."""
+    import sys
+    import time
+
+    start = time.monotonic()
+    commands = [[sys.executable, "-c", "pass"], [sys.executable, "-c", "raise SystemExit(3)"],
+                [sys.executable, "-c", "import time; time.sleep(60)"]]  # fmt: skip
+    assert warm_caches(commands, cap_s=5) == 1
+    assert time.monotonic() - start < 30
+    lines: list[str] = []
+    (row,) = run_sweep("cpu-longrange", TINY, [64], 16, 1, 1, True, 300, lines.append, ("plain",), warm_first=True)
+    assert lines[0] == "warm: 1 of 1 compiled" and row["status"] == "ok"

@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweep.add_argument("--window", type=int, default=128, help="tokens each position of the bounded teacher reads")
     sweep.add_argument("--conditions", default="plain,mc,mc_teacher,mc_bounded", help="which conditions to measure")
     sweep.add_argument("--point-cap", type=float, default=600.0, help="seconds one point may take before it is skipped")
+    sweep.add_argument(
+        "--warm-first", action="store_true", help="compile every point at once first (fills the caches; many cores)"
+    )
     sweep.add_argument("--out", type=Path, default=Path("."), help="where bench_sweep.json and bench_sweep.png go")
     sweep.add_argument("--sweep-point", help=argparse.SUPPRESS)  # one point, in the process the sweep starts
     return p.parse_args(argv)
@@ -115,6 +118,7 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
         args.point_cap,
         progress=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True),
         conditions=conditions,
+        warm_first=args.warm_first,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_sweep.json").write_text(json.dumps(rows, indent=2))

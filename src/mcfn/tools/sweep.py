@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -162,22 +164,46 @@ def run_sweep(
     cap_s: float,
     progress: Callable[[str], None] = lambda line: None,
     conditions: tuple[str, ...] = CONDITIONS,
+    warm_first: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``)."""
+    """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``). With
+    ``warm_first`` every point is first compiled at once, each in its own process with one compile thread, to
+    fill the inductor caches the timed points then hit: on a many-core host with a short lease the compiles
+    overlap instead of queueing (their timings are thrown away)."""
+    points = [(T, condition) for T in lengths for condition in conditions]
+
+    def command(T: int, condition: str, timed: bool) -> list[str]:
+        spec = {"profile": profile, "overrides": overrides, "T": T, "condition": condition, "window": window,
+                "steps": steps if timed else 1, "warmup": warmup if timed else 1, "eager": eager}  # fmt: skip
+        return [sys.executable, "-m", "train.bench", "--sweep-point", json.dumps(spec)]
+
+    if warm_first:
+        progress(f"warm: {warm_caches([command(T, c, False) for T, c in points], cap_s)} of {len(points)} compiled")
     rows = []
-    for T in lengths:
-        for condition in conditions:
-            spec = {"profile": profile, "overrides": overrides, "T": T, "condition": condition, "window": window,
-                    "steps": steps, "warmup": warmup, "eager": eager}  # fmt: skip
-            command = [sys.executable, "-m", "train.bench", "--sweep-point", json.dumps(spec)]
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=cap_s, check=False)
-                row = point_outcome(done, T, condition)
-            except subprocess.TimeoutExpired:
-                row = {"T": T, "condition": condition, "status": f"over the {cap_s:g} s cap"}
-            progress(format_row(row))
-            rows.append(row)
+    for T, condition in points:
+        try:
+            done = subprocess.run(command(T, condition, True), capture_output=True, text=True, timeout=cap_s)
+            row = point_outcome(done, T, condition)
+        except subprocess.TimeoutExpired:
+            row = {"T": T, "condition": condition, "status": f"over the {cap_s:g} s cap"}
+        progress(format_row(row))
+        rows.append(row)
     return rows
+
+
+def warm_caches(commands: list[list[str]], cap_s: float) -> int:
+    """Run every command at once, one compile thread each, and wait up to ``cap_s`` seconds in all; how many
+    finished cleanly (those still running then are killed: the timed pass compiles what they had not)."""
+    env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    running = [subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for c in commands]
+    deadline, finished = time.monotonic() + cap_s, 0
+    for process in running:
+        try:
+            finished += process.wait(timeout=max(0.0, deadline - time.monotonic())) == 0
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return finished
 
 
 def point_outcome(done: subprocess.CompletedProcess, T: int, condition: str) -> dict[str, Any]:
