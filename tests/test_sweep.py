@@ -52,6 +52,7 @@ def test_every_point_reports_every_field_and_the_tree_grows_linearly_with_T():
             assert (row["teacher_share"] > 0) == (condition != "mc"), condition
     assert rows[64, "mc_bounded"]["teacher_window"] == rows[128, "mc_bounded"]["teacher_window"] == 16
     assert rows[128, "mc_teacher"]["teacher_window"] == 0 and rows[128, "mc_teacher"]["teacher_tokens"] == 128
+    assert rows[64, "plain"]["recon_tokens"] is None and rows[64, "mc"]["recon_tokens"] == 512
     assert rows[64, "mc"]["lod_max"] == rows[128, "mc"]["lod_max"] == 2
     assert rows[128, "mc"]["n_nodes"] == 2 * rows[64, "mc"]["n_nodes"]  # the same depth: nodes linear in T
     table = format_sweep_table(list(rows.values()))

@@ -4,7 +4,8 @@ At the profile's ``W``, for each ``T`` and each condition:
 
 * ``plain``: the plain GPT's step over the whole window, ``[B, T]`` tokens with full attention;
 * ``mc``: the MegaContext step (LensNet's loss live) with the full-window teacher off;
-* ``mc_teacher``: with the teacher over all ``T`` tokens and its attention target on (the long-range recipe);
+* ``mc_teacher``: with the profile's teacher and its attention target on (the long-range recipe; over all ``T``
+  tokens unless the profile or a ``--set`` bounds it);
 * ``mc_bounded``: with the teacher bounded: every token reads the ``S`` tokens up to itself, the tail reads all of
   them (``mc.teacher.window``, the bound that kept the headline numbers at T = 512).
 
@@ -126,7 +127,8 @@ def measure_point(
         "n_nodes": layout.n_nodes,
         "teacher_tokens": cfg.mc.teacher.stretch or (layout.T if cfg.mc.teacher.enabled else 0),
         "teacher_window": cfg.mc.teacher.window,
-        "recon_tokens": cfg.mc.gist.recon_tokens if cfg.mc.gist.recon_weight > 0 else 0,
+        # None: no reconstruction (the plain step never has one); 0: every gist read back, the knob's own meaning
+        "recon_tokens": cfg.mc.gist.recon_tokens if cfg.mc.gist.recon_weight > 0 and condition != "plain" else None,
         **shares,
     }
 
