@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcfn.config import GistConfig, MCConfig
-from mcfn.core.reconstruction import gists_read, reconstruction_nll, sample_gists
+from mcfn.core.reconstruction import reconstruction_nll, sample_tokens, tokens_read
 from mcfn.core.system import process_batch, tree_stage
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
@@ -37,7 +37,7 @@ def test_each_gist_is_read_back_into_its_own_tokens():
         for b in range(tokens.size(0)):
             for j in range(layout.eligible_counts[k]):
                 gist = tree.emb[b, layout.level_offsets[k] + j]
-                hidden = system.gist_decoder(gist[None], k, span)
+                hidden = system.gist_decoder(gist[None], k, torch.arange(span)[None])
                 own = tokens[b, j * span : (j + 1) * span]
                 terms.append(system.base.nll(hidden, own[None])[0])
         assert torch.allclose(got[k - 1], torch.cat(terms).mean(), atol=1e-5), f"LOD{k}"
@@ -45,10 +45,11 @@ def test_each_gist_is_read_back_into_its_own_tokens():
     assert not torch.allclose(got, reconstruction_nll(system.gist_decoder, system.base, tree, shifted, layout))
 
 
-def test_a_bounded_reconstruction_reads_a_sample_of_whole_gists_each_into_its_own_tokens():
-    """With ``max_tokens = 8`` (T = 32, K = 4: six eligible LOD1 gists of 4 tokens, one LOD2 gist of 16) the loss
-    reads two LOD1 gists a sequence, the ones :func:`sample_gists` draws, each against its own tokens; the LOD2
-    gist, larger than the bound, is still read once. The decoder never sees more gists than the bound allows."""
+def test_a_bounded_reconstruction_reads_a_sample_of_tokens_each_from_its_own_gist():
+    """With ``max_tokens = 8`` (T = 32, K = 4: six eligible LOD1 gists of 4 tokens, one LOD2 gist of 16) each level
+    reads back 8 tokens a sequence, the ones :func:`sample_tokens` draws: token ``i`` from gist ``i // K^k`` at
+    offset ``i % K^k``. The LOD2 gist, larger than the bound on its own, is read at 8 of its 16 offsets, not whole:
+    the decoder never reads more than the bound."""
     system, window, _ = setup({"recon_weight": 1.0})
     layout, decoder = system.layout, system.gist_decoder
     tree = tree_stage(system, window)
@@ -59,38 +60,40 @@ def test_a_bounded_reconstruction_reads_a_sample_of_whole_gists_each_into_its_ow
     got = reconstruction_nll(decoder, system.base, tree, tokens, layout, max_tokens=8)
     hook.remove()
     b = tokens.size(0)
-    assert seen == [b * 8, b * 16], f"tokens read back per level: {seen}"
+    assert seen == [b * 8, b * 8], f"tokens read back per level: {seen}"
     torch.manual_seed(7)
-    pick = sample_gists(b, layout.eligible_counts[1], gists_read(layout.eligible_counts[1], layout.K, 8), "cpu")
-    terms = []
-    for row in range(b):
-        for j in pick[row].tolist():
-            hidden = decoder(tree.emb[row, layout.level_offsets[1] + j][None], 1, layout.K)
-            terms.append(system.base.nll(hidden, tokens[row, j * layout.K : (j + 1) * layout.K][None])[0])
-    assert torch.allclose(got[0], torch.cat(terms).mean(), atol=1e-5)
+    for k in (1, 2):
+        span = layout.K**k
+        pick = sample_tokens(b, layout.eligible_counts[k] * span, 8, torch.device("cpu"))
+        terms = []
+        for row in range(b):
+            for i in pick[row].tolist():
+                gist = tree.emb[row, layout.level_offsets[k] + i // span]
+                hidden = decoder(gist[None], k, torch.tensor([[i % span]]))
+                terms.append(system.base.nll(hidden, tokens[row, i : i + 1][None])[0])
+        assert torch.allclose(got[k - 1], torch.cat(terms).mean(), atol=1e-5), f"LOD{k}"
     everything = reconstruction_nll(decoder, system.base, tree, tokens, layout)
-    assert torch.allclose(got[1], everything[1]), "a level within the bound is read whole"
     assert torch.equal(everything, reconstruction_nll(decoder, system.base, tree, tokens, layout, max_tokens=32))
 
 
 @given(n=st.integers(1, 64), span=st.sampled_from([2, 4, 8, 64]), max_tokens=st.integers(0, 600), b=st.integers(1, 3))
-def test_property_the_reconstruction_reads_at_most_its_bound_of_distinct_gists(n, span, max_tokens, b):
-    """Each row draws ``gists_read`` distinct gists of the level's ``n``: all of them without a bound, never more
-    tokens than the bound unless one gist is larger than it, and always at least one."""
-    m = gists_read(n, span, max_tokens)
-    assert 1 <= m <= n
-    assert m == n if max_tokens == 0 else (m * span <= max_tokens or m == 1)
-    assert m == n or (m + 1) * span > max_tokens, "the bound is used, not undershot"
-    pick = sample_gists(b, n, m, torch.device("cpu"))
-    assert pick.shape == (b, m) and int(pick.min()) >= 0 and int(pick.max()) < n
+def test_property_the_reconstruction_reads_at_most_its_bound_of_distinct_tokens(n, span, max_tokens, b):
+    """Each row draws ``tokens_read`` distinct tokens of the level's ``n·span``: all of them without a bound, else
+    exactly the bound (never more, whatever one gist's span), and always at least one."""
+    m = tokens_read(n, span, max_tokens)
+    assert 1 <= m <= n * span
+    assert m == n * span if max_tokens == 0 else m <= max_tokens
+    assert m in (n * span, max_tokens), "the bound is used, not undershot"
+    pick = sample_tokens(b, n * span, m, torch.device("cpu"))
+    assert pick.shape == (b, m) and int(pick.min()) >= 0 and int(pick.max()) < n * span
     assert all(len(set(row)) == m for row in pick.tolist())
 
 
-def test_the_sample_is_drawn_afresh_and_covers_every_gist():
-    """Over many steps every eligible gist is read back (the estimate is not stuck on one subset)."""
+def test_the_sample_is_drawn_afresh_and_covers_every_token():
+    """Over many steps every eligible token is read back (the estimate is not stuck on one subset)."""
     counts = torch.zeros(40)
     for _ in range(200):
-        counts += torch.bincount(sample_gists(1, 40, 4, torch.device("cpu"))[0], minlength=40)
+        counts += torch.bincount(sample_tokens(1, 40, 4, torch.device("cpu"))[0], minlength=40)
     assert (counts > 0).all() and counts.max() < 4 * counts.mean()
 
 

@@ -114,8 +114,8 @@ class GistConfig:
     heads: int = 2
     # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
     recon_weight: float = 0.0
-    # Tokens read back per level and sequence a step: a uniform sample of whole gists, so the reconstruction's
-    # cost stops growing with T (0: every gist). At T = 512 every gist fits, as before.
+    # Tokens read back per level and sequence a step: a uniform sample of (gist, offset) pairs, so the
+    # reconstruction's cost stops growing with T (0: every token). At T = 512 every gist fits, as before.
     recon_tokens: int = 512
 
     def __post_init__(self) -> None:

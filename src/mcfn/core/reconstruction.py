@@ -14,15 +14,16 @@ about the base model's targets).
 
 Reading every gist back costs the base's output head on every token of every level, ``L·T`` predictions a
 sequence: at T = 16384 that was 16.9 s of a 19.1 s step on the CPU. So each level reads back at most
-``max_tokens`` tokens a sequence (``mc.gist.recon_tokens``): a uniform sample of whole gists, drawn afresh
-each step, whose mean NLL is an unbiased estimate of the level's mean. Where the level holds no more than that,
-every gist is read, in order, as before.
+``max_tokens`` tokens a sequence (``mc.gist.recon_tokens``): a uniform sample of (gist, offset) pairs, drawn
+afresh each step, whose mean NLL is an unbiased estimate of the level's mean. Sampling tokens rather than whole
+gists keeps the bound at every level: a LOD4 gist spans 4096 tokens, more than the bound on its own. Where the
+level holds no more than that, every gist is read whole, in order, as before.
 """
 
 from __future__ import annotations
 
 import torch
-from einops import rearrange
+from einops import rearrange, repeat
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
@@ -42,21 +43,21 @@ class GistDecoder(nn.Module):
         self.out_proj = nn.Linear(width, d_model, bias=False)
 
     @typechecked
-    def forward(self, gists: Float[Tensor, "m d"], level: int, span: int) -> Float[Tensor, "m s d"]:
-        """Per gist, one hidden state for each of the ``span`` tokens it covers (read by the base's head)."""
-        x = self.in_proj(rms_norm(gists))[:, None] + self.offset_emb[:span] + self.level_emb[level - 1]
+    def forward(self, gists: Float[Tensor, "m d"], level: int, offsets: Int[Tensor, "m s"]) -> Float[Tensor, "m s d"]:
+        """Per gist, one hidden state for each of its tokens at ``offsets`` into its span (read by the base's head)."""
+        x = self.in_proj(rms_norm(gists))[:, None] + self.offset_emb[offsets] + self.level_emb[level - 1]
         return rms_norm(self.out_proj(torch.relu(x).square()))
 
 
-def gists_read(n: int, span: int, max_tokens: int) -> int:
-    """How many of a level's ``n`` eligible gists are read back: all of them unless ``max_tokens`` (0: no bound)
-    holds fewer of their ``span``-token spans, and at least one."""
-    return n if max_tokens <= 0 else min(n, max(1, max_tokens // span))
+def tokens_read(n: int, span: int, max_tokens: int) -> int:
+    """How many of a level's ``n·span`` tokens are read back a sequence: all of them unless ``max_tokens``
+    (0: no bound) is fewer."""
+    return n * span if max_tokens <= 0 else min(n * span, max_tokens)
 
 
-def sample_gists(b: int, n: int, m: int, device: torch.device) -> Int[Tensor, "b m"]:
-    """``m`` distinct gist indices of ``0..n-1`` per row, uniformly at random (fixed shape: no recompile)."""
-    return torch.rand(b, n, device=device).topk(m, dim=1).indices
+def sample_tokens(b: int, total: int, m: int, device: torch.device) -> Int[Tensor, "b m"]:
+    """``m`` distinct token indices of ``0..total-1`` per row, uniformly at random (fixed shape: no recompile)."""
+    return torch.rand(b, total, device=device).topk(m, dim=1).indices
 
 
 @typechecked
@@ -64,19 +65,21 @@ def reconstruction_nll(
     decoder: GistDecoder, base: GPT, tree: Tree, tokens: Int[Tensor, "b t"], layout: Layout, max_tokens: int = 0
 ) -> Float[Tensor, " levels"]:
     """Mean NLL (nats per token) of reading eligible gists back into their own tokens, per level ``1..L``: every
-    one, or a uniform sample of at most ``max_tokens`` tokens' worth a sequence (:func:`gists_read`)."""
+    token of every one, or a uniform sample of ``max_tokens`` of them a sequence (:func:`tokens_read`)."""
     out = []
     for k in range(1, layout.L + 1):
         n, span = layout.eligible_counts[k], layout.K**k  # config constants: static under compile
         lo = layout.level_offsets[k]
-        gists, own = tree.emb[:, lo : lo + n], rearrange(tokens[:, : n * span], "b (n s) -> b n s", s=span)
-        m = gists_read(n, span, max_tokens)
-        if m < n:  # config constants: static under compile
-            pick = sample_gists(tokens.size(0), n, m, tokens.device)
-            gists = gists.gather(1, pick[..., None].expand(-1, -1, gists.size(-1)))
-            own = own.gather(1, pick[..., None].expand(-1, -1, span))
-        hidden = decoder(rearrange(gists, "b m d -> (b m) d"), k, span)
-        out.append(base.nll(hidden, rearrange(own, "b m s -> (b m) s")).mean())
+        gists, own = tree.emb[:, lo : lo + n], tokens[:, : n * span]
+        m = tokens_read(n, span, max_tokens)
+        if m < n * span:  # config constants: static under compile
+            pick = sample_tokens(tokens.size(0), n * span, m, tokens.device)  # token j·span + o: gist j, offset o
+            gists = gists.gather(1, (pick // span)[..., None].expand(-1, -1, gists.size(-1)))
+            offsets, own = rearrange(pick % span, "b m -> (b m) 1"), own.gather(1, pick)
+        else:
+            offsets = repeat(torch.arange(span, device=tokens.device), "s -> (b n) s", b=tokens.size(0), n=n)
+        hidden = decoder(rearrange(gists, "b m d -> (b m) d"), k, offsets)
+        out.append(base.nll(hidden, rearrange(own, "b (m s) -> (b m) s", s=offsets.size(1))).mean())
     return torch.stack(out)
 
 
