@@ -117,6 +117,10 @@ class GistConfig:
     # Tokens read back per level and sequence a step: a uniform sample of (gist, offset) pairs, so the
     # reconstruction's cost stops growing with T (0: every token). At T = 512 every gist fits, as before.
     recon_tokens: int = 512
+    # Blocks per level and sequence through which GistNet's gradient flows (0: every block, the exact backward).
+    # The tree's values are computed without a gradient and GistNet reruns with one on the blocks the working
+    # contexts read first (mcfn.core.tree), so its backward stops growing with T. Off by default.
+    grad_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.gist.layers", "must be >= 1")
@@ -124,6 +128,7 @@ class GistConfig:
         _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
         _require(self.recon_tokens >= 0, "mc.gist.recon_tokens", "must be >= 0 (0: every gist)")
+        _require(self.grad_blocks >= 0, "mc.gist.grad_blocks", "must be >= 0 (0: every block)")
 
 
 @dataclass(frozen=True)

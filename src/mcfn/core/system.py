@@ -38,7 +38,7 @@ from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
 from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
 from mcfn.core.teacher import stretch_positions, teacher_losses
-from mcfn.core.tree import Tree, build_tree
+from mcfn.core.tree import Tree, build_tree, gradient_blocks, sparse_gradient_bites, with_sparse_gradient
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
@@ -62,6 +62,7 @@ class MegaContext(nn.Module):
         )
         self.use_recon = mc.gist.recon_weight > 0
         self.recon_tokens = mc.gist.recon_tokens
+        self.grad_blocks = mc.gist.grad_blocks if sparse_gradient_bites(self.layout, mc.gist.grad_blocks) else 0
         self.gist_decoder = (
             GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
         )
@@ -145,8 +146,21 @@ def allocator_cuts(
 
 @stage("tree")
 def tree_stage(system: MegaContext, window: Int[Tensor, "b t1"]) -> Tree:
-    """Token embeddings and GistNet over every eligible block: the summary tree."""
+    """Token embeddings and GistNet over every eligible block: the summary tree (its values only, without a
+    gradient, when ``mc.gist.grad_blocks`` bounds it: :func:`tree_gradient_stage` adds that)."""
+    if system.grad_blocks:  # a config constant: static under compile
+        with torch.no_grad():
+            return history_tree(system, window[:, : system.layout.T])
     return history_tree(system, window[:, : system.layout.T])
+
+
+@stage("tree_grad")
+def tree_gradient_stage(system: MegaContext, values: Tree, window: Tensor, shown: Tensor) -> Tree:
+    """The tree with GistNet rerun under a gradient on ``mc.gist.grad_blocks`` blocks a level, the ones the
+    working contexts ``shown [B, V, nodes]`` read first (:func:`mcfn.core.tree.with_sparse_gradient`)."""
+    picks = gradient_blocks(shown.any(dim=1), system.layout, system.grad_blocks)
+    tokens = system.base.embed(window[:, : system.layout.T])
+    return with_sparse_gradient(system.gistnet, tokens, values, system.layout, picks)
 
 
 def history_tree(system: MegaContext, tokens: Int[Tensor, "b t"]) -> Tree:
@@ -239,6 +253,8 @@ def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> 
     """The working contexts of a batch, the shown-node masks ``[B, V, nodes]`` they come from, and the tree."""
     tree = tree_stage(system, window)
     shown = variants_stage(system, tree, window, noise)
+    if system.grad_blocks:  # a config constant: static under compile
+        tree = tree_gradient_stage(system, tree, window, shown)
     return assemble_stage(system, tree, shown, window), shown, tree
 
 
