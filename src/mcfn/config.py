@@ -150,6 +150,9 @@ class LensConfig:
     # LensNet also reads the n-gram match's copy votes on each unit (mcfn.core.match), so that an ablation shows
     # what the training-free signal is worth to the learned policy.
     match_feature: bool = False
+    # LensNet's score is the match's (its votes plus a recency prior) plus what LensNet learns, its head starting at
+    # zero: a new LensNet chooses match's cut, and the preferences move it from there.
+    match_prior: bool = False
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")

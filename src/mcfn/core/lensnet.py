@@ -10,7 +10,10 @@ their (damped) rotary position, and three features added to the input: a learned
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With ``mc.lens.match_feature``
 a third feature is the n-gram copy votes on the unit's text (:func:`mcfn.core.match.match_votes`, ``log1p``), read
-from the window's tokens up to the horizon: where a copy of the newest text would read next.
+from the window's tokens up to the horizon: where a copy of the newest text would read next. With
+``mc.lens.match_prior`` the score is the match's own (the unit's votes plus the recency prior in ``(-1, 0]``,
+:func:`mcfn.core.match.match_scorer`) plus what the transformer adds, its head starting at zero: a new LensNet
+chooses the cut ``match`` does, and training moves it only where the preferences say that pays.
 
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
@@ -87,24 +90,35 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
 def unit_votes(
     wc: WorkingContext, tokens: Int[Tensor, "r t"], horizon: Int[Tensor, " r"], K: int, reach: int
 ) -> Float[Tensor, "r u"]:
-    """``log1p`` of the match votes on each unit's span ``[R, units]``, read from ``tokens`` up to ``horizon``."""
+    """The match votes on each unit's span ``[R, units]``, read from ``tokens`` up to ``horizon``."""
     votes = match_votes(tokens, horizon, K, reach)  # [R, t / K]
     running = F.pad(votes.cumsum(-1), (1, 0))
     first = (wc.start // K).clamp(max=votes.size(1))
     last = ((wc.start + wc.span) // K).clamp(max=votes.size(1))
-    return torch.log1p((running.gather(1, last) - running.gather(1, first)).clamp(min=0)) * wc.valid
+    return (running.gather(1, last) - running.gather(1, first)).clamp(min=0) * wc.valid
 
 
 class LensNet(nn.Module):
     def __init__(
-        self, d_model: int, width: int, n_layer: int, n_head: int, layout: Layout, match_reach: int | None = None
+        self,
+        d_model: int,
+        width: int,
+        n_layer: int,
+        n_head: int,
+        layout: Layout,
+        match_reach: int = 0,
+        match_feature: bool = False,
+        match_prior: bool = False,
     ):
         super().__init__()
+        if (match_feature or match_prior) and match_reach < 1:
+            raise ValueError("the match feature and prior need the predictions a cut serves (mc.refocus_every)")
         self.layout, self.head_dim = layout, width // n_head
-        self.match_reach = match_reach  # with the match feature: the predictions a cut serves (mc.refocus_every)
+        self.match_reach = match_reach  # the predictions a cut serves (mc.refocus_every), for the match's votes
+        self.match_feature, self.match_prior = match_feature, match_prior
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
-        self.feature_proj = nn.Linear(2 if match_reach is None else 3, width, bias=False)
+        self.feature_proj = nn.Linear(3 if match_feature else 2, width, bias=False)
         self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
         self.reset_parameters()
@@ -117,7 +131,7 @@ class LensNet(nn.Module):
         nn.init.normal_(self.feature_proj.weight, std=0.02)
         for block in self.blocks:
             block.reset_parameters()
-        nn.init.normal_(self.head.weight, std=0.01)
+        nn.init.normal_(self.head.weight, std=0.0 if self.match_prior else 0.01)  # with the prior: match's cut
 
     @typechecked
     def forward(
@@ -138,15 +152,22 @@ class LensNet(nn.Module):
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
         # training T: in training that is the tail's first token; while streaming, the newest real token.
         now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
-        columns = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), (now - end).float() / T]
-        if self.match_reach is not None:  # a config constant: static under compile
+        back = (now - end).float() / T  # in [0, 1): the match's recency prior is its negative
+        columns = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back]
+        votes = None
+        if self.match_feature or self.match_prior:  # config constants: static under compile
             if tokens is None:
-                raise ValueError("LensNet's match feature needs the window's tokens")
-            columns.append(unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach))
+                raise ValueError("LensNet's match feature and prior need the window's tokens")
+            votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach)
+        if self.match_feature:
+            columns.append(torch.log1p(votes))
         features = torch.stack(columns, dim=-1)
         x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
         attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
         for block in self.blocks:
             x = block(x, cos, sin, attend)
-        return self.head(rms_norm(x)).squeeze(-1) * wc.valid
+        learned = self.head(rms_norm(x)).squeeze(-1)
+        if self.match_prior:  # a config constant: static under compile
+            learned = learned + votes - back
+        return learned * wc.valid

@@ -73,7 +73,9 @@ class MegaContext(nn.Module):
                 mc.lens.layers,
                 mc.lens.heads,
                 self.layout,
-                match_reach=mc.refocus_every if mc.lens.match_feature else None,
+                match_reach=mc.refocus_every,
+                match_feature=mc.lens.match_feature,
+                match_prior=mc.lens.match_prior,
             )
             if mc.lens.enabled
             else None
