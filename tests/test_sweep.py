@@ -27,7 +27,8 @@ TINY = [
     "train.device='cpu'",
 ]
 FIELDS = {"T", "condition", "status", "step_ms", "tokens_per_s", "peak_mem_mb", "compile_s", "graph_breaks",
-          "recompiles", "lod_max", "n_nodes", "teacher_tokens", "teacher_window", "recon_tokens"}  # fmt: skip
+          "recompiles", "lod_max", "n_nodes", "teacher_tokens", "teacher_window", "recon_tokens",
+          "grad_blocks"}  # fmt: skip
 
 
 def tiny_config():
@@ -40,7 +41,7 @@ def test_every_point_reports_every_field_and_the_tree_grows_linearly_with_T():
     cfg, rows = tiny_config(), {}
     for T in (64, 128):
         for condition in CONDITIONS:
-            point = point_config(cfg, T, condition, window=16)
+            point = point_config(cfg, T, condition, window=16, grad_blocks=4)
             rows[T, condition] = measure_point(point, condition, 320, torch.device("cpu"), 1, 1, None)
     for (T, condition), row in rows.items():
         assert FIELDS <= row.keys() and row["status"] == "ok" and row["T"] == T
@@ -49,7 +50,8 @@ def test_every_point_reports_every_field_and_the_tree_grows_linearly_with_T():
         if condition != "plain":
             assert {"tree_share", "lens_share", "teacher_share"} <= row.keys()
             assert row["tree_share"] > 0 and row["lens_share"] > 0
-            assert (row["teacher_share"] > 0) == (condition != "mc"), condition
+            assert (row["teacher_share"] > 0) == (condition not in ("mc", "mc_sparse")), condition
+            assert row["grad_blocks"] == (4 if condition == "mc_sparse" else 0), "bounded where it is asked, and bites"
     assert rows[64, "mc_bounded"]["teacher_window"] == rows[128, "mc_bounded"]["teacher_window"] == 16
     assert rows[128, "mc_teacher"]["teacher_window"] == 0 and rows[128, "mc_teacher"]["teacher_tokens"] == 128
     assert rows[64, "plain"]["recon_tokens"] is None and rows[64, "mc"]["recon_tokens"] == 512

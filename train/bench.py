@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
     sweep.add_argument("--window", type=int, default=128, help="tokens each position of the bounded teacher reads")
+    sweep.add_argument(
+        "--grad-blocks", type=int, default=256, help="blocks a level GistNet's gradient reaches in mc_sparse"
+    )
     sweep.add_argument("--conditions", default="plain,mc,mc_teacher,mc_bounded", help="which conditions to measure")
     sweep.add_argument("--point-cap", type=float, default=600.0, help="seconds one point may take before it is skipped")
     sweep.add_argument(
@@ -119,6 +122,7 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
         progress=lambda line: print(f"[sweep] {line}", file=sys.stderr, flush=True),
         conditions=conditions,
         warm_first=args.warm_first,
+        grad_blocks=args.grad_blocks,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_sweep.json").write_text(json.dumps(rows, indent=2))
@@ -137,7 +141,7 @@ def sweep_point(spec: dict) -> None:
     cfg: RunConfig = resolve(
         spec["profile"], [parse_override(o) for o in spec["overrides"]] + [("mc", "enabled", True)]
     )
-    point = point_config(cfg, spec["T"], spec["condition"], spec["window"])
+    point = point_config(cfg, spec["T"], spec["condition"], spec["window"], spec["grad_blocks"])
     device = resolve_device(point.train.device)
     mode = None if spec["eager"] else point.train.compile_mode
     row = measure_point(

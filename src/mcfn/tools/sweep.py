@@ -7,7 +7,9 @@ At the profile's ``W``, for each ``T`` and each condition:
 * ``mc_teacher``: with the profile's teacher and its attention target on (the long-range recipe; over all ``T``
   tokens unless the profile or a ``--set`` bounds it);
 * ``mc_bounded``: with the teacher bounded: every token reads the ``S`` tokens up to itself, the tail reads all of
-  them (``mc.teacher.window``, the bound that kept the headline numbers at T = 512).
+  them (``mc.teacher.window``, the bound that kept the headline numbers at T = 512);
+* ``mc_sparse``: ``mc`` with GistNet's gradient bounded to ``G`` blocks a level (``mc.gist.grad_blocks``), so
+  that nothing but the tree's gradient-free forward grows with ``T``.
 
 Each point is compiled (``fullgraph=True, dynamic=False``), warmed up, and timed over several steps (the median);
 it reports history tokens per second (``B·T`` over the step time), peak memory, and for the MC steps the share of
@@ -45,7 +47,7 @@ from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
 from mcfn.tools.benchmark import Timer, compiled_frames, graph_breaks_seen, time_phases
 
-CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded")
+CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded", "mc_sparse")
 SHARES = {"tree": ("tree_ms",), "lens": ("lens_fwd_ms", "lens_loss_ms"), "teacher": ("teacher_ms",)}
 
 
@@ -60,16 +62,19 @@ def sweep_lod_max(T: int, cfg: RunConfig) -> int:
     raise UserError(f"no tree depth fits T={T} into mc.budget={mc.budget} with room to spare")
 
 
-def point_config(cfg: RunConfig, T: int, condition: str, window: int) -> RunConfig:
-    """The config of one point: ``T`` tokens, its tree depth, and the teacher as the condition has it."""
+def point_config(cfg: RunConfig, T: int, condition: str, window: int, grad_blocks: int = 256) -> RunConfig:
+    """The config of one point: ``T`` tokens, its tree depth, the teacher and GistNet's gradient as the condition
+    has them."""
     mc = cfg.mc
-    full, attention = (0.0, 0.0) if condition in ("plain", "mc") else (1.0, 1.0)
+    full, attention = (0.0, 0.0) if condition in ("plain", "mc", "mc_sparse") else (1.0, 1.0)
     bound = window if condition == "mc_bounded" else mc.teacher.window
     teacher = dataclasses.replace(mc.teacher, full_weight=full, window=bound)
+    gist = dataclasses.replace(mc.gist, grad_blocks=grad_blocks) if condition == "mc_sparse" else mc.gist
     mc = dataclasses.replace(
         mc,
         lod_max=sweep_lod_max(T, cfg),
         teacher=teacher,
+        gist=gist,
         lens=dataclasses.replace(mc.lens, attention_weight=attention),
     )
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=T), mc=mc)
@@ -129,6 +134,7 @@ def measure_point(
         "teacher_window": cfg.mc.teacher.window,
         # None: no reconstruction (the plain step never has one); 0: every gist read back, the knob's own meaning
         "recon_tokens": cfg.mc.gist.recon_tokens if cfg.mc.gist.recon_weight > 0 and condition != "plain" else None,
+        "grad_blocks": None if condition == "plain" else system.grad_blocks,  # 0: the exact backward (or no bite)
         **shares,
     }
 
@@ -167,6 +173,7 @@ def run_sweep(
     progress: Callable[[str], None] = lambda line: None,
     conditions: tuple[str, ...] = CONDITIONS,
     warm_first: bool = False,
+    grad_blocks: int = 256,
 ) -> list[dict[str, Any]]:
     """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``). With
     ``warm_first`` every point is first compiled at once, each in its own process with one compile thread, to
@@ -176,7 +183,8 @@ def run_sweep(
 
     def command(T: int, condition: str, timed: bool) -> list[str]:
         spec = {"profile": profile, "overrides": overrides, "T": T, "condition": condition, "window": window,
-                "steps": steps if timed else 1, "warmup": warmup if timed else 1, "eager": eager}  # fmt: skip
+                "grad_blocks": grad_blocks, "steps": steps if timed else 1, "warmup": warmup if timed else 1,
+                "eager": eager}  # fmt: skip
         return [sys.executable, "-m", "train.bench", "--sweep-point", json.dumps(spec)]
 
     if warm_first:
