@@ -92,31 +92,35 @@ def test_lensnet_reads_the_match_votes_only_behind_its_knob():
         assert not torch.allclose(a, b)
 
 
-def test_a_new_lensnet_with_the_match_prior_chooses_matchs_cut_and_learns_from_there():
-    """``mc.lens.match_prior``: before it learns, LensNet's cut is the one ``match`` chooses on the same window (the
-    votes plus the recency prior, its head at zero); without the prior it is not, and the prior's head still gets a
-    gradient, so training can move it."""
+def test_a_new_lensnet_with_the_match_prior_ranks_as_match_does_and_learns_from_there():
+    """``mc.lens.match_prior``: before it learns, LensNet's block-view scores rank every block the match votes for
+    above every block it does not, and those newest first (the order ``match`` cuts by); without the prior they do
+    not, and the prior's head still gets a gradient, so training can move it."""
     from builders import make_system
 
     from mcfn.core.context import seen_until
-    from mcfn.core.focus import refocus
-    from mcfn.core.match import match_scorer
+    from mcfn.core.focus import focus_scores
     from mcfn.core.system import build_contexts, history_tree
     from mcfn.core.variants import draw_variant_noise
 
     T, K, H, R = 64, 4, 8, 4
     window = torch.randint(0, 4, (3, T + 1), generator=torch.Generator().manual_seed(0))  # 4 ids: many matches
-    cuts = {}
-    for prior in (False, True):
+    votes = match_votes(window[:, :T], torch.full((3,), T - H - 1), K, R)
+    blocks = (T - H) // K  # the eligible LOD1 blocks, oldest first
+    assert (votes[:, :blocks] > 0).any() and (votes[:, :blocks] == 0).any()
+    for prior in (True, False):
         system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": prior}, refocus_every=R)
-        nodes, tree = system.nodes, history_tree(system, window[:, :T])
-        start = system.coarsest.expand(3, 1, -1)
-        with torch.no_grad():
-            cuts[prior] = refocus(system.lensnet, tree, window, start, nodes, iterations=4)
-            match = refocus(None, tree, window, start, nodes, iterations=4, scorer=match_scorer(window[:, :T], K, R, T))
-    assert torch.equal(cuts[True], match)
-    assert not torch.equal(cuts[False], match)
+        nodes = system.nodes
+        lo = system.layout.level_offsets[1]
+        scores = focus_scores(system.lensnet, history_tree(system, window[:, :T]), window, nodes)[:, lo : lo + blocks]
+        ordered = True
+        for row in range(3):
+            voted = votes[row, :blocks] > 0
+            ordered &= bool(scores[row, voted].min() > scores[row, ~voted].max())
+            ordered &= bool((scores[row, ~voted].diff() > 0).all())  # unvoted: newer ranks higher
+        assert ordered == prior
     noise = draw_variant_noise(system.layout, 3, torch.Generator().manual_seed(1), torch.device("cpu"))
+    system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": True}, refocus_every=R)
     wc = seen_until(build_contexts(system, window, noise)[0], torch.full((9,), T - H))
     system.lensnet(wc, tokens=window[:, :T].repeat_interleave(3, 0)).square().sum().backward()
     assert system.lensnet.head.weight.grad.abs().sum() > 0, "the head starts at zero, not frozen there"

@@ -150,8 +150,8 @@ class LensConfig:
     # LensNet also reads the n-gram match's copy votes on each unit (mcfn.core.match), so that an ablation shows
     # what the training-free signal is worth to the learned policy.
     match_feature: bool = False
-    # LensNet's score is the match's (its votes plus a recency prior) plus what LensNet learns, its head starting at
-    # zero: a new LensNet chooses match's cut, and the preferences move it from there.
+    # LensNet's score is the match's order (voted blocks first, the rest newest first, bounded in (-1, 2)) plus what
+    # LensNet learns, its head starting at zero: a new LensNet cuts as the match does, and training moves it.
     match_prior: bool = False
 
     def __post_init__(self) -> None:

@@ -11,9 +11,10 @@ LOD, and the log-span and distance back from the newest entry (both scaled to ab
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With ``mc.lens.match_feature``
 a third feature is the n-gram copy votes on the unit's text (:func:`mcfn.core.match.match_votes`, ``log1p``), read
 from the window's tokens up to the horizon: where a copy of the newest text would read next. With
-``mc.lens.match_prior`` the score is the match's own (the unit's votes plus the recency prior in ``(-1, 0]``,
-:func:`mcfn.core.match.match_scorer`) plus what the transformer adds, its head starting at zero: a new LensNet
-chooses the cut ``match`` does, and training moves it only where the preferences say that pays.
+``mc.lens.match_prior`` the score is a bounded form of the match's own plus what the transformer adds, its head
+starting at zero: :func:`match_prior` ranks every block a copy points at above every block none does, and the
+rest newest first, as ``match`` does, in ``(-1, 2)``, so that a learned score of order one can still overrule it
+(with the match's raw votes, which reach tens, it could not: the pass key was lost, LABLOG).
 
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
@@ -98,6 +99,13 @@ def unit_votes(
     return (running.gather(1, last) - running.gather(1, first)).clamp(min=0) * wc.valid
 
 
+def match_prior(votes: Float[Tensor, "r u"], back: Float[Tensor, "r u"]) -> Float[Tensor, "r u"]:
+    """The match's order as a score in ``(-1, 2)``: ``1 + tanh(votes)`` on a block some copy points at, minus the
+    distance ``back`` in ``[0, 1)``, so every voted block outranks every unvoted one and these fall back to
+    truncation's order, newest first."""
+    return torch.where(votes > 0, 1 + torch.tanh(votes), 0.0) - back
+
+
 class LensNet(nn.Module):
     def __init__(
         self,
@@ -169,5 +177,5 @@ class LensNet(nn.Module):
             x = block(x, cos, sin, attend)
         learned = self.head(rms_norm(x)).squeeze(-1)
         if self.match_prior:  # a config constant: static under compile
-            learned = learned + votes - back
+            learned = learned + match_prior(votes, back)
         return learned * wc.valid
