@@ -179,3 +179,17 @@ def test_the_windowed_teacher_reads_far_text_only_from_the_tail():
     torch.testing.assert_close(nll[:, far & before_tail], nll_b[:, far & before_tail])
     assert not torch.allclose(nll[:, -layout.H :], nll_b[:, -layout.H :]), "the tail reads token 1"
     assert not torch.allclose(mass, mass_b)
+
+
+def test_cpu_longhistory_trains_the_base_at_the_distances_it_is_evaluated_at():
+    """The fix for positions past the plain phase's 512 (remapping them did not help, LABLOG): ``cpu-longhistory``
+    trains at T = 4096 with the windowed teacher on, whose tail reads all 4096 tokens (the test above), so
+    ``loss_full`` supervises predictions at every distance the profile's evaluation asks about. Fails if the
+    profile drops the teacher, bands the whole window, or trains at the plain phase's length."""
+    from mcfn.profile import resolve
+
+    plain, long = resolve("cpu-longrange", []), resolve("cpu-longhistory", [])
+    assert long.data.seq_len == 8 * plain.data.seq_len == 4096
+    teacher = long.mc.teacher
+    assert teacher.enabled and teacher.full_weight > 0 and teacher.stretch == 0
+    assert 0 < teacher.window < long.data.seq_len, "a band over every token but the tail's, which reads all T"
