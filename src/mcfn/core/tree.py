@@ -88,9 +88,9 @@ def with_sparse_gradient(
         lo, size = layout.level_offsets[k], layout.level_sizes[k]
         level, pick = values.emb[:, lo : lo + size], picks[k - 1]
         if pick.size(1):  # a config constant: a level with no eligible block keeps its zero padding
-            child = repeat(pick * layout.K, "b m -> b (m k)", k=layout.K) + torch.arange(
-                layout.K, device=pick.device
-            ).repeat(pick.size(1))
+            child = rearrange(
+                pick[..., None] * layout.K + torch.arange(layout.K, device=pick.device), "b m k -> b (m k)"
+            )
             children = levels[-1].gather(1, repeat(child, "b c -> b c d", d=d))
             gists = gistnet(rearrange(children, "b (m k) d -> (b m) k d", k=layout.K), level=k)
             level = level.scatter(
