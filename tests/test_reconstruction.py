@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from builders import VOCAB, make_system
+from builders import VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager, one_graph
 from hypothesis import given
 from hypothesis import strategies as st
@@ -26,8 +26,10 @@ def setup(gist: dict, seed: int = 0):
 
 def test_each_gist_is_read_back_into_its_own_tokens():
     """The loss equals a hand computation that reads gist ``j`` of LOD ``k`` at offset ``o`` against token
-    ``j·K^k + o`` (its own, not the next one: a target shifted by one token fails here), level by level."""
+    ``j·K^k + o`` (its own, not the next one: a target shifted by one token fails here), level by level. The base's
+    head is made decisive, so that a wrong offset or target moves the loss well beyond the tolerance."""
     system, window, _ = setup({"recon_weight": 1.0})
+    decisive(system)
     layout = system.layout
     tree = tree_stage(system, window)
     tokens = window[:, : layout.T]
@@ -49,8 +51,9 @@ def test_a_bounded_reconstruction_reads_a_sample_of_tokens_each_from_its_own_gis
     """With ``max_tokens = 8`` (T = 32, K = 4: six eligible LOD1 gists of 4 tokens, one LOD2 gist of 16) each level
     reads back 8 tokens a sequence, the ones :func:`sample_tokens` draws: token ``i`` from gist ``i // K^k`` at
     offset ``i % K^k``. The LOD2 gist, larger than the bound on its own, is read at 8 of its 16 offsets, not whole:
-    the decoder never reads more than the bound."""
+    the decoder never reads more than the bound (the base's head made decisive, so a wrong offset shows)."""
     system, window, _ = setup({"recon_weight": 1.0})
+    decisive(system)
     layout, decoder = system.layout, system.gist_decoder
     tree = tree_stage(system, window)
     tokens = window[:, : layout.T]
