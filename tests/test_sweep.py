@@ -69,9 +69,9 @@ def test_a_longer_history_gets_a_deeper_tree_that_fits_the_budget():
 def test_each_point_runs_in_its_own_process_and_one_past_its_cap_is_reported():
     """A point's row comes back from the process that measured it; one that cannot finish within the cap (a
     process cannot even import torch in 0.2 s) is reported as over it, and the sweep goes on to the next."""
-    rows = run_sweep("cpu-longrange", TINY, [64, 128], 16, 1, 1, True, cap_s=0.2, conditions=("plain",))
+    rows = run_sweep("cpu-longrange", TINY, [64, 128], 16, 1, 1, True, cap_s=0.2, conditions=("plain",), grad_blocks=4)
     assert rows == [{"T": T, "condition": "plain", "status": "over the 0.2 s cap"} for T in (64, 128)]
-    (row,) = run_sweep("cpu-longrange", TINY, [64], 16, 1, 1, True, cap_s=300, conditions=("mc",))
+    (row,) = run_sweep("cpu-longrange", TINY, [64], 16, 1, 1, True, cap_s=300, conditions=("mc",), grad_blocks=4)
     assert row["status"] == "ok" and FIELDS <= row.keys() and row["tokens_per_s"] > 0
 
 
@@ -87,5 +87,7 @@ def test_warming_runs_every_point_at_once_and_counts_those_that_finished():
     assert warm_caches(commands, cap_s=5) == 1
     assert time.monotonic() - start < 30
     lines: list[str] = []
-    (row,) = run_sweep("cpu-longrange", TINY, [64], 16, 1, 1, True, 300, lines.append, ("plain",), warm_first=True)
+    (row,) = run_sweep(
+        "cpu-longrange", TINY, [64], 16, 1, 1, True, 300, lines.append, ("plain",), warm_first=True, grad_blocks=4
+    )
     assert lines[0] == "warm: 1 of 1 compiled" and row["status"] == "ok"

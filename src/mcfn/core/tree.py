@@ -71,7 +71,7 @@ def gradient_blocks(read: Bool[Tensor, "b nodes"], layout: Layout, grad_blocks: 
         if above is not None:
             under = repeat(above, "b p -> b (p k)", k=K)  # block j of level k sits under parent j // K
             key = key + F.pad(under, (0, n - under.size(1)))
-        pick = key.topk(min(n, grad_blocks), dim=1).indices if n else read.new_zeros(b, 0, dtype=torch.long)
+        pick = key.topk(min(n, grad_blocks), dim=1).indices
         above = torch.zeros(b, n, device=read.device).scatter(1, pick, 1.0)
         picks.append(pick)
     return picks[::-1]

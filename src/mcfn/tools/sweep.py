@@ -62,7 +62,7 @@ def sweep_lod_max(T: int, cfg: RunConfig) -> int:
     raise UserError(f"no tree depth fits T={T} into mc.budget={mc.budget} with room to spare")
 
 
-def point_config(cfg: RunConfig, T: int, condition: str, window: int, grad_blocks: int = 256) -> RunConfig:
+def point_config(cfg: RunConfig, T: int, condition: str, window: int, grad_blocks: int) -> RunConfig:
     """The config of one point: ``T`` tokens, its tree depth, the teacher and GistNet's gradient as the condition
     has them."""
     mc = cfg.mc
@@ -173,7 +173,8 @@ def run_sweep(
     progress: Callable[[str], None] = lambda line: None,
     conditions: tuple[str, ...] = CONDITIONS,
     warm_first: bool = False,
-    grad_blocks: int = 256,
+    *,
+    grad_blocks: int,
 ) -> list[dict[str, Any]]:
     """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``). With
     ``warm_first`` every point is first compiled at once, each in its own process with one compile thread, to
