@@ -36,6 +36,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="instead: time an eager step and evaluation with the runtime shape checks on and off",
     )
+    p.add_argument(
+        "--lens-entries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time LensNet's forward over one working context of N entries (mcfn.tools.lens_bench)",
+    )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     decode = p.add_argument_group("decode speed (instead of the step)")
     decode.add_argument("--decode", type=Path, metavar="RUN_DIR", help="time generation with this trained MC run")
@@ -74,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(args.profile, [parse_override(o) for o in args.overrides] + [("mc", "enabled", True)])
         if args.steps < 1 or args.warmup < 1:
             raise UserError("--steps and --warmup must be >= 1")
+        if args.lens_entries and args.lens_entries < cfg.mc.tail:
+            raise UserError(f"--lens-entries must be 0 or at least mc.tail = {cfg.mc.tail}")
         from mcfn.shell.devices import padded_vocab, resolve_device
         from mcfn.tools.benchmark import format_table, run_benchmark, typecheck_cost
 
@@ -81,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.typecheck_cost:
             result = typecheck_cost(cfg, vocab, device, args.steps)
         else:
-            result = run_benchmark(
-                cfg, vocab, device, args.steps, args.warmup, None if args.eager else cfg.train.compile_mode
-            )
+            mode = None if args.eager else cfg.train.compile_mode
+            result = run_benchmark(cfg, vocab, device, args.steps, args.warmup, mode)
+            if args.lens_entries:
+                result |= lens_long_context(cfg, vocab, device, args, mode)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -93,6 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def lens_long_context(cfg, vocab: int, device, args: argparse.Namespace, mode: str | None) -> dict:
+    from mcfn.core.step import compile_step
+    from mcfn.tools.benchmark import Timer
+    from mcfn.tools.lens_bench import lens_forward_ms
+
+    compile_fn = (lambda fn: compile_step(fn, mode)) if mode else (lambda fn: fn)
+    return lens_forward_ms(cfg, vocab, device, args.lens_entries, Timer(device), compile_fn, args.steps, args.warmup)
 
 
 def sweep_benchmark(args: argparse.Namespace) -> None:

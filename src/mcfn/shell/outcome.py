@@ -81,6 +81,8 @@ def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict |
         "final_val_bpb": progress.last_bpb,
         "step_ms_median": median_ms,
         "tokens_per_s": tokens_per_step / (median_ms / 1e3) if median_ms else None,
+        # Model FLOPs utilisation of the median step on a known GPU (mcfn.tools.flops); None elsewhere.
+        "mfu": progress.peak_step_s / (median_ms / 1e3) if progress.peak_step_s and median_ms else None,
         # The first step (and first eval) include compilation; the rest do not.
         "compile_s": max(0.0, ((progress.first_step_ms or 0.0) - median_ms) / 1e3),
         "eval_s_total": sum(progress.eval_s),

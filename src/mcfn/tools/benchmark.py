@@ -45,6 +45,7 @@ from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.evaluation import default_budgets, score_tasks
+from mcfn.tools.flops import peak_flops, step_flops
 from mcfn.typecheck import checks
 
 
@@ -138,7 +139,14 @@ def run_benchmark(
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
-    return {**result, "saved_activations_mb": saved_mb, "activation_checkpointing": cfg.train.activation_checkpointing}
+    peak = peak_flops(result["device"])  # None off a known GPU
+    mfu = step_flops(cfg, system) / peak / (result["mc_step_ms"] / 1e3) if peak else None
+    return {
+        **result,
+        "mfu": mfu,
+        "saved_activations_mb": saved_mb,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+    }
 
 
 def saved_activation_bytes(step: Callable[[], StepOutput]) -> tuple[int, StepOutput]:
@@ -304,6 +312,10 @@ def format_table(result: dict[str, Any]) -> str:
         f"| saved for backward (eager step) | {result['saved_activations_mb']:.0f} MB |",
         f"| tokens/s (history) | {result['tokens_per_s']:,.0f} |",
     ]
+    if result.get("mfu") is not None:
+        lines.append(f"| MFU (MC step, bf16 peak) | {result['mfu']:.3f} |")
+    if result.get("lens_fwd_long_ms") is not None:
+        lines.append(f"| LensNet forward, {result['lens_entries']} entries | {result['lens_fwd_long_ms']:.2f} ms |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,108 @@
+"""The GPU paths, on a CUDA device only (``pytest -m cuda``; ``scripts/gpu_check.sh`` runs them first). Off a GPU
+they are skipped: no CPU test can reach CUDA's kernels (its ``histc`` refuses bfloat16 where the CPU's accepts it),
+fused AdamW, CUDA's out-of-memory error or bf16 autocast, so these say what the CPU suite cannot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from builders import VOCAB, decisive, make_system
+from compile_check import assert_one_graph_equals_eager
+
+from mcfn.config import MCConfig, OptimConfig
+from mcfn.core.system import process_batch_lens
+from mcfn.core.variants import draw_variant_noise
+from mcfn.core.weights import LossWeights
+from mcfn.inference.generation import generate_mc
+from mcfn.shell.microbatch import fitting_micro_batch
+from mcfn.shell.optim import build_optimizers
+from train.run import main as run_main
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)"),
+]
+CUDA = torch.device("cuda")
+T, K, L, W, H = 64, 4, 2, 32, 8
+
+
+def cuda_batches(system, n: int, batch: int = 2):
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    for _ in range(n):
+        window = torch.randint(0, VOCAB, (batch, system.layout.T + 1), generator=g, device=CUDA)
+        yield window, draw_variant_noise(system.layout, batch, g, CUDA)
+
+
+def test_mc_step_under_bf16_autocast_is_one_inductor_graph_equal_to_eager(fresh_dynamo):
+    """The training step as the trainer runs it on a GPU: bf16 autocast, inductor, one graph, no recompile on the
+    next batch; its losses match eager's to bf16's precision, and the score histograms (CUDA's ``histc``) count
+    every score in both."""
+    system = make_system(T, K, L, W, H, N=2).to(CUDA)
+    weights = LossWeights.of(MCConfig(), CUDA)
+
+    def step(window, noise):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = process_batch_lens(system, window, noise, weights)
+        return {**out.losses, **{f"{k}/count": h.float().sum() for k, h in out.histograms.items()}}
+
+    batches = [tuple(b) for b in cuda_batches(system, 2)]
+    assert_one_graph_equals_eager(
+        step, batches, backend="inductor", loss=lambda out: out["loss_lm"], params=[], atol=3e-2, rtol=3e-2
+    )
+    out = step(*batches[0])
+    counts = [v for k, v in out.items() if k.endswith("/count")]
+    assert counts and all(c > 0 for c in counts)
+    out["loss_lm"].backward()
+    grads = [p.grad for p in system.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_optimizers_on_cuda_are_fused_and_step():
+    """On a GPU, AdamW runs fused and Muon is torch's own; one step moves every parameter that had a gradient."""
+    system = make_system(T, K, L, W, H, N=2).to(CUDA)
+    muon, adamw = build_optimizers(system, OptimConfig())
+    assert adamw.defaults["fused"] is True and type(muon) is torch.optim.Muon
+    window, noise = next(cuda_batches(system, 1))
+    before = [p.detach().clone() for p in system.parameters()]
+    process_batch_lens(system, window, noise, LossWeights.of(MCConfig(), CUDA)).total().backward()
+    had_grad = [p.grad is not None and p.grad.abs().sum() > 0 for p in system.parameters()]
+    for opt in (muon, adamw):
+        opt.step()
+    moved = [not torch.equal(a, p) for a, p in zip(before, system.parameters(), strict=True)]
+    assert any(had_grad) and all(m for m, g in zip(moved, had_grad, strict=True) if g)
+
+
+def test_automatic_micro_batch_halves_on_a_real_out_of_memory():
+    """CUDA's own out-of-memory error (an allocation far beyond the card) makes the search halve, and the first size
+    that fits is kept."""
+    free, _ = torch.cuda.mem_get_info()
+
+    def try_step(micro: int) -> None:
+        torch.empty(int(free * 0.2 * micro), dtype=torch.uint8, device=CUDA)  # 1.6x what is free at 8, 0.8x at 4
+
+    assert fitting_micro_batch(try_step, 8) == 4
+
+
+def test_compiled_generation_on_cuda_decodes_what_eager_does(fresh_dynamo):
+    """The per-token step compiled by inductor on the GPU, across refocuses, decodes greedily what eager does."""
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=3)).to(CUDA)
+    prompt = torch.randint(0, VOCAB, (3 * W,), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    eager, _ = generate_mc(system, prompt, 12, 4)
+    compiled, _ = generate_mc(system, prompt, 12, 4, compile_fn=lambda fn: torch.compile(fn, fullgraph=True))
+    assert compiled.tolist() == eager.tolist()
+
+
+def test_a_run_on_cuda_trains_and_reports_its_mfu(tmp_path, profile):
+    """``train.run`` on the GPU end to end (bf16, fused AdamW, the automatic micro-batch; compiled in the GPU check's
+    own run step): the whole batch fits, the loss is finite, and the summary carries the MFU a known card gives."""
+    out = tmp_path / "run"
+    argv = ["--profile", str(profile), "--out", str(out), "--steps", "4"]
+    sets = ["train.device=cuda", "train.final_eval=false", "train.micro_batch_size=0"]
+    assert run_main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["micro_batch_size"] == 4 and summary["device"].startswith("cuda")
+    assert summary["final_val_bpb"] < 20 and summary["skipped_steps"] == 0
+    known = any(name in torch.cuda.get_device_name() for name in ("H100", "H200", "A100"))
+    assert (summary["mfu"] is not None) == known

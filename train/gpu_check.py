@@ -1,0 +1,241 @@
+"""The GPU check: every GPU measurement in one call, each under its own time cap, within one budget.
+
+``scripts/gpu_check.sh`` runs this (``python -m train.gpu_check --out DIR``). In order, each step a process of its
+own, its output appended to ``DIR/gpu_check.log``:
+
+1. ``tests``: the CUDA tests (``pytest -m cuda``), in parallel processes where pytest-xdist is there;
+2. ``bench``: ``train.bench --profile gpu-h100`` compiled with ``default``: MC and plain step, their ratio, the MFU,
+   peak memory, the phases (LensNet's forward and loss) and LensNet's forward over one 8,192-entry context;
+3. ``run``: a 100-step compiled ``gpu-h100`` run: tokens/s, MFU, graph breaks and recompiles (from
+   ``TORCH_LOGS``);
+4. ``decode``: ``train.bench --decode`` with that run on a 32k-token prompt, MC against full context;
+5. ``sweep``: with what time is left, ``--sweep-T`` of the ``gpu-h100`` model up to T = 65536, warmed first.
+
+After every step ``gpu_check.json`` (each step's status, seconds and figures) and ``gpu_check.md`` are rewritten,
+so a call cut short still leaves what finished. A step past its cap is killed and marked ``timeout``; a step that
+fails is marked ``failed`` with its exit code, and the next one runs. ``--dry`` runs the same steps on the CPU at
+tiny shapes, eagerly, on a small corpus of this repository's own text, in under two minutes: CI runs it, so a
+broken script is found here and not on a lent GPU.
+
+Compiled artifacts travel between calls: inductor's and Triton's caches live under ``--work``; at the end they
+are packed into ``DIR/compile-cache.tar.gz`` (when it fits the device tool's 16 MiB a file), and ``--cache-in``
+unpacks such a file first, so a second call on a fresh machine skips most compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_LIMIT = 16 * 2**20  # the largest file the device tool brings back
+
+
+@dataclass
+class Step:
+    name: str
+    cap_s: float
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    min_s: float = 0.0  # skipped when less than this is left of the budget
+
+
+def steps(dry: bool, work: Path) -> list[Step]:
+    """The five steps; dry: tiny shapes on the CPU, eagerly, on this repository's own text."""
+    py, run_dir, prompt = [sys.executable], work / "run", work / "prompt.txt"
+    cuda_tests = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", str(REPO / "tests" / "test_cuda.py")]
+    logs = {"TORCH_LOGS": "graph_breaks,recompiles"}
+    if dry:
+        tiny = ["--set", "train.batch_size=1", "--set", "data.vocab_size=512"]
+        data = ["--data", f"text:{REPO / 'src'}", "--set", "data.min_doc_chars=200"]
+        return [
+            Step("tests", 60, py + cuda_tests),
+            Step("bench", 40, py + ["-m", "train.bench", "--profile", "cpu-tiny", "--eager", "--steps", "1",
+                                    "--warmup", "1", "--lens-entries", "512", "--json", str(work / "bench.json"),
+                                    *tiny]),
+            Step("run", 60, py + ["-m", "train.run", "--profile", "cpu-tiny", "--steps", "3", "--out", str(run_dir),
+                                  *data, *tiny, *run_settings(1)], logs),
+            Step("decode", 40, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
+                                     "--eager", "--lengths", "256,512", "--new-tokens", "4", "--repeats", "1",
+                                     "--json", str(work / "decode.json")]),
+            Step("sweep", 40, py + ["-m", "train.bench", "--profile", "cpu-tiny", "--eager", "--sweep-T", "1024",
+                                    "--conditions", "plain,mc", "--steps", "1", "--warmup", "1", "--out",
+                                    str(work / "sweep"), *tiny], min_s=10),
+        ]  # fmt: skip
+    default = ["--set", "train.compile_mode=default"]
+    xdist = ["-n", "4"] if importable("xdist") else []
+    return [
+        Step("tests", 120, py + cuda_tests + xdist),
+        Step("bench", 200, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--lens-entries", "8192",
+                                 "--json", str(work / "bench.json")]),
+        Step("run", 170, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
+                               str(run_dir), *default, *run_settings(4)], logs),
+        Step("decode", 100, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
+                                  "--lengths", "1024,4096,16384,32768", "--new-tokens", "64", "--repeats", "2",
+                                  "--json", str(work / "decode.json")]),
+        Step("sweep", 600, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--sweep-T",
+                                 "2048,8192,32768,65536", "--conditions", "plain,mc", "--steps", "3", "--warmup", "1",
+                                 "--warm-first", "--point-cap", "120", "--set", "train.batch_size=4", "--out",
+                                 str(work / "sweep")], min_s=90),
+    ]  # fmt: skip
+
+
+def run_settings(eval_batches: int) -> list[str]:
+    """A throughput run: no wandb, no final evaluation, validation at the start and the end only."""
+    sets = ["train.wandb=disabled", "train.final_eval=false", "train.lod_map_every=0", "train.eval_every=1000",
+            f"train.eval_batches={eval_batches}", "train.ckpt_every=1000"]  # fmt: skip
+    return [a for s in sets for a in ("--set", s)]
+
+
+def importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def write_prompt(path: Path, chars: int) -> None:
+    """Python's own standard library as text: a prompt of real code that every machine with Python has."""
+    parts, total = [], 0
+    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        parts.append(source.read_text(encoding="utf-8", errors="replace"))
+        total += len(parts[-1])
+        if total >= chars:
+            break
+    path.write_text("".join(parts), encoding="utf-8")
+
+
+def figures(name: str, work: Path, log: str) -> dict[str, Any]:
+    """What a finished step measured, read from the files it wrote and its log."""
+    if name == "tests":
+        tail = [line for line in log.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+        return {"pytest": tail[-1].strip("= ") if tail else None}
+    if name == "bench":
+        bench = json.loads((work / "bench.json").read_text())
+        keys = ("device", "mc_step_ms", "plain_step_ms", "ratio_mc_over_plain", "mfu", "peak_mem_mb", "compile_s",
+                "graph_breaks", "recompiles", "tokens_per_s", "lens_entries", "lens_fwd_long_ms")  # fmt: skip
+        return {k: bench.get(k) for k in keys} | {"phases": bench["phases"], "shapes": bench["shapes"]}
+    if name == "run":
+        summary = json.loads((work / "run" / "summary.json").read_text())
+        keys = ("device", "steps", "micro_batch_size", "step_ms_median", "tokens_per_s", "mfu", "compile_s",
+                "first_val_bpb", "final_val_bpb", "wall_s")  # fmt: skip
+        return {k: summary.get(k) for k in keys} | {
+            "graph_breaks": len(re.findall(r"Graph break", log)),
+            "recompiles": len(re.findall(r"Recompiling function", log)),
+        }
+    if name == "decode":
+        return {"rows": json.loads((work / "decode.json").read_text())}
+    return {"rows": json.loads((work / "sweep" / "bench_sweep.json").read_text())}
+
+
+def run_step(step: Step, seconds: float, work: Path, log_file: Path) -> dict[str, Any]:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"} | step.env
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(step.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds)
+        status, out = ("ok" if done.returncode == 0 else f"failed (exit {done.returncode})"), done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        status = f"timeout (cap {seconds:.0f} s)"
+        out = "".join(b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (e.stdout, e.stderr))
+    row: dict[str, Any] = {"step": step.name, "status": status, "seconds": round(time.perf_counter() - t0, 1)}
+    with log_file.open("a") as f:
+        f.write(f"\n===== {step.name}: {status} in {row['seconds']} s\n$ {' '.join(step.argv)}\n{out}")
+    if status == "ok":
+        try:
+            row["figures"] = figures(step.name, work, out)
+        except (OSError, KeyError, ValueError) as e:
+            row["status"] = f"ok, but its figures could not be read: {e}"
+    return row
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# GPU check, {report['date']}", "", f"{report['device']}; {report['mode']}", "",
+             "| step | status | seconds | figures |", "| --- | --- | ---: | --- |"]  # fmt: skip
+    for row in report["steps"]:
+        figs = row.get("figures", {})
+        short = ", ".join(f"{k} {fmt(v)}" for k, v in figs.items() if not isinstance(v, dict | list))
+        lines.append(f"| {row['step']} | {row['status']} | {row['seconds']} | {short} |")
+    for row in report["steps"]:
+        for key in ("phases", "rows"):
+            if key in row.get("figures", {}):
+                lines += ["", f"{row['step']} {key}:", "```", json.dumps(row["figures"][key], indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def pack_caches(work: Path, out: Path) -> str:
+    """Inductor's and Triton's caches as one file the device tool can bring back, or why not."""
+    target = out / "compile-cache.tar.gz"
+    with tarfile.open(target, "w:gz") as tar:
+        for name in ("inductor", "triton"):
+            if (work / name).is_dir():
+                tar.add(work / name, arcname=name)
+    size = target.stat().st_size
+    if size > CACHE_LIMIT:
+        target.unlink()
+        return f"not packed: {size / 2**20:.1f} MiB is over the 16 MiB a file comes back"
+    return f"packed: {size / 2**20:.1f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m train.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="gpu_check.json, gpu_check.md and the log go here")
+    p.add_argument("--work", type=Path, help="run directories and compile caches (default: a temporary folder)")
+    p.add_argument("--budget", type=float, help="seconds for all steps (default 540; dry 110)")
+    p.add_argument("--dry", action="store_true", help="the same steps on the CPU at tiny shapes, eagerly")
+    p.add_argument("--only", help="comma-separated step names to run (default: all)")
+    p.add_argument("--cache-in", type=Path, help="a compile-cache.tar.gz from an earlier call, unpacked first")
+    args = p.parse_args(argv)
+    budget = args.budget or (110.0 if args.dry else 540.0)
+    work = args.work or Path(tempfile.mkdtemp(prefix="mcfn-gpu-check-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.cache_in:
+        with tarfile.open(args.cache_in) as tar:
+            tar.extractall(work, filter="data")
+    os.environ |= {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "TRITON_CACHE_DIR": str(work / "triton"),
+                   "MCFN_CACHE": str(work / "mcfn-cache")}  # fmt: skip
+    write_prompt(work / "prompt.txt", 4_000 if args.dry else 400_000)
+    import torch
+
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)",
+        "torch": torch.__version__,
+        "mode": f"{'dry (CPU, tiny shapes, eager)' if args.dry else 'full'}, budget {budget:.0f} s",
+        "steps": [],
+    }
+    wanted = set(args.only.split(",")) if args.only else None
+    log_file, t0 = args.out / "gpu_check.log", time.perf_counter()
+    for step in steps(args.dry, work):
+        left = budget - (time.perf_counter() - t0)
+        if wanted is not None and step.name not in wanted:
+            continue
+        if left < max(step.min_s, 5.0):
+            report["steps"].append({"step": step.name, "status": f"skipped ({left:.0f} s left)", "seconds": 0})
+        else:
+            print(f"[gpu_check] {step.name}: up to {min(step.cap_s, left):.0f} s", file=sys.stderr, flush=True)
+            report["steps"].append(run_step(step, min(step.cap_s, left), work, log_file))
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        (args.out / "gpu_check.md").write_text(markdown(report))
+    report["compile_cache"] = pack_caches(work, args.out)
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    print(markdown(report))
+    return 0 if all(row["status"] == "ok" for row in report["steps"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
