@@ -94,15 +94,27 @@ def test_compiled_generation_on_cuda_decodes_what_eager_does(fresh_dynamo):
     assert compiled.tolist() == eager.tolist()
 
 
-def test_a_run_on_cuda_trains_and_reports_its_mfu(tmp_path, profile):
+def test_a_run_on_cuda_trains_tracks_the_pass_key_and_reports_its_mfu(tmp_path, profile):
     """``train.run`` on the GPU end to end (bf16, fused AdamW, the automatic micro-batch; compiled in the GPU check's
-    own run step): the whole batch fits, the loss is finite, and the summary carries the MFU a known card gives."""
+    own run step): the whole batch fits, the loss is finite, the pass key is tracked at every validation (the probe
+    is written on the CPU and read on the GPU: the first H200 run crashed there), and the summary carries the MFU
+    a known card gives."""
     out = tmp_path / "run"
     argv = ["--profile", str(profile), "--out", str(out), "--steps", "4"]
-    sets = ["train.device=cuda", "train.final_eval=false", "train.micro_batch_size=0"]
+    sets = [
+        "train.device=cuda",
+        "train.final_eval=false",
+        "train.micro_batch_size=0",
+        "train.eval_every=2",
+        "data.seq_len=256",
+        "mc.budget=128",
+        "mc.tail=96",
+    ]  # fmt: skip: a tail the pass key fits
     assert run_main(argv + [a for s in sets for a in ("--set", s)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["micro_batch_size"] == 4 and summary["device"].startswith("cuda")
     assert summary["final_val_bpb"] < 20 and summary["skipped_steps"] == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in records if "probe/passkey_full" in r]) == 3  # steps 0, 2 and 4
     known = any(name in torch.cuda.get_device_name() for name in ("H100", "H200", "A100"))
     assert (summary["mfu"] is not None) == known

@@ -1,14 +1,16 @@
 """The GPU check: every GPU measurement in one call, each under its own time cap, within one budget.
 
 ``scripts/gpu_check.sh`` runs this (``python -m train.gpu_check --out DIR``). In order, each step a process of its
-own, its output appended to ``DIR/gpu_check.log``:
+own, its output appended to ``DIR/gpu_check.log``; the figures come first, since a lease is short and the CUDA tests
+have passed on an H200 once already:
 
-1. ``tests``: the CUDA tests (``pytest -m cuda``), in parallel processes where pytest-xdist is there;
-2. ``bench``: ``train.bench --profile gpu-h100`` compiled with ``default``: MC and plain step, their ratio, the MFU,
-   peak memory, the phases (LensNet's forward and loss) and LensNet's forward over one 8,192-entry context;
-3. ``run``: a 100-step compiled ``gpu-h100`` run: tokens/s, MFU, graph breaks and recompiles (from
+1. ``bench``: ``train.bench --profile gpu-h100`` (B = 8) compiled with ``default``: MC and plain step, their ratio,
+   the MFU, peak memory, the phases (LensNet's forward and loss) and LensNet's forward over one 8,192-entry context;
+   the step times are printed before the phases compile, so a bench cut short still leaves them;
+2. ``run``: a 100-step compiled ``gpu-h100`` run: tokens/s, MFU, graph breaks and recompiles (from
    ``TORCH_LOGS``);
-4. ``decode``: ``train.bench --decode`` with that run on a 32k-token prompt, MC against full context;
+3. ``decode``: ``train.bench --decode`` with that run on a 32k-token prompt, MC against full context;
+4. ``tests``: the CUDA tests (``pytest -m cuda``), in parallel processes where pytest-xdist is there;
 5. ``sweep``: with what time is left, ``--sweep-T`` of the ``gpu-h100`` model up to T = 65536, warmed first.
 
 After every step ``gpu_check.json`` (each step's status, seconds and figures) and ``gpu_check.md`` are rewritten,
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -49,10 +52,11 @@ class Step:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     min_s: float = 0.0  # skipped when less than this is left of the budget
+    fresh: Path | None = None  # a folder removed first, so that a second call starts this step anew
 
 
 def steps(dry: bool, work: Path) -> list[Step]:
-    """The five steps; dry: tiny shapes on the CPU, eagerly, on this repository's own text."""
+    """The five steps, the figures first; dry: tiny shapes on the CPU, eagerly, on this repository's own text."""
     py, run_dir, prompt = [sys.executable], work / "run", work / "prompt.txt"
     cuda_tests = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", str(REPO / "tests" / "test_cuda.py")]
     logs = {"TORCH_LOGS": "graph_breaks,recompiles"}
@@ -60,30 +64,32 @@ def steps(dry: bool, work: Path) -> list[Step]:
         tiny = ["--set", "train.batch_size=1", "--set", "data.vocab_size=512"]
         data = ["--data", f"text:{REPO / 'src'}", "--set", "data.min_doc_chars=200"]
         return [
-            Step("tests", 60, py + cuda_tests),
             Step("bench", 40, py + ["-m", "train.bench", "--profile", "cpu-tiny", "--eager", "--steps", "1",
                                     "--warmup", "1", "--lens-entries", "512", "--json", str(work / "bench.json"),
                                     *tiny]),
             Step("run", 60, py + ["-m", "train.run", "--profile", "cpu-tiny", "--steps", "3", "--out", str(run_dir),
-                                  *data, *tiny, *run_settings(1)], logs),
+                                  *data, *tiny, *run_settings(1)], logs, fresh=run_dir),
             Step("decode", 40, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                      "--eager", "--lengths", "256,512", "--new-tokens", "4", "--repeats", "1",
                                      "--json", str(work / "decode.json")]),
+            Step("tests", 60, py + cuda_tests),
             Step("sweep", 40, py + ["-m", "train.bench", "--profile", "cpu-tiny", "--eager", "--sweep-T", "1024",
                                     "--conditions", "plain,mc", "--steps", "1", "--warmup", "1", "--out",
                                     str(work / "sweep"), *tiny], min_s=10),
         ]  # fmt: skip
     default = ["--set", "train.compile_mode=default"]
     xdist = ["-n", "4"] if importable("xdist") else []
+    # B = 8 in the bench: at the profile's 32 the whole-batch MC step ran out of the H200's 140 GB (the trainer
+    # splits a batch into micro-batches; the bench times one step of one shape).
     return [
-        Step("tests", 120, py + cuda_tests + xdist),
-        Step("bench", 200, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--lens-entries", "8192",
-                                 "--json", str(work / "bench.json")]),
-        Step("run", 170, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
-                               str(run_dir), *default, *run_settings(4)], logs),
+        Step("bench", 240, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--lens-entries", "8192",
+                                 "--set", "train.batch_size=8", "--json", str(work / "bench.json")]),
+        Step("run", 180, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
+                               str(run_dir), *default, *run_settings(4)], logs, fresh=run_dir),
         Step("decode", 100, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                   "--lengths", "1024,4096,16384,32768", "--new-tokens", "64", "--repeats", "2",
                                   "--json", str(work / "decode.json")]),
+        Step("tests", 120, py + cuda_tests + xdist),
         Step("sweep", 600, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--sweep-T",
                                  "2048,8192,32768,65536", "--conditions", "plain,mc", "--steps", "3", "--warmup", "1",
                                  "--warm-first", "--point-cap", "120", "--set", "train.batch_size=4", "--out",
@@ -134,12 +140,29 @@ def figures(name: str, work: Path, log: str) -> dict[str, Any]:
             "recompiles": len(re.findall(r"Recompiling function", log)),
         }
     if name == "decode":
-        return {"rows": json.loads((work / "decode.json").read_text())}
+        rows = json.loads((work / "decode.json").read_text())
+        flat = "; ".join(f"{r['prompt_tokens']}: {r['mc_tok_s']:.0f} / {r['full_tok_s']:.0f}" for r in rows)
+        return {"tok_s_mc_over_full": flat, "rows": rows}
     return {"rows": json.loads((work / "sweep" / "bench_sweep.json").read_text())}
+
+
+def progress_figures(log: str) -> dict[str, Any]:
+    """The ``[bench] key=value`` lines a step printed as it went: what a step cut short had measured."""
+    found: dict[str, Any] = {}
+    for line in log.splitlines():
+        if line.startswith("[bench] "):
+            for key, value in re.findall(r"(\w+)=(\S+)", line):
+                try:
+                    found[key] = float(value)
+                except ValueError:
+                    found[key] = value
+    return found
 
 
 def run_step(step: Step, seconds: float, work: Path, log_file: Path) -> dict[str, Any]:
     env = os.environ | {"PYTHONUNBUFFERED": "1"} | step.env
+    if step.fresh is not None:
+        shutil.rmtree(step.fresh, ignore_errors=True)
     t0 = time.perf_counter()
     try:
         done = subprocess.run(step.argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds)
@@ -155,6 +178,8 @@ def run_step(step: Step, seconds: float, work: Path, log_file: Path) -> dict[str
             row["figures"] = figures(step.name, work, out)
         except (OSError, KeyError, ValueError) as e:
             row["status"] = f"ok, but its figures could not be read: {e}"
+    elif partial := progress_figures(out):
+        row["figures"] = {"partial": partial}
     return row
 
 
@@ -163,6 +188,7 @@ def markdown(report: dict[str, Any]) -> str:
              "| step | status | seconds | figures |", "| --- | --- | ---: | --- |"]  # fmt: skip
     for row in report["steps"]:
         figs = row.get("figures", {})
+        figs = {f"(partial) {k}": v for k, v in figs["partial"].items()} if "partial" in figs else figs
         short = ", ".join(f"{k} {fmt(v)}" for k, v in figs.items() if not isinstance(v, dict | list))
         lines.append(f"| {row['step']} | {row['status']} | {row['seconds']} | {short} |")
     for row in report["steps"]:
@@ -177,8 +203,12 @@ def fmt(v: Any) -> str:
 
 
 def pack_caches(work: Path, out: Path) -> str:
-    """Inductor's and Triton's caches as one file the device tool can bring back, or why not."""
+    """Inductor's and Triton's caches as one file the device tool can bring back, or why not. Caches far over the
+    limit are not compressed at all: on the H200, packing them ran past the call's end."""
     target = out / "compile-cache.tar.gz"
+    raw = sum(f.stat().st_size for name in ("inductor", "triton") for f in (work / name).rglob("*") if f.is_file())
+    if raw > 4 * CACHE_LIMIT:
+        return f"not packed: {raw / 2**20:.0f} MiB of caches, far over the 16 MiB a file comes back"
     with tarfile.open(target, "w:gz") as tar:
         for name in ("inductor", "triton"):
             if (work / name).is_dir():

@@ -84,8 +84,11 @@ def run_benchmark(
     warmup: int,
     compile_mode: str | None,
     phase_steps: int = 5,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
-    """Measure as described in the module docstring; ``compile_mode=None`` runs eagerly."""
+    """Measure as described in the module docstring; ``compile_mode=None`` runs eagerly. ``progress`` gets the
+    step times as ``key=value`` pairs as soon as they are known, before the phases compile, so a run cut short
+    still leaves them."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
@@ -132,15 +135,28 @@ def run_benchmark(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
+    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None  # None off a known GPU
+    mfu = step_flops(cfg, system) / peak / (timed["mc_ms"] / 1e3) if peak else None
+    early = {
+        "mfu": mfu,
+        "mc_step_ms": timed["mc_ms"],
+        "plain_step_ms": timed["plain_ms"],
+        "ratio_mc_over_plain": timed["mc_ms"] / timed["plain_ms"],
+        "first_steps_s": timed["first_ms"] / 1e3,
+        "recompiles": timed["recompiles"],
+        "graph_breaks": graph_breaks_seen(),
+        "peak_mem_mb": peak_mb,
+    }
+    progress(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in early.items()))
     phases = time_phases(
         partial(step, system, *mc_inputs(), weights), system, compile_fn, timer, autocast, warmup, phase_steps
     )
+    progress(" ".join(f"{name}={ms:.3f}" for name, ms in phases.items()))
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
-    peak = peak_flops(result["device"])  # None off a known GPU
-    mfu = step_flops(cfg, system) / peak / (result["mc_step_ms"] / 1e3) if peak else None
     return {
         **result,
         "mfu": mfu,

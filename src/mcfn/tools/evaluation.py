@@ -139,11 +139,11 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
     T = windows[0].size(1) - 1
     if misfit(task, tokenizer, T, tail) is not None:
         return None
-    answered = []
+    answered, device = [], base.wte.weight.device  # held-out windows stay on the CPU; the model may not
     for index, batch in enumerate(windows):
         probe = make_probe(task, batch.cpu(), tokenizer, tail, derive_seed(PROBES.index(task), "eval_probes", index))
-        hit = full_predictions(base, probe.window.to(batch.device), tail)[1]
-        answer = probe.answer[:, T - tail :].to(batch.device)
+        hit = full_predictions(base, probe.window.to(device), tail)[1]
+        answer = probe.answer[:, T - tail :].to(device)
         answered.append((hit | ~answer).all(-1))
     return float(torch.cat(answered).float().mean())
 
