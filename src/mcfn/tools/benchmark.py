@@ -135,19 +135,7 @@ def run_benchmark(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
-    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None  # None off a known GPU
-    mfu = step_flops(cfg, system) / peak / (timed["mc_ms"] / 1e3) if peak else None
-    early = {
-        "mfu": mfu,
-        "mc_step_ms": timed["mc_ms"],
-        "plain_step_ms": timed["plain_ms"],
-        "ratio_mc_over_plain": timed["mc_ms"] / timed["plain_ms"],
-        "first_steps_s": timed["first_ms"] / 1e3,
-        "recompiles": timed["recompiles"],
-        "graph_breaks": graph_breaks_seen(),
-        "peak_mem_mb": peak_mb,
-    }
+    early = early_figures(cfg, system, timed, device)
     progress(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in early.items()))
     phases = time_phases(
         partial(step, system, *mc_inputs(), weights), system, compile_fn, timer, autocast, warmup, phase_steps
@@ -159,9 +147,26 @@ def run_benchmark(
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
     return {
         **result,
-        "mfu": mfu,
+        "mfu": early["mfu"],
         "saved_activations_mb": saved_mb,
         "activation_checkpointing": cfg.train.activation_checkpointing,
+    }
+
+
+def early_figures(cfg: RunConfig, system: MegaContext, timed: dict, device: torch.device) -> dict[str, Any]:
+    """What the timed steps alone tell, reported before the phases compile: a benchmark cut short keeps these."""
+    peak_mb = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None  # None off a known GPU
+    mfu = step_flops(cfg, system) / peak / (timed["mc_ms"] / 1e3) if peak else None
+    return {
+        "mfu": mfu,
+        "mc_step_ms": timed["mc_ms"],
+        "plain_step_ms": timed["plain_ms"],
+        "ratio_mc_over_plain": timed["mc_ms"] / timed["plain_ms"],
+        "first_steps_s": timed["first_ms"] / 1e3,
+        "recompiles": timed["recompiles"],
+        "graph_breaks": graph_breaks_seen(),
+        "peak_mem_mb": peak_mb,
     }
 
 
