@@ -10,10 +10,11 @@ from compile_check import one_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.core.focus import carried_cut, focus_scores, shrink_to_budget, stream_view
+from mcfn.core.focus import carried_cut, focus_cut, focus_scores, shrink_to_budget, stream_view
 from mcfn.core.nodes import NodeTable
 from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
+from mcfn.core.variants import coarsest_cut
 from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
@@ -108,10 +109,42 @@ def check_stream_context(wc, n: int, budget: int) -> None:
     assert int(start[0]) % top == 0
     assert int(start[-1] + span[-1]) == n  # ends at the newest token
     assert bool((start % span == 0).all())  # aligned (I1)
-    newest = start >= n - H
+    newest = end > n - H  # every entry that covers one of the newest H tokens: the tail is raw text
     assert bool((lod[newest] == 0).all())
     if n <= budget:
         assert int(start[0]) == 0 and bool((lod == 0).all())
+
+
+def test_the_streams_raw_tail_is_its_newest_H_to_H_plus_K_minus_1_tokens():
+    """Over every history length (so every residue of ``n`` mod ``K``), the view's LOD0 tail starts on a block
+    boundary and holds the newest ``H`` real tokens and at most ``K - 1`` more. Fails with the tail one block late."""
+    layout, budget = decisive_system().layout, W - REFOCUS
+    for n in range(H, 12 * T):
+        view = stream_view(n, layout, budget)
+        raw = view.layout.H - (view.layout.T - view.real)  # the tail's real tokens, phantoms aside
+        assert H <= raw <= H + K - 1, n
+        assert (view.origin + view.layout.T - view.layout.H) % K == 0, n
+
+
+def test_a_warm_refocus_starts_from_the_previous_context_and_keeps_what_fits():
+    """``focus_cut`` given the last refocus's context starts from it: with no allocator step it returns that context
+    carried over and shrunk within budget, not the coarsest cut. Fails if a warm refocus settles from the coarsest
+    cut."""
+    system = spread_lens(decisive_system(), seed=4)
+    budget, differs = W - REFOCUS, 0
+    for n in (2 * T + 3, 3 * T + 5, 5 * T + 9):
+        stream = random_stream(system, n)
+        previous = focused_context(system, stream, budget, steps=4)
+        stream.append(torch.randint(0, VOCAB, (REFOCUS,), generator=torch.Generator().manual_seed(n)))
+        view = stream_view(len(stream), system.layout, budget)
+        tree, window = view_tree(stream, view)
+        nodes = NodeTable.of(view.layout, window.device)
+        scores = focus_scores(system.lensnet, tree, window, nodes, torch.tensor([view.real - 1]))
+        start = shrink_to_budget(carried_cut(previous, view, nodes), scores, nodes)
+        warm = focus_cut(system.lensnet, tree, window, view, 0, previous)
+        assert torch.equal(warm, start), n
+        differs += not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None])
+    assert differs, "the case needs a warm start that is not the coarsest cut"
 
 
 def random_stream(system, n: int) -> StreamingTree:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
-from builders import rewritten_after
+from builders import make_system, rewritten_after
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.core.match import match_votes, ngram_keys
+from mcfn.core.focus import focus_scores
+from mcfn.core.match import match_scorer, match_votes, ngram_keys
+from mcfn.core.system import tree_stage
 
 
 def text_with(length: int, pieces: dict[int, list[int]], filler: int = 100) -> torch.Tensor:
@@ -124,3 +126,20 @@ def test_a_new_lensnet_with_the_match_prior_ranks_as_match_does_and_learns_from_
     wc = seen_until(build_contexts(system, window, noise)[0], torch.full((9,), T - H))
     system.lensnet(wc, tokens=window[:, :T].repeat_interleave(3, 0)).square().sum().backward()
     assert system.lensnet.head.weight.grad.abs().sum() > 0, "the head starts at zero, not frozen there"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**16), st.integers(48, 62), st.integers(1, 16))
+def test_property_I11_the_match_focus_scores_read_nothing_after_the_horizon(seed: int, horizon: int, reach: int):
+    """``match`` as a focus scorer, as the evaluation and generation refocus with it: every node's score at a horizon
+    is unchanged when every later token is rewritten (I11). Over 4 token ids its votes fire at every horizon, so a
+    scorer that asks for votes one token past the horizon fails."""
+    system = make_system(T=64, K=4, L=2, W=32, H=16, N=2, seed=seed % 7)
+    window = torch.randint(0, 4, (1, 65), generator=torch.Generator().manual_seed(seed))
+    at = torch.tensor([horizon])
+    assert float(match_votes(window[:, :64], at, block=4, reach=reach).sum()) > 0, "the case needs votes"
+    scores = []
+    for w in (window, rewritten_after(window, at, seed=seed + 1)):
+        scorer = match_scorer(w[:, :64], 4, reach, 64)
+        scores.append(focus_scores(None, tree_stage(system, w), w, system.nodes, at, scorer))
+    assert torch.equal(scores[0], scores[1])

@@ -53,6 +53,21 @@ def test_passkey_asks_for_the_key_stated_at_its_depth(tok, haystack):
         assert tok.decode(probe.window[row, -H:].tolist()).endswith(f"The pass key is {key}")
 
 
+def test_the_pass_keys_fact_ends_before_the_scored_tail_in_the_shortest_window_it_fits(tok):
+    """In the shortest window the pass key fits, where its fact has the least room, the whole fact lies before the
+    scored tail for every draw: the room left for it counts the fact's own length. Fails when it does not (the fact
+    may then run into the tail, where every context shows it at LOD0)."""
+    ids = tok.encode(" ".join(make_documents(20, seed=6)))
+    length = next(t for t in range(H + 8, 4 * H, 8) if misfit("passkey", tok, t, H) is None)
+    windows = torch.tensor([ids[i * 50 : i * 50 + length + 1] for i in range(16)])
+    for seed in range(12):
+        probe = make_probe("passkey", windows, tok, H, seed=seed)
+        for row in range(16):
+            key = tok.decode(answers(probe, row).tolist()).strip()
+            before_tail = tok.decode(probe.window[row, : length + 1 - H].tolist())
+            assert f"{key} is the pass key." in before_tail, (seed, row)
+
+
 def test_kv_recall_asks_for_values_stated_earlier(tok, haystack):
     probe = make_probe("kv-recall", haystack, tok, H, seed=2)
     for row in range(4):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 import torch.nn.functional as F
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.focus import Refocus
+from mcfn.core.match import match_votes
 from mcfn.inference.generation import teacher_forced_mc
 from mcfn.inference.render import lod_string
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
@@ -92,10 +96,13 @@ def test_per_chunk_oracle_is_never_worse_than_any_random_cut_of_its_chunk():
     assert (oracle < chunk_nats.sum(-1).min(1).values.double() - 1e-6).any(), "per chunk, not per window"
 
 
-def test_I11_no_chunk_cut_reads_past_its_horizon():
-    """Rewriting every token after chunk c's horizon changes none of the cuts of chunks 0..c, for every focus."""
+@pytest.mark.parametrize("ids", [VOCAB, 4])
+def test_I11_no_chunk_cut_reads_past_its_horizon(ids):
+    """Rewriting every token after chunk c's horizon changes none of the cuts of chunks 0..c, for every focus. Over
+    4 token ids trigrams repeat everywhere, so ``match`` votes at every horizon and its cuts move from chunk to chunk:
+    a ``match_scorer`` that reads one token past the horizon fails here."""
     system = moving_system()
-    window = torch.randint(0, VOCAB, (2, T + 1), generator=torch.Generator().manual_seed(6))
+    window = torch.randint(0, ids, (2, T + 1), generator=torch.Generator().manual_seed(6))
     horizon = torch.full((2,), T - H)
     base = chunked(system, window, horizon)
     for c in range(H // R):
@@ -105,6 +112,35 @@ def test_I11_no_chunk_cut_reads_past_its_horizon():
             for row in range(2):
                 for k in range(c + 1):
                     assert torch.equal(rows[row][k], other.cuts[name][row][k]), (name, row, c, k)
+    if ids == 4:  # the case bites only where match acts: it votes at every chunk's horizon
+        for c in range(H // R):
+            assert (match_votes(window[:, :T], horizon + c * R, K, R) > 0).any(-1).all(), c
+
+
+def test_lens_rank_corr_compares_each_chunks_preferences_with_its_own_gaps(monkeypatch):
+    """A LensNet whose preference between two random cuts of a chunk is exactly their measured gap on that chunk
+    ranks every pair right: ``lens_rank_corr`` is 1. Fails when a chunk's preferences meet another chunk's gaps."""
+    from mcfn.core.preferences import pair_slots
+    from mcfn.tools import refocused
+    from mcfn.tools.eval_stats import spearman
+    from mcfn.tools.evaluation import record
+
+    real = refocused.predict_chunk
+
+    def exact(*args, **kwargs):
+        part = real(*args, **kwargs)
+        nats = part.nll[:, part.slots["random"]].sum(-1)  # [g, M]: each random cut's nats on this chunk
+        i, j = pair_slots(nats.size(1), nats.size(0), nats.device)
+        return dataclasses.replace(part, preference=nats.gather(1, j) - nats.gather(1, i))  # > 0: i better
+
+    monkeypatch.setattr(refocused, "predict_chunk", exact)
+    window = torch.randint(0, VOCAB, (2, T + 1), generator=torch.Generator().manual_seed(9))
+    pred = chunked(moving_system(), window, torch.full((2,), T - H))
+    full = (torch.zeros(2, H), torch.zeros(2, H, dtype=torch.bool))
+    out = record(pred, {"full": full}, torch.ones(2, H), torch.zeros(2))
+    predicted, measured = torch.cat(out.predicted), torch.cat(out.measured)
+    assert predicted.numel() == 2 * (H // R) * 6  # every pair of 4 random cuts, in every chunk of both rows
+    assert spearman(predicted, measured) > 0.99
 
 
 def test_probe_chunks_start_at_the_probes_own_horizon():
