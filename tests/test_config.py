@@ -120,6 +120,22 @@ def test_a_config_saved_with_a_retired_knob_loads_at_its_fixed_value_and_is_refu
         config_from_saved(saved)
 
 
+def test_a_config_saved_before_test_splits_existed_loads_without_one_and_finds_its_old_cache():
+    """A run saved before ``data.test_fraction`` existed trained on every non-validation document: it loads with no
+    test split, and a corpus key of its own (test_fraction enters the key only where it is not 0, so the key is the
+    one such a run was saved with)."""
+    from mcfn.data.corpus import corpus_key
+    from mcfn.data.sources import open_source
+    from mcfn.profile import config_from_saved
+
+    saved = json.loads(json.dumps(resolve("cpu-tiny", []).to_dict()))
+    del saved["data"]["test_fraction"]
+    old = config_from_saved(saved)
+    assert old.data.test_fraction == 0.0 and resolve("cpu-tiny", []).data.test_fraction > 0
+    source = open_source(old.data.source)
+    assert corpus_key(source, old.data) != corpus_key(source, resolve("cpu-tiny", []).data)
+
+
 def test_a_profile_extends_another_and_says_only_what_differs(tmp_path):
     (tmp_path / "base.toml").write_text("[train]\nsteps = 7\nbatch_size = 2\n[mc.lens]\npair_weight = 0.5\n")
     (tmp_path / "child.toml").write_text('extends = "base.toml"\n[train]\nsteps = 9\n[mc.lens]\nlayers = 3\n')

@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_documents
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcfn.config import DataConfig
-from mcfn.data.corpus import cache_root, corpus_key, prepare_corpus
-from mcfn.data.loader import Prefetcher, WindowSampler, validation_batches
-from mcfn.data.sources import is_validation, iter_documents, open_source
+from mcfn.data.corpus import Split, cache_root, corpus_key, prepare_corpus
+from mcfn.data.loader import Prefetcher, WindowSampler, evaluation_windows, validation_batches
+from mcfn.data.sources import iter_documents, open_source, split_of
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
 
@@ -45,7 +45,8 @@ def test_special_tokens_have_no_bytes(tokenizer):
 
 
 def _cfg(source, **kw):
-    return DataConfig(source=source, seq_len=32, vocab_size=320, min_doc_chars=100, val_fraction=0.2, **kw)
+    kw = {"val_fraction": 0.2, "test_fraction": 0.2, **kw}
+    return DataConfig(source=source, seq_len=32, vocab_size=320, min_doc_chars=100, **kw)
 
 
 def test_corpus_is_tokenized_once_and_memory_mapped(text_dir, capsys):
@@ -55,14 +56,17 @@ def test_corpus_is_tokenized_once_and_memory_mapped(text_dir, capsys):
     again = prepare_corpus(cfg)
     assert "preparing" not in capsys.readouterr().err  # served from the cache
     assert isinstance(again.train.tokens, np.memmap)
-    assert corpus.train.n_docs + corpus.val.n_docs == 40 and corpus.val.n_docs > 0
-    # Every document is [BOS, its tokens...], in source order within its split.
-    first_train = next(
-        text for doc_id, text in iter_documents(open_source(cfg.source)) if not is_validation(doc_id, cfg.val_fraction)
-    )
-    start, end = corpus.train.doc_offsets[:2]
-    assert corpus.train.tokens[start] == corpus.tokenizer.bos_id
-    assert list(corpus.train.tokens[start + 1 : end]) == corpus.tokenizer.encode(first_train)
+    splits = {"train": corpus.train, "val": corpus.val, "test": corpus.test}
+    assert sum(split.n_docs for split in splits.values()) == 40 and all(s.n_docs > 0 for s in splits.values())
+    # Every document is [BOS, its tokens...], in source order within its split, and in its split alone.
+    docs = [(split_of(i, cfg.val_fraction, cfg.test_fraction), t) for i, t in iter_documents(open_source(cfg.source))]
+    for name, split in splits.items():
+        texts = [text for where, text in docs if where == name]
+        assert len(texts) == split.n_docs
+        for d in (0, split.n_docs - 1):
+            start, end = split.doc_offsets[d : d + 2]
+            assert split.tokens[start] == corpus.tokenizer.bos_id
+            assert list(split.tokens[start + 1 : end]) == corpus.tokenizer.encode(texts[d])
 
 
 def test_cache_key_follows_corpus_and_settings(text_dir, tmp_path):
@@ -146,3 +150,31 @@ def test_prefetcher_hands_out_consecutive_batches():
             assert torch.equal(pf.next(), sampler.batch(i, 4))
     finally:
         pf.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 90), min_size=1, max_size=30), st.integers(1, 80), st.integers(1, 5))
+def test_property_evaluation_windows_spread_over_documents_without_overlap(lengths, wanted, batch):
+    """The final evaluation's windows: each inside one document, at most two a document and never overlapping, as
+    many distinct documents as the split allows, a second window only once every long enough document has one."""
+    window = 16
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    split = Split(tokens=np.arange(offsets[-1], dtype=np.int64), doc_offsets=offsets)
+    if offsets[-1] < window:
+        return
+    batches, docs = evaluation_windows(split, window, wanted, batch)
+    rows, doc = torch.cat(batches), torch.cat(docs)
+    assert all(b.size(0) <= batch for b in batches) and rows.size(0) == doc.size(0) <= wanted
+    long = [d for d, n in enumerate(lengths) if n >= window]
+    if not long:  # the concatenated stream: consecutive windows, none overlapping
+        assert bool((rows[1:, 0] >= rows[:-1, 0] + window).all())
+        return
+    starts = rows[:, 0]
+    assert bool((rows == starts[:, None] + torch.arange(window)).all())
+    first, end = torch.from_numpy(offsets[doc.numpy()]), torch.from_numpy(offsets[doc.numpy() + 1])
+    assert bool((starts >= first).all() and (starts + window <= end).all())
+    counts = torch.bincount(doc, minlength=len(lengths))
+    assert int(counts.max()) <= 2 and int((counts > 0).sum()) == min(wanted, len(long))
+    for d in torch.nonzero(counts == 2).flatten().tolist():
+        a, b = sorted(starts[doc == d].tolist())
+        assert b >= a + window

@@ -12,7 +12,7 @@ from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
-from mcfn.tools.eval_stats import retained_with_interval, spearman
+from mcfn.tools.eval_stats import Clusters, paired_gain, retained_with_interval, spearman
 from mcfn.tools.evaluation import CONDITIONS, default_budgets, evaluate
 from mcfn.tools.one_cut import predict_budget
 
@@ -26,12 +26,29 @@ def test_spearman_and_retained_fraction():
     nbytes = torch.full((200,), 10.0, dtype=torch.float64)
     noise = 0.01 * torch.randn(200, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     nats = {"recency": 20.0 + noise, "full": 15.0 + noise, "lens": 17.5 + noise}
-    point, (lo, hi) = retained_with_interval(nats, nbytes)
+    each = Clusters(torch.arange(200))
+    point, (lo, hi) = retained_with_interval(nats, nbytes, each)
     assert point == pytest.approx(0.5) and lo <= 0.5 <= hi and hi - lo < 0.05
     # No gain from full context, or one inside the noise: n/a, never a number.
-    assert retained_with_interval({**nats, "full": nats["recency"] + 0.1}, nbytes) == (None, None)
+    assert retained_with_interval({**nats, "full": nats["recency"] + 0.1}, nbytes, each) == (None, None)
     wide = {**nats, "full": nats["recency"] - 0.001 + 3 * torch.randn(200, dtype=torch.float64)}
-    assert retained_with_interval(wide, nbytes) == (None, None)
+    assert retained_with_interval(wide, nbytes, each) == (None, None)
+
+
+def test_errors_count_documents_not_windows():
+    """Sixteen windows that are eight documents' windows twice over carry the error of eight documents: the cluster
+    bootstrap gives exactly the error of the eight windows alone, where a bootstrap over windows gives one about
+    sqrt(2) times too small."""
+    g = torch.Generator().manual_seed(3)
+    nats = {"recency": 20.0 + torch.randn(8, generator=g, dtype=torch.float64), "lens": torch.full((8,), 20.0)}
+    nbytes = torch.full((8,), 10.0, dtype=torch.float64)
+    alone = paired_gain(nats, nbytes, "recency", "lens", Clusters(torch.arange(8)))
+    twice = {name: value.repeat(2) for name, value in nats.items()}
+    docs = torch.arange(8).repeat(2)
+    by_document = paired_gain(twice, nbytes.repeat(2), "recency", "lens", Clusters(docs))
+    by_window = paired_gain(twice, nbytes.repeat(2), "recency", "lens", Clusters(torch.arange(16)))
+    assert by_document["bpb"] == pytest.approx(alone["bpb"]) and by_document["se"] == pytest.approx(alone["se"])
+    assert by_window["se"] < 0.85 * by_document["se"]
 
 
 def test_default_budgets_start_with_the_runs_own():
@@ -51,7 +68,13 @@ def report():
 
 
 def test_report_has_every_condition_and_the_headline(report):
-    assert report["T"] == T and report["W"] == W and report["n_windows"] == 6
+    assert (
+        report["T"] == T
+        and report["W"] == W
+        and report["windows"] == 6
+        and report["se"] == "window"
+        and report["documents"] is None
+    )
     assert set(report["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in report["bpb"].values())
     assert set(report["one_cut"]["bpb"]) == set(CONDITIONS) and report["refocus_every"] == 4
     assert [row["W"] for row in report["sweep"]] == [W, T]
@@ -101,11 +124,29 @@ def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
     for name in ("eval.json", "eval.md", "eval_sweep.png"):  # the run ends with the evaluation
         assert (run / name).is_file(), name
     assert json.loads((run / "summary.json").read_text())["eval"]["W"] == 16
+    # The run's own evaluation reads the test split, which holds 2 of the 40 documents: at most 2 windows each.
+    final = json.loads((run / "eval.json").read_text())
+    assert final["split"] == "test" and final["se"] == "document" and final["documents"] == 2
+    assert 2 <= final["windows"] <= 4
     out = tmp_path / "again"
     assert eval_main(["--ckpt", str(run), "--json", str(tmp_path / "e.json"), "--out", str(out), "--batches", "1"]) == 0
     report = json.loads((tmp_path / "e.json").read_text())
-    assert {"T", "W", "bpb", "retained_fraction", "lens_rank_corr", "sweep", "n_windows"} <= report.keys()
-    assert report["n_windows"] == 4 and (out / "eval_sweep.png").stat().st_size > 1000
+    assert {
+        "T",
+        "W",
+        "bpb",
+        "retained_fraction",
+        "lens_rank_corr",
+        "sweep",
+        "windows",
+        "documents",
+        "split",
+    } <= report.keys()
+    assert report["windows"] == final["windows"] and report["split"] == "test"
+    assert (out / "eval_sweep.png").stat().st_size > 1000
+    assert eval_main(["--ckpt", str(run), "--json", str(tmp_path / "v.json"), "--out", str(out), "--split", "val"]) == 0
+    on_val = json.loads((tmp_path / "v.json").read_text())
+    assert on_val["split"] == "val" and on_val["windows"] == 8 and on_val["documents"] == 7  # 2 batches of 4
     assert "| 16 |" in capsys.readouterr().out
     assert eval_main(["--ckpt", str(tmp_path / "nowhere")]) == 2
     assert eval_main(["--ckpt", str(run), "--budgets", "3"]) == 2

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mcfn.data.sources import is_validation, iter_documents, open_source
+from mcfn.data.sources import iter_documents, open_source, split_of
 from mcfn.errors import UserError
 
 
@@ -70,15 +70,19 @@ def test_parquet_without_text_column(tmp_path):
         list(iter_documents(open_source(str(tmp_path / "x.parquet"))))
 
 
-@given(st.text(min_size=1, max_size=40), st.floats(0.01, 0.99))
-def test_property_split_depends_only_on_document_id(doc_id, fraction):
-    assert is_validation(doc_id, fraction) == is_validation(doc_id, fraction)
-    assert not is_validation(doc_id, 0.0) and is_validation(doc_id, 1.0)
+@given(st.text(min_size=1, max_size=40), st.floats(0.01, 0.5), st.floats(0.0, 0.45))
+def test_property_split_depends_only_on_document_id(doc_id, val, test):
+    """One split per document, from its id alone; a test split is carved from what trained, so the validation
+    documents are the ones they were before test splits existed."""
+    split = split_of(doc_id, val, test)
+    assert split in ("train", "val", "test") and split == split_of(doc_id, val, test)
+    assert (split == "val") == (split_of(doc_id, val, 0.0) == "val")
+    assert split_of(doc_id, val, 0.0) != "test"
 
 
-def test_split_fraction_is_roughly_honoured():
-    share = sum(is_validation(f"doc{i}", 0.1) for i in range(5000)) / 5000
-    assert 0.08 < share < 0.12
+def test_split_fractions_are_roughly_honoured():
+    splits = [split_of(f"doc{i}", 0.1, 0.05) for i in range(5000)]
+    assert 0.08 < splits.count("val") / 5000 < 0.12 and 0.035 < splits.count("test") / 5000 < 0.065
 
 
 def test_text_dirs_take_suffix_less_text_and_skip_binary_files(tmp_path, capsys):

@@ -18,7 +18,14 @@ from mcfn.errors import exit_code
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", type=Path, required=True, help="run directory (or its checkpoint.pt)")
-    p.add_argument("--data", help="evaluate on every document of this source instead of the validation split")
+    p.add_argument(
+        "--split",
+        choices=["test", "val"],
+        default="test",
+        help="the run's held-out split to read: test (the default, read by nothing else; validation where the run has "
+        "no test document) or val (the split design choices are made on)",
+    )
+    p.add_argument("--data", help="evaluate on the documents of this source instead of one of the run's splits")
     p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     p.add_argument("--out", type=Path, help="where eval.md and eval_sweep.png go (default: the run directory)")
     p.add_argument(

@@ -46,7 +46,8 @@ class DataConfig:
     seq_len: int = 1024  # T: tokens per training sample
     vocab_size: int = 4096  # BPE vocabulary requested from the tokenizer trainer
     min_doc_chars: int = 512  # shorter documents are skipped
-    val_fraction: float = 0.05  # share of documents (by path hash) held out for validation
+    val_fraction: float = 0.05  # share of documents (by path hash) held out for validation and design choices
+    test_fraction: float = 0.05  # share held out for the final evaluation alone (train.eval --split test)
     tokenizer_train_chars: int = 20_000_000  # characters of the training split the BPE is trained on
     # Share of training windows rewritten by the long-range generators (facts written into the real text, the
     # question at the end, in the scored tail), drawn on a stream of their own; 0: natural text only.
@@ -59,6 +60,11 @@ class DataConfig:
         _require(257 <= self.vocab_size <= 65536, "data.vocab_size", "must be in [257, 65536]")
         _require(self.min_doc_chars >= 0, "data.min_doc_chars", "must be >= 0")
         _require(0.0 < self.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+        _require(
+            0.0 <= self.test_fraction < 1.0 - self.val_fraction,
+            "data.test_fraction",
+            "must be >= 0 and leave documents for training beside data.val_fraction",
+        )
         _require(self.tokenizer_train_chars > 0, "data.tokenizer_train_chars", "must be > 0")
         _require(0.0 <= self.mix <= 1.0, "data.mix", "must lie in [0, 1]")
         _require(bool(self.mix_task_names), "data.mix_tasks", "must name at least one task")

@@ -100,6 +100,19 @@ RETIRED: dict[str, Any] = {
 }
 
 
+# Knobs added since a checkpoint may have been saved, with the value that reproduces what such a run did.
+ADDED: dict[str, Any] = {"data.test_fraction": 0.0}
+
+
+def with_added(tables: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's tables with every :data:`ADDED` knob it predates set to its old meaning."""
+    tables = {name: dict(values) if isinstance(values, dict) else values for name, values in tables.items()}
+    for dotted, value in ADDED.items():
+        section, key = dotted.split(".", 1)
+        tables.get(section, {}).setdefault(key, value)
+    return tables
+
+
 def without_retired(tables: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A saved config's tables without the :data:`RETIRED` keys; a ``UserError`` if one holds another value."""
     kept = {}
@@ -118,7 +131,7 @@ def without_retired(tables: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def config_from_saved(sections: dict[str, dict[str, Any]]) -> RunConfig:
     """The config a checkpoint was written with, derived fields included (the file is ours, not the user's)."""
-    sections = without_retired(sections)
+    sections = with_added(without_retired(sections))
     try:
         return RunConfig(**{name: _from_saved(cls, sections[name]) for name, cls in _SECTION_TYPES.items()})
     except (KeyError, TypeError) as e:

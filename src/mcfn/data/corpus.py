@@ -3,8 +3,8 @@
 Layout of a cache entry ``<cache>/<key>/``::
 
     tokenizer.json            the trained BPE
-    train.bin, val.bin        every kept document as [BOS, tokens...], concatenated (uint16 or uint32)
-    train_docs.npy, val_docs.npy   document start offsets into the .bin file, plus the end (int64)
+    train.bin, val.bin, test.bin   every kept document as [BOS, tokens...], concatenated (uint16 or uint32)
+    train_docs.npy, ...       document start offsets into each .bin file, plus the end (int64)
     meta.json                 written last: an entry without it is incomplete and rebuilt
 
 The entry is built in a temporary directory and renamed into place, so a crash never leaves a
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mcfn.config import DataConfig
-from mcfn.data.sources import Source, is_validation, iter_documents, open_source
+from mcfn.data.sources import SPLITS, Source, iter_documents, open_source, split_of
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
 
@@ -45,12 +45,16 @@ class Split:
         return len(self.doc_offsets) - 1
 
 
+EMPTY = Split(tokens=np.zeros(0, dtype=np.uint16), doc_offsets=np.zeros(1, dtype=np.int64))
+
+
 @dataclass(frozen=True)
 class Corpus:
     key: str
     tokenizer: Tokenizer
     train: Split
-    val: Split
+    val: Split  # in-training evaluation and every design choice
+    test: Split  # the final evaluation alone (empty for a run configured before test splits existed)
 
 
 def cache_root() -> Path:
@@ -65,26 +69,39 @@ def corpus_key(source: Source, cfg: DataConfig) -> str:
         "vocab_size": cfg.vocab_size,
         "min_doc_chars": cfg.min_doc_chars,
         "val_fraction": cfg.val_fraction,
+        # only where there is a test split, so that a cache built before test splits existed is still found
+        **({"test_fraction": cfg.test_fraction} if cfg.test_fraction else {}),
         "tokenizer_train_chars": cfg.tokenizer_train_chars,
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def held_out(corpus: Corpus, wanted: str) -> tuple[str, Split]:
+    """The split an evaluation reads: ``wanted`` (``test`` or ``val``), or validation where the test split has no
+    document (a corpus too small for one, or a run configured before test splits existed), said on stderr."""
+    if wanted not in ("test", "val"):
+        raise UserError(f"--split must be test or val, got {wanted!r}")
+    if wanted == "test" and corpus.test.n_docs == 0:
+        _log("the test split has no document (data.test_fraction, or a small corpus): evaluating on validation")
+        return "val", corpus.val
+    return wanted, corpus.test if wanted == "test" else corpus.val
 
 
 def _log(msg: str) -> None:
     print(f"[data] {msg}", file=sys.stderr, flush=True)
 
 
-def _kept_documents(source: Source, cfg: DataConfig) -> Iterator[tuple[bool, str]]:
-    """``(is_val, text)`` for every document long enough to keep."""
+def _kept_documents(source: Source, cfg: DataConfig) -> Iterator[tuple[str, str]]:
+    """``(split, text)`` for every document long enough to keep."""
     for doc_id, text in iter_documents(source):
         if len(text) >= cfg.min_doc_chars:
-            yield is_validation(doc_id, cfg.val_fraction), text
+            yield split_of(doc_id, cfg.val_fraction, cfg.test_fraction), text
 
 
 def _training_text(source: Source, cfg: DataConfig) -> Iterator[str]:
     budget = cfg.tokenizer_train_chars
-    for is_val, text in _kept_documents(source, cfg):
-        if is_val:
+    for split, text in _kept_documents(source, cfg):
+        if split != "train":
             continue
         yield text[:budget]
         budget -= len(text)
@@ -94,18 +111,17 @@ def _training_text(source: Source, cfg: DataConfig) -> Iterator[str]:
 
 def _encode_splits(source: Source, cfg: DataConfig, tok: Tokenizer, out: Path) -> dict[str, int]:
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    files = {"train": (out / "train.bin").open("wb"), "val": (out / "val.bin").open("wb")}
-    offsets: dict[str, list[int]] = {"train": [0], "val": [0]}
-    chars = {"train": 0, "val": 0}
+    files = {split: (out / f"{split}.bin").open("wb") for split in SPLITS}
+    offsets: dict[str, list[int]] = {split: [0] for split in SPLITS}
+    chars = dict.fromkeys(SPLITS, 0)
 
-    def flush(chunk: list[tuple[bool, str]]) -> None:
-        for (is_val, text), ids in zip(chunk, tok.encode_batch([t for _, t in chunk]), strict=True):
-            split = "val" if is_val else "train"
+    def flush(chunk: list[tuple[str, str]]) -> None:
+        for (split, text), ids in zip(chunk, tok.encode_batch([t for _, t in chunk]), strict=True):
             files[split].write(np.asarray([tok.bos_id, *ids], dtype=dtype).tobytes())
             offsets[split].append(offsets[split][-1] + 1 + len(ids))
             chars[split] += len(text)
 
-    chunk: list[tuple[bool, str]] = []
+    chunk: list[tuple[str, str]] = []
     for item in _kept_documents(source, cfg):
         chunk.append(item)
         if len(chunk) == ENCODE_CHUNK_DOCS:
@@ -123,17 +139,17 @@ def _encode_splits(source: Source, cfg: DataConfig, tok: Tokenizer, out: Path) -
     }
 
 
-def _count_documents(source: Source, cfg: DataConfig) -> tuple[int, int]:
-    n_train = n_val = 0
-    for is_val, _ in _kept_documents(source, cfg):
-        n_val += is_val
-        n_train += not is_val
-    return n_train, n_val
+def _count_documents(source: Source, cfg: DataConfig) -> dict[str, int]:
+    counts = dict.fromkeys(SPLITS, 0)
+    for split, _ in _kept_documents(source, cfg):
+        counts[split] += 1
+    return counts
 
 
 def _build(source: Source, cfg: DataConfig, spec: str, final: Path) -> None:
-    n_train, n_val = _count_documents(source, cfg)
-    if n_train + n_val == 0:
+    counts = _count_documents(source, cfg)
+    n_train, n_val, n_test = (counts[split] for split in SPLITS)
+    if n_train + n_val + n_test == 0:
         raise UserError(
             f"data source {spec!r}: no documents of at least {cfg.min_doc_chars} characters "
             f"(data.min_doc_chars) in {len(source.files)} file(s)"
@@ -144,7 +160,10 @@ def _build(source: Source, cfg: DataConfig, spec: str, final: Path) -> None:
             f"splits need at least one (adjust data.val_fraction or add documents)"
         )
     t0 = time.perf_counter()
-    _log(f"preparing {spec}: {n_train} train / {n_val} val documents (one-time, cached in {final.parent})")
+    _log(
+        f"preparing {spec}: {n_train} train / {n_val} val / {n_test} test documents (one-time, cached in "
+        f"{final.parent})"
+    )
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
@@ -159,7 +178,8 @@ def _build(source: Source, cfg: DataConfig, spec: str, final: Path) -> None:
         except OSError:  # another process finished the same entry first; theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
         _log(
-            f"tokenized {stats['train_tokens']:,} train / {stats['val_tokens']:,} val tokens "
+            f"tokenized {stats['train_tokens']:,} train / {stats['val_tokens']:,} val / {stats['test_tokens']:,} "
+            f"test tokens "
             f"in {time.perf_counter() - t0:.1f}s"
         )
     except BaseException:
@@ -168,6 +188,8 @@ def _build(source: Source, cfg: DataConfig, spec: str, final: Path) -> None:
 
 
 def _load_split(entry: Path, name: str, dtype: str) -> Split:
+    if name == "test" and not (entry / "test_docs.npy").is_file():  # built before test splits, with none
+        return EMPTY
     offsets = np.load(entry / f"{name}_docs.npy")
     tokens = np.memmap(entry / f"{name}.bin", dtype=dtype, mode="r", shape=(int(offsets[-1]),))
     return Split(tokens=tokens, doc_offsets=offsets)
@@ -187,6 +209,7 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
             tokenizer=Tokenizer.load(entry / "tokenizer.json"),
             train=_load_split(entry, "train", meta["dtype"]),
             val=_load_split(entry, "val", meta["dtype"]),
+            test=_load_split(entry, "test", meta["dtype"]),
         )
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"token cache {entry} is damaged ({e}); delete it to rebuild") from None

@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from mcfn.data.corpus import Split
 from mcfn.errors import UserError
@@ -110,3 +111,38 @@ class Prefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+
+
+EVAL_SEED = 0x7E57  # the final evaluation's windows do not depend on the run's seed either
+WINDOWS_PER_DOCUMENT = 2
+
+
+def evaluation_windows(split: Split, window: int, n_windows: int, batch_size: int) -> tuple[list[Tensor], list[Tensor]]:
+    """The final evaluation's windows, ``[≤ batch_size, T + 1]`` batches, with each window's document index: drawn
+    without replacement from as many distinct documents as the split has (one window each, in a fixed random order
+    of the documents), then a second from documents long enough for two that do not overlap (each window then in its
+    own half), never more than :data:`WINDOWS_PER_DOCUMENT` a document. Fewer than ``n_windows`` where the split
+    runs out. A split with no document of ``T + 1`` tokens gives consecutive windows over the concatenated stream,
+    each counted as the document it starts in."""
+    offsets = split.doc_offsets
+    lengths = np.diff(offsets)
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    order = torch.randperm(len(lengths), generator=g).numpy()
+    eligible = [int(d) for d in order if lengths[d] >= window]
+    picks: list[tuple[int, int]] = []  # (document, start)
+    if not eligible:
+        starts = np.arange(0, len(split.tokens) - window + 1, window)[:n_windows]
+        picks = [(int(np.searchsorted(offsets, s, side="right") - 1), int(s)) for s in starts]
+    else:
+        twice = [d for d in eligible if lengths[d] >= WINDOWS_PER_DOCUMENT * window]
+        second = set(twice[: max(0, n_windows - len(eligible))])
+        for d in eligible[:n_windows]:
+            halves = 2 if d in second else 1
+            span = int(lengths[d]) // halves
+            for h in range(halves):
+                offset = int(torch.randint(span - window + 1, (1,), generator=g))
+                picks.append((d, int(offsets[d]) + h * span + offset))
+    rows = np.asarray([s for _, s in picks])[:, None] + np.arange(window)[None, :]
+    tokens = torch.from_numpy(split.tokens[rows].astype(np.int64))
+    docs = torch.tensor([d for d, _ in picks], dtype=torch.int64)
+    return list(tokens.split(batch_size)), list(docs.split(batch_size))

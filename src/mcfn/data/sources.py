@@ -190,7 +190,13 @@ def iter_documents(source: Source) -> Iterator[tuple[str, str]]:
             yield from _parquet_docs(path, rel)
 
 
-def is_validation(doc_id: str, val_fraction: float) -> bool:
-    """Deterministic split by a hash of the document id."""
+SPLITS = ("train", "val", "test")
+
+
+def split_of(doc_id: str, val_fraction: float, test_fraction: float) -> str:
+    """The split a document belongs to, by a hash of its id alone, so every document lies in exactly one: a hash
+    below ``val_fraction`` is validation (the documents it always was), the next ``test_fraction`` is the test
+    split, the rest trains."""
     digest = hashlib.sha256(doc_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+    u = int.from_bytes(digest[:8], "big") / 2**64
+    return "val" if u < val_fraction else "test" if u < val_fraction + test_fraction else "train"

@@ -10,8 +10,8 @@ import torch
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
-from mcfn.data.corpus import encode_source
-from mcfn.data.loader import validation_batches
+from mcfn.data.corpus import encode_source, held_out
+from mcfn.data.loader import evaluation_windows
 from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
 from mcfn.shell.devices import resolve_device
@@ -72,6 +72,7 @@ class EvalRequest:
     device: str = "auto"
     tasks: list[str] | None = None
     reference: Path | None = None
+    split: str = "test"
 
 
 def evaluate_checkpoint(request: EvalRequest) -> tuple[dict, str]:
@@ -91,11 +92,15 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[dict, str]:
         if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
             raise UserError(f"--task {name}: {reason}")
     plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
-    split = trained.corpus.val if data is None else encode_source(data, tok, cfg.data.min_doc_chars)
+    if data is None:
+        name, split = held_out(trained.corpus, request.split)
+    else:
+        name, split = data, encode_source(data, tok, cfg.data.min_doc_chars)
     n_batches = request.batches or cfg.train.eval_batches
     if n_batches < 1:
         raise UserError("--batches must be >= 1")
-    windows = validation_batches(split, cfg.data.seq_len + 1, n_batches, cfg.train.batch_size)
+    B = cfg.train.batch_size
+    windows, docs = evaluation_windows(split, cfg.data.seq_len + 1, n_batches * B, B)
     settings = EvalSettings(
         parse_budgets(request.budgets, layout),
         random_contexts,
@@ -104,9 +109,9 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[dict, str]:
         refocus_every=cfg.mc.refocus_every if refocus_every is None else refocus_every,
     )
     check_settings(settings, layout)  # an R the headline budget cannot refocus with: one line naming the range
-    report = evaluate(trained.model, windows, trained.token_bytes, tok, settings, plain)
+    report = evaluate(trained.model, windows, trained.token_bytes, tok, settings, plain, docs, name)
     report["checkpoint_step"] = trained.step
-    report["data"] = data or f"{cfg.data.source} (validation split)"
+    report["data"] = data or f"{cfg.data.source} ({name} split)"
     report["reference"] = None if reference is None else str(reference)
     table = write_eval_outputs(report, request.out or (ckpt if ckpt.is_dir() else ckpt.parent))
     return report, table

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mcfn.core.system import MegaContext
-from mcfn.data.loader import validation_batches
+from mcfn.data.corpus import held_out
+from mcfn.data.loader import evaluation_windows
 from mcfn.data.probes import PROBES
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
@@ -46,18 +47,20 @@ FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that al
 
 
 def final_evaluation(s: Session) -> dict | None:
-    """An MC run's end-of-run table (full / recency / random / lens / oracle) on held-out windows."""
+    """An MC run's end-of-run table (full / recency / random / lens / oracle) on the test split, which nothing else
+    reads: ``train.final_eval_batches · batch_size`` windows from as many documents as it has."""
     if not (s.cfg.train.final_eval and isinstance(s.model, MegaContext)):
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
-    windows = validation_batches(s.corpus.val, window, cfg.final_eval_batches, cfg.batch_size)
+    name, split = held_out(s.corpus, "test")
+    windows, docs = evaluation_windows(split, window, cfg.final_eval_batches * cfg.batch_size, cfg.batch_size)
     settings = EvalSettings(
         default_budgets(s.model.layout),
         tasks=PROBES,
         probe_batches=FINAL_EVAL_PROBE_BATCHES,
         refocus_every=s.cfg.mc.refocus_every,
     )
-    report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings)
+    report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings, docs=docs, split=name)
     report["checkpoint_step"] = cfg.steps
     return report
 

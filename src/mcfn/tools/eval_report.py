@@ -23,9 +23,12 @@ def format_eval_table(report: dict) -> str:
     tail (``R = H``, the earlier protocol): a row per budget, the run's W first; bpb per condition (accuracy too for
     the probes), the retained fraction with its interval, and LensNet's rank correlation."""
     lines = [
-        f"Held-out evaluation, T={report['T']}, scored on the last H={report['H']} targets: {report['n_windows']} "
-        f"windows for corpus, {report['n_windows_per_probe']} for each probe. Generation's protocol: every "
-        f"condition that chooses a cut refocuses every R={report['refocus_every']} tokens, as train.generate does."
+        f"Held-out evaluation on the {report.get('split') or 'given'} split, T={report['T']}, scored on the last "
+        f"H={report['H']} targets: {report['windows']} windows for corpus"
+        + (f" from {report['documents']} documents" if report.get("documents") else "")
+        + f", {report['n_windows_per_probe']} for each probe; standard errors by bootstrap over "
+        f"{report.get('se', 'window')}s. Generation's protocol: every condition that chooses a cut refocuses every "
+        f"R={report['refocus_every']} tokens, as train.generate does."
     ]
     for task, result in report["tasks"].items():
         if "skipped" in result:

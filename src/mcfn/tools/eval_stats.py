@@ -1,6 +1,10 @@
 """The evaluation's statistics over windows: pooled bits per byte, the retained fraction with a bootstrap
 interval, paired gains with their standard errors, the rank correlation, and one sweep row from them.
 
+Every bootstrap resamples **documents**, keeping each one's windows together (a cluster bootstrap): windows of one
+document are not independent, so an error that counted them as such would be too small. Where the windows' documents
+are unknown each window counts as its own, which is the plain bootstrap over windows.
+
 ``retained_fraction = (recency − lens) / (recency − full)`` is the share of full context's gain over truncation
 that the working context keeps. It is reported only where that gain is real: positive, with the lower end of
 its bootstrap 95% interval over windows above zero; otherwise it is "n/a" (``null`` in JSON).
@@ -27,6 +31,7 @@ class Scores:
     depth: list[Tensor] = field(default_factory=list)
     predicted: list[Tensor] = field(default_factory=list)
     measured: list[Tensor] = field(default_factory=list)
+    docs: list[Tensor] = field(default_factory=list)  # each window's document, where known
 
     def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
         self.nats.setdefault(name, []).append(nats.double().cpu())
@@ -41,9 +46,10 @@ class Scores:
         self.depth.extend(other.depth)
         self.predicted.extend(other.predicted)
         self.measured.extend(other.measured)
+        self.docs.extend(other.docs)
 
 
-BOOTSTRAP = 1000  # resamples of the windows for the retained fraction's interval
+BOOTSTRAP = 1000  # resamples of the documents for the gains' errors and the retained fraction's interval
 BOOTSTRAP_SEED = 0
 
 
@@ -62,19 +68,33 @@ def pooled_bpb(nats: Tensor, nbytes: Tensor) -> Tensor:
     return bits_per_byte(nats.sum(-1), nbytes.sum(-1))
 
 
-def bootstrap_picks(windows: int) -> Tensor:
-    """``[BOOTSTRAP, windows]`` window indices drawn with replacement, the same for every statistic and run."""
-    g = torch.Generator().manual_seed(BOOTSTRAP_SEED)
-    return torch.randint(0, windows, (BOOTSTRAP, windows), generator=g)
+class Clusters:
+    """The windows grouped by document, and one fixed set of document resamples: ``[BOOTSTRAP, D]`` document indices
+    drawn with replacement, the same for every statistic and run."""
+
+    def __init__(self, docs: Tensor):
+        self.slot = torch.unique(docs, return_inverse=True)[1]  # [N]: each window's document, 0..D-1
+        D = int(self.slot.max()) + 1
+        self.picks = torch.randint(0, D, (BOOTSTRAP, D), generator=torch.Generator().manual_seed(BOOTSTRAP_SEED))
+        self.documents = D
+
+    def sums(self, x: Tensor) -> Tensor:
+        """``[D]``: the sum of a per-window quantity over each document's windows."""
+        return x.new_zeros(self.documents).index_add(0, self.slot, x)
+
+    def resampled_bpb(self, nats: Tensor, nbytes: Tensor) -> Tensor:
+        """``[BOOTSTRAP]`` pooled bits per byte over each resample of documents."""
+        return pooled_bpb(self.sums(nats)[self.picks], self.sums(nbytes)[self.picks])
 
 
-def retained_with_interval(nats: dict[str, Tensor], nbytes: Tensor) -> tuple[float | None, list[float] | None]:
-    """The retained fraction on scored bpb and its bootstrap 95% interval over windows, or None twice where
+def retained_with_interval(
+    nats: dict[str, Tensor], nbytes: Tensor, clusters: Clusters
+) -> tuple[float | None, list[float] | None]:
+    """The retained fraction on scored bpb and its bootstrap 95% interval over documents, or None twice where
     ``recency − full`` is not positive beyond the noise (or there is no ``lens``)."""
     if "lens" not in nats or nbytes.sum() <= 0:
         return None, None
-    picks = bootstrap_picks(nbytes.numel())
-    resampled = {name: pooled_bpb(nats[name][picks], nbytes[picks]) for name in ("full", "recency", "lens")}
+    resampled = {name: clusters.resampled_bpb(nats[name], nbytes) for name in ("full", "recency", "lens")}
     gap = resampled["recency"] - resampled["full"]
     point_gap = float(pooled_bpb(nats["recency"], nbytes) - pooled_bpb(nats["full"], nbytes))
     if point_gap <= 0 or float(gap.quantile(0.025)) <= 0:
@@ -84,12 +104,13 @@ def retained_with_interval(nats: dict[str, Tensor], nbytes: Tensor) -> tuple[flo
     return point, [float(fraction.quantile(0.025)), float(fraction.quantile(0.975))]
 
 
-def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str) -> dict[str, float] | None:
-    """``bpb(worse) − bpb(better)`` on the same windows, and its standard error by bootstrap over windows."""
+def paired_gain(
+    nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str, clusters: Clusters
+) -> dict[str, float] | None:
+    """``bpb(worse) − bpb(better)`` on the same windows, and its standard error by bootstrap over documents."""
     if worse not in nats or better not in nats or nbytes.sum() <= 0:
         return None
-    picks = bootstrap_picks(nbytes.numel())
-    resampled = pooled_bpb(nats[worse][picks] - nats[better][picks], nbytes[picks])
+    resampled = clusters.resampled_bpb(nats[worse] - nats[better], nbytes)
     return {"bpb": float(pooled_bpb(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
 
 
@@ -107,14 +128,15 @@ def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
     """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the rank correlation."""
     nats = {name: torch.cat(parts) for name, parts in scores.nats.items()}
     nbytes = torch.cat(scores.nbytes)
-    retained, interval = retained_with_interval(nats, nbytes)
+    clusters = Clusters(torch.cat(scores.docs) if scores.docs else torch.arange(nbytes.numel()))
+    retained, interval = retained_with_interval(nats, nbytes, clusters)
     row = {
         "W": budget,
         "compression": T / budget,
         "bpb": {name: float(pooled_bpb(value, nbytes)) for name, value in nats.items()},
         "retained_fraction": retained,
         "retained_ci": interval,
-        **{name: paired_gain(nats, nbytes, *pair) for name, pair in GAINS.items()},
+        **{name: paired_gain(nats, nbytes, *pair, clusters) for name, pair in GAINS.items()},
     }
     if task != "corpus":
         row["accuracy"] = {name: float(torch.cat(parts).mean()) for name, parts in scores.correct.items()}

@@ -238,10 +238,12 @@ def score_tasks(
     settings: EvalSettings,
     reference: torch.nn.Module | None = None,
     progress=None,
+    docs: list[Tensor] | None = None,
 ) -> dict:
     """Score every task of ``settings`` on the held-out ``windows`` (each task writes its probe into them;
     ``corpus`` alone needs no tokenizer). Each task's figures are generation's protocol's, with the one-cut
-    protocol's under ``one_cut``."""
+    protocol's under ``one_cut``. ``docs``: each window's document, batch by batch, for errors by document (without
+    them each window counts as its own)."""
     was_training = system.training
     system.eval()
     layout, device = system.layout, token_bytes.device
@@ -261,6 +263,7 @@ def score_tasks(
             for part, by_protocol in scored.items():
                 for p, by_budget in by_protocol.items():
                     for w, one_batch in by_budget.items():
+                        one_batch.docs.extend([] if docs is None else [docs[index]])
                         scores[part][p][w].extend(one_batch)
             if progress is not None:
                 progress()
@@ -284,17 +287,24 @@ def evaluate(
     tokenizer: Tokenizer,
     settings: EvalSettings,
     reference: torch.nn.Module | None = None,
+    docs: list[Tensor] | None = None,
+    split: str | None = None,
 ) -> dict:
     """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`score_tasks`
     on the held-out ``windows`` with a progress bar on stderr. The headline keys come from ``corpus`` at the
-    first budget, and ``tasks`` holds every task; :mod:`mcfn.tools.eval_report` formats it."""
+    first budget, and ``tasks`` holds every task; :mod:`mcfn.tools.eval_report` formats it. ``docs`` (each
+    window's document) makes every error a bootstrap over documents; ``split`` names where the windows came from."""
     probes = len(windows[: settings.probe_batches])
     total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted
     with tqdm(total=total, desc="eval", unit="batch", file=sys.stderr, dynamic_ncols=True) as bar:
-        tasks = score_tasks(system, windows, token_bytes, tokenizer, settings, reference, lambda: bar.update(1))
+        tasks = score_tasks(system, windows, token_bytes, tokenizer, settings, reference, lambda: bar.update(1), docs)
     head = tasks[settings.tasks[0]]
     layout = system.layout
     return {
+        "split": split,
+        "windows": sum(b.size(0) for b in windows),
+        "documents": None if docs is None else int(torch.cat(docs).unique().numel()),
+        "se": "document" if docs is not None else "window",
         "T": layout.T,
         "W": settings.budgets[0],
         "H": layout.H,
@@ -311,7 +321,6 @@ def evaluate(
             }
             for r in head["sweep"]
         ],  # fmt: skip
-        "n_windows": sum(b.size(0) for b in windows),
         "n_windows_per_probe": sum(b.size(0) for b in windows[: settings.probe_batches]),
         "random_contexts": settings.random_contexts,
         "refocus": settings.refocus,

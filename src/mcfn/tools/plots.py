@@ -24,7 +24,7 @@ def plot_budget_sweep(report: dict, path: Path) -> None:
     ax.set_xticks(x, [f"{v:g}" for v in x])
     ax.set_xlabel("compression T / W")
     ax.set_ylabel(f"tail bits per byte (last {report['H']} tokens)")
-    ax.set_title(f"Budget sweep, T={report['T']}, {report['n_windows']} held-out windows")
+    ax.set_title(f"Budget sweep, T={report['T']}, {report['windows']} held-out windows")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
