@@ -116,7 +116,7 @@ def test_the_scorer_counts_a_window_answered_only_when_every_answer_token_is_the
     full = (torch.ones(2, 8), torch.ones(2, 8, dtype=torch.bool))
     for hit, expected in ((always, 1.0), (never, 0.0), (answer_only, 1.0)):
         out = record(scored_predictions(hit), {"full": full}, scored, torch.zeros(2))
-        for name in ("recency", "random", "lens", "oracle"):
+        for name in ("recency", "random", "lens", "best_of_random", "best_of_all", "best_of_all_oos"):
             assert float(torch.cat(out.correct[name]).mean()) == expected, name
         assert torch.equal(torch.cat(out.nats["lens"]), torch.full((2,), 2.0, dtype=torch.float64))  # 2 tokens x 1
         assert torch.equal(torch.cat(out.nbytes), torch.full((2,), 4.0, dtype=torch.float64))
@@ -138,4 +138,4 @@ def test_the_measured_gap_is_positive_when_the_first_random_context_is_better():
     pred = Predictions(nll, hit, slots, one_chunk, torch.tensor([[[1.0]]]))
     out = record(pred, {"full": full}, scored, torch.zeros(1))
     assert torch.cat(out.measured).tolist() == [4.0] and torch.cat(out.predicted).tolist() == [1.0]
-    assert float(torch.cat(out.nats["oracle"])[0]) == 4.0  # the oracle is the better random context
+    assert float(torch.cat(out.nats["best_of_random"])[0]) == 4.0  # the better random context

@@ -1,6 +1,6 @@
 """Evaluate a checkpoint: ``python -m train.eval --ckpt DIR [--data SPEC] [--json FILE] ...``.
 
-Tail bits per byte on held-out windows under full / recency / random / lens / oracle working contexts,
+Tail bits per byte on held-out windows under full / recency / random / match / lens / best-of working contexts,
 at the checkpoint's budget and a sweep of budgets (see ``mcfn.tools.evaluation``). Prints the table and writes
 ``eval.json``, ``eval.md`` and ``eval_sweep.png`` into ``--out`` (default: the checkpoint's directory).
 """
@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batches", type=int, help="held-out batches of train.batch_size windows (default train.eval_batches)"
     )
     p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
-    p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, oracle)")
+    p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, best_of_random, best_of_all)")
     p.add_argument("--refocus", type=int, default=4, help="allocator steps for the attn and lens conditions")
     p.add_argument(
         "--refocus-every",

@@ -273,7 +273,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     wandb: str = "offline"
     lod_map_every: int = 50  # print (and append to lod_maps.txt) sample 0's working contexts; 0: never
-    final_eval: bool = True  # MC runs end with train.eval's table (full/recency/random/lens/oracle) and plot
+    final_eval: bool = True  # MC runs end with train.eval's table (full/recency/match/lens/best-of) and plot
     final_eval_batches: int = 32  # validation batches for it: more than eval_batches, the differences are small
     # A run directory (or checkpoint) whose trained base model this run starts from (two-stage training); the
     # rest (GistNet, LensNet, optimizers, step) starts afresh. Empty: from scratch.

@@ -47,7 +47,7 @@ FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that al
 
 
 def final_evaluation(s: Session) -> dict | None:
-    """An MC run's end-of-run table (full / recency / random / lens / oracle) on the test split, which nothing else
+    """An MC run's end-of-run table (full / recency / match / lens / best-of) on the test split, which nothing else
     reads: ``train.final_eval_batches · batch_size`` windows from as many documents as it has."""
     if not (s.cfg.train.final_eval and isinstance(s.model, MegaContext)):
         return None

@@ -23,7 +23,7 @@ from mcfn.data.probes import PROBES
 @dataclass(frozen=True)
 class EvalSettings:
     budgets: tuple[int, ...]  # W per sweep row; the first is the headline
-    random_contexts: int = 8  # M: random compressed contexts per window (random and oracle)
+    random_contexts: int = 8  # M: random compressed contexts per window (random and the best-of conditions)
     refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)

@@ -14,7 +14,9 @@ under these conditions at the same budget ``W``:
   out, down to truncation);
 * ``lens_nogist``: the same working contexts as ``lens`` with every gist's embedding zeroed: ``lens_nogist −
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
-* ``oracle``: the best of the same ``M`` random contexts by measured loss on what is scored;
+* ``best_of_random``, ``best_of_all`` (optimistic: picked per chunk on the tokens they are scored on) and
+  ``best_of_all_oos`` (picked on the other half of each chunk): what a better choice of cut could gain
+  (:mod:`mcfn.tools.headroom`);
 * ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
 
 Two protocols, both reported. The headline is **generation's** (:mod:`mcfn.tools.refocused`): every condition that
@@ -63,10 +65,12 @@ from mcfn.data.tokenizer import Tokenizer
 from mcfn.seeding import derive_seed
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
+from mcfn.tools.headroom import best_of, candidate_slots, cross_fitted, per_chunk
 from mcfn.tools.one_cut import Predictions, predict_budget, tail_predictions
 from mcfn.tools.refocused import predict_chunked
 
-CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "oracle")
+CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "best_of_random",
+              "best_of_all", "best_of_all_oos")  # fmt: skip
 LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
@@ -86,8 +90,8 @@ def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tens
 
 def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth: Tensor) -> Scores:
     """One batch's per-window scores: ``scored [B, H]`` holds the bytes of each tail target that counts (0: not
-    scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The oracle is the best random
-    context of each chunk, and the rank pairs are compared chunk by chunk."""
+    scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The best-of conditions pick
+    per chunk (:mod:`mcfn.tools.headroom`), and the rank pairs are compared chunk by chunk."""
     out = Scores()
     mask = scored > 0
     for name, (nll, hit) in references.items():
@@ -100,9 +104,10 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
     out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
     chunk_nats, chunk_wrong, chunk_bytes = per_chunk(pred, mask, scored)  # [B, M, C], [B, M, C], [B, C]
-    best = chunk_nats.argmin(1, keepdim=True)
-    oracle_right = (chunk_wrong.gather(1, best)[:, 0] == 0).all(-1)
-    out.add("oracle", chunk_nats.gather(1, best)[:, 0].sum(-1), oracle_right)
+    out.add("best_of_random", *best_of(chunk_nats, chunk_wrong))
+    candidates = candidate_slots(pred)
+    out.add("best_of_all", *best_of(*per_chunk(pred, mask, scored, candidates)[:2]))
+    out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
     if pred.preference is not None:
@@ -114,21 +119,6 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
         out.predicted.append(pred.preference[scored_chunk].cpu())
         out.measured.append(measured[scored_chunk].cpu())  # > 0: i better
     return out
-
-
-def per_chunk(pred: Predictions, mask: Tensor, scored: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The random contexts' scored nats and wrong answers per chunk ``[B, M, C]``, and each chunk's bytes ``[B, C]``."""
-    C = int(pred.chunk.max()) + 1
-    slot = pred.chunk.clamp(min=0)
-    where = mask & (pred.chunk >= 0)
-    random = pred.slots["random"]
-    nll, hit = pred.nll[:, random], pred.hit[:, random]
-    index = repeat(slot, "b h -> b m h", m=nll.size(1))
-    zeros = nll.new_zeros(*nll.shape[:2], C)
-    nats = zeros.scatter_add(-1, index, nll * where[:, None])
-    wrong = zeros.scatter_add(-1, index, ((~hit) & where[:, None]).float())
-    nbytes = scored.new_zeros(scored.size(0), C).scatter_add(-1, slot, scored * where)
-    return nats, wrong, nbytes
 
 
 @torch.no_grad()

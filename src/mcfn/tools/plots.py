@@ -16,7 +16,7 @@ def plot_budget_sweep(report: dict, path: Path) -> None:
     x = [r["compression"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     styles = {"full": "k--", "full_plain": "k:", "recency": "o-", "random": "s-", "attn": "d-", "lens": "^-",
-              "oracle": "v:"}  # fmt: skip
+              "best_of_all_oos": "v:"}  # fmt: skip
     for name, style in styles.items():
         if all(name in r for r in rows):  # only the conditions that were measured
             ax.plot(x, [r[name] for r in rows], style, label=name)

@@ -11,8 +11,9 @@ Every condition that chooses a cut chooses it per chunk, in the view that genera
   first chunk cold from the coarsest cut (``refocus`` allocator steps), every later one warm from the previous
   chunk's context (``warm_steps``), as generation starts its first refocus and its later ones;
 * ``recency``: the newest ``W - R`` tokens, so that both sides predict the same targets from as many entries;
-* ``recent`` (the fixed rule) and ``random`` (``M`` random cuts): the view's own, per chunk; ``oracle`` is the best
-  random cut of each chunk, and ``lens_rank_corr`` compares LensNet's preference with each chunk's measured gap;
+* ``recent`` (the fixed rule) and ``random`` (``M`` random cuts): the view's own, per chunk; the best-of conditions
+  pick among each chunk's cuts (:mod:`mcfn.tools.headroom`), and ``lens_rank_corr`` compares LensNet's preference
+  with each chunk's measured gap;
 * ``lens_nogist``: the ``lens`` cuts read with every gist zeroed.
 
 Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk). ``full`` is unchanged.
