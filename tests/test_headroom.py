@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
-from builders import decisive, make_system, spread_lens
+from builders import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.evaluation import record
+from mcfn.tools.evaluation import evaluate, record
 from mcfn.tools.headroom import candidate_slots, halves, per_chunk
+from mcfn.tools.long_range import far_context_tokens
 from mcfn.tools.one_cut import Predictions
 from mcfn.tools.refocused import predict_chunked
 
@@ -55,3 +56,27 @@ def test_best_of_all_is_at_most_every_condition_it_picks_from_chunk_by_chunk():
     for name in ("recency", "attn", "match", "lens", "best_of_random"):
         assert (best <= out.nats[name][0] + 1e-6).all(), name
     assert (out.nats["best_of_all_oos"][0] >= best - 1e-6).all()
+
+
+def test_long_range_tokens_are_those_whose_context_only_the_far_past_holds():
+    """The tail's positions 60..63 end the trigrams (1,2,3), (2,3,4), (3,4,5), (4,5,6): the first was seen only 40
+    tokens back (far), the second 46 and 8 back (near too), the third never, the fourth only 31 back, on the edge."""
+    window = torch.arange(1000, 1065)[None].clone()  # distinct ids: no trigram repeats
+    window[0, 58:64] = torch.tensor([1, 2, 3, 4, 5, 6])
+    window[0, 15:21] = torch.tensor([2, 3, 4, 1, 2, 3])  # (2,3,4) ends at 17, (1,2,3) at 20
+    window[0, 51:54] = torch.tensor([2, 3, 4])  # ends at 53: 8 before 61
+    window[0, 30:33] = torch.tensor([4, 5, 6])  # ends at 32: 31 before 63
+    assert far_context_tokens(window, tail=4, near=31)[0].tolist() == [True, False, False, True]
+    assert far_context_tokens(window, tail=4, near=32)[0].tolist() == [True, False, False, False]
+
+
+def test_the_long_range_tokens_depend_on_the_tokens_not_on_any_model():
+    """Two models of different weights, scored on the same windows, report the same long-range tokens."""
+    windows = [torch.randint(0, 4, (2, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    settings = EvalSettings(budgets=(W,), random_contexts=2, refocus=1, tasks=("corpus",), refocus_every=R)
+    counts = []
+    for seed in (1, 2):
+        system = decisive(make_system(T, K, L, W, H, N=2, seed=seed))
+        report = evaluate(system, windows, torch.ones(VOCAB, dtype=torch.int64), None, settings)
+        counts.append(report["tasks"]["corpus"]["longrange"]["tokens"])
+    assert counts[0] == counts[1] > 0

@@ -59,7 +59,7 @@ def protocol_table(result: dict, W: int) -> list[str]:
     if "longrange" in result:
         lr = result["longrange"]
         shown = ", ".join(f"{c} {_cell(lr['bpb'][c])}" for c in names if c in lr["bpb"])
-        lines += ["", f"Long-range tokens ({lr['tokens']}, full beats recency by > {lr['margin_nats']} nats), "
+        lines += ["", f"Long-range tokens ({lr['tokens']}: {lr['definition']}), "
                   f"bpb at W={W}: {shown}; retained {_cell(lr['retained_fraction'])}."]  # fmt: skip
     return lines
 

@@ -28,10 +28,10 @@ first token on ``corpus``, the token before the answer on a probe, and ``R`` fur
 depends on the tokens it is scored on.
 
 What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
-tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**: tail
-tokens that ``full`` predicts better than ``recency`` at the run's ``W`` by more than ``LONG_RANGE_MARGIN``
-nats (in the spirit of LongPPL). A probe window counts as answered when every answer token is the greedy
-argmax.
+tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**, defined by
+the tokens alone (:mod:`mcfn.tools.long_range`): tail predictions whose trigram context occurred earlier in the
+window, but only beyond the last ``W - R`` tokens at the run's ``W``. A probe window counts as answered when every
+answer token is the greedy argmax.
 
 ``lens_rank_corr`` is the Spearman correlation, over all pairs of a chunk's random contexts, between
 LensNet's predicted preference and the measured gap in scored nats. LensNet's predicted preference of ``a``
@@ -66,12 +66,12 @@ from mcfn.seeding import derive_seed
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
 from mcfn.tools.headroom import best_of, candidate_slots, cross_fitted, per_chunk
+from mcfn.tools.long_range import far_context_tokens
 from mcfn.tools.one_cut import Predictions, predict_budget, tail_predictions
 from mcfn.tools.refocused import predict_chunked
 
 CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "best_of_random",
               "best_of_all", "best_of_all_oos")  # fmt: skip
-LONG_RANGE_MARGIN = 1.0  # nats: a tail token is long-range when full context beats recency by more than this
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -167,8 +167,8 @@ def score_batch(
     with_longrange: bool = False,
 ) -> dict[str, dict[str, dict[int, Scores]]]:
     """One batch of a task scored at every budget under both protocols: ``{"all": {protocol: {budget: Scores}}}``,
-    and ``with_longrange`` (``corpus``) ``"longrange"`` the same on the long-range tokens (defined at the headline
-    budget: what full context predicts much better than truncation). The same random contexts for every checkpoint
+    and ``with_longrange`` (``corpus``) ``"longrange"`` the same on the long-range tokens (defined by the tokens at the
+    headline budget, :func:`~mcfn.tools.long_range.far_context_tokens`). The same random contexts for every checkpoint
     on these windows."""
     layout, window = system.layout, probe.window
     targets = split_window(window)[1][:, layout.T - layout.H :]
@@ -181,19 +181,16 @@ def score_batch(
     generator = torch.Generator(device=window.device)
     parts = PARTS if with_longrange else PARTS[:1]
     out: dict[str, dict[str, dict[int, Scores]]] = {part: {name: {} for name in PROTOCOLS} for part in parts}
-    long_range = None
-    for name in PROTOCOLS[::-1]:  # one cut first: it defines the long-range tokens
+    near = settings.budgets[0] - settings.refocus_every  # what truncation keeps at a refocus, at the headline W
+    long_range = scored * far_context_tokens(window, layout.H, near) if with_longrange else None
+    for name in PROTOCOLS[::-1]:
         predict = predict_budget if name == "one_cut" else predict_chunked
         for budget in protocol_budgets(settings, layout, name):
             generator.manual_seed(derive_seed(budget, "eval_contexts", index))
             pred = predict(batch, budget, generator)
             out["all"][name][budget] = record(pred, references, scored, probe.depth)
-            if not with_longrange:
-                continue
-            if long_range is None:
-                gain = pred.nll[:, pred.slots["recency"]][:, 0] - references["full"][0]
-                long_range = scored * (gain > LONG_RANGE_MARGIN)
-            out["longrange"][name][budget] = record(pred, references, long_range, probe.depth)
+            if long_range is not None:
+                out["longrange"][name][budget] = record(pred, references, long_range, probe.depth)
     return out
 
 
@@ -207,7 +204,8 @@ def summarise_task(
     if longrange is not None:
         head = longrange[budgets[0]]
         result["longrange"] = {
-            "margin_nats": LONG_RANGE_MARGIN,
+            "definition": f"trigram context seen only beyond the last W - R = {budgets[0] - settings.refocus_every} "
+            "tokens",
             "tokens": int(sum(int((b > 0).sum()) for b in head.nbytes)),
             **summarise(head, task, budgets[0], layout.T),
         }
