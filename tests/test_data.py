@@ -178,3 +178,17 @@ def test_property_evaluation_windows_spread_over_documents_without_overlap(lengt
     for d in torch.nonzero(counts == 2).flatten().tolist():
         a, b = sorted(starts[doc == d].tolist())
         assert b >= a + window
+
+
+def test_a_corpus_without_test_documents_loads_and_is_evaluated_on_validation(text_dir, capsys):
+    """A test split too small to hold a document (or a run from before test splits) still prepares and loads; an
+    evaluation asked for the test split reads validation instead and says so."""
+    from mcfn.data.corpus import held_out
+
+    corpus = prepare_corpus(_cfg(f"text:{text_dir}", test_fraction=1e-9))
+    assert corpus.test.n_docs == 0 and prepare_corpus(_cfg(f"text:{text_dir}", test_fraction=1e-9)).test.n_docs == 0
+    capsys.readouterr()
+    name, split = held_out(corpus, "test")
+    assert name == "val" and split is corpus.val and "evaluating on validation" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--split must be test or val"):
+        held_out(corpus, "train")

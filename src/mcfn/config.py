@@ -47,7 +47,7 @@ class DataConfig:
     vocab_size: int = 4096  # BPE vocabulary requested from the tokenizer trainer
     min_doc_chars: int = 512  # shorter documents are skipped
     val_fraction: float = 0.05  # share of documents (by path hash) held out for validation and design choices
-    test_fraction: float = 0.05  # share held out for the final evaluation alone (train.eval --split test)
+    test_fraction: float = 0.1  # share held out for the final evaluation alone (train.eval --split test)
     tokenizer_train_chars: int = 20_000_000  # characters of the training split the BPE is trained on
     # Share of training windows rewritten by the long-range generators (facts written into the real text, the
     # question at the end, in the scored tail), drawn on a stream of their own; 0: natural text only.

@@ -191,6 +191,8 @@ def _load_split(entry: Path, name: str, dtype: str) -> Split:
     if name == "test" and not (entry / "test_docs.npy").is_file():  # built before test splits, with none
         return EMPTY
     offsets = np.load(entry / f"{name}_docs.npy")
+    if offsets[-1] == 0:  # a split without documents: an empty file, which cannot be memory-mapped
+        return EMPTY
     tokens = np.memmap(entry / f"{name}.bin", dtype=dtype, mode="r", shape=(int(offsets[-1]),))
     return Split(tokens=tokens, doc_offsets=offsets)
 
