@@ -126,7 +126,7 @@ def test_the_streams_raw_tail_is_its_newest_H_to_H_plus_K_minus_1_tokens():
         assert (view.origin + view.layout.T - view.layout.H) % K == 0, n
 
 
-def test_a_warm_refocus_starts_from_the_previous_context_and_keeps_what_fits():
+def test_a_warm_refocus_starts_from_the_previous_context_within_budget():
     """``focus_cut`` given the last refocus's context starts from it: with no allocator step it returns that context
     carried over and shrunk within budget, not the coarsest cut. Fails if a warm refocus settles from the coarsest
     cut."""

@@ -20,7 +20,7 @@ def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):
         ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--dry", "--out", str(out), "--work", str(tmp_path / "w")],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads((out / "gpu_check.json").read_text())

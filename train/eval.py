@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batches", type=int, help="held-out batches of train.batch_size windows (default train.eval_batches)"
     )
     p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
-    p.add_argument("--random-contexts", type=int, default=8, help="random contexts per window (random, best_of_random, best_of_all)")
+    p.add_argument("--random-contexts", type=int, default=8, help="random cuts per window (random, best_of_*)")
     p.add_argument("--refocus", type=int, default=4, help="allocator steps for the attn and lens conditions")
     p.add_argument(
         "--refocus-every",
