@@ -103,10 +103,12 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
     out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
-    chunk_nats, chunk_wrong, chunk_bytes = per_chunk(pred, mask, scored)  # [B, M, C], [B, M, C], [B, C]
+    candidates = candidate_slots(pred)  # the random cuts first
+    all_nats, all_wrong, chunk_bytes = per_chunk(pred, mask, scored, candidates)  # [B, S, C], [B, S, C], [B, C]
+    M = random_nats.size(1)
+    chunk_nats, chunk_wrong = all_nats[:, :M], all_wrong[:, :M]
     out.add("best_of_random", *best_of(chunk_nats, chunk_wrong))
-    candidates = candidate_slots(pred)
-    out.add("best_of_all", *best_of(*per_chunk(pred, mask, scored, candidates)[:2]))
+    out.add("best_of_all", *best_of(all_nats, all_wrong))
     out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
@@ -183,7 +185,7 @@ def score_batch(
     out: dict[str, dict[str, dict[int, Scores]]] = {part: {name: {} for name in PROTOCOLS} for part in parts}
     near = settings.budgets[0] - settings.refocus_every  # what truncation keeps at a refocus, at the headline W
     long_range = scored * far_context_tokens(window, layout.H, near) if with_longrange else None
-    for name in PROTOCOLS[::-1]:
+    for name in PROTOCOLS:
         predict = predict_budget if name == "one_cut" else predict_chunked
         for budget in protocol_budgets(settings, layout, name):
             generator.manual_seed(derive_seed(budget, "eval_contexts", index))
