@@ -91,9 +91,16 @@ def main(argv: list[str] | None = None) -> int:
             result = typecheck_cost(cfg, vocab, device, args.steps)
         else:
             mode = None if args.eager else cfg.train.compile_mode
-            result = run_benchmark(cfg, vocab, device, args.steps, args.warmup, mode, progress=bench_progress)
-            if args.lens_entries:
-                result |= lens_long_context(cfg, vocab, device, args, mode)
+            result = run_benchmark(
+                cfg,
+                vocab,
+                device,
+                args.steps,
+                args.warmup,
+                mode,
+                progress=bench_progress,
+                lens_entries=args.lens_entries,
+            )
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -107,17 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench_progress(line: str) -> None:
     print(f"[bench] {line}", file=sys.stderr, flush=True)
-
-
-def lens_long_context(cfg, vocab: int, device, args: argparse.Namespace, mode: str | None) -> dict:
-    from mcfn.core.step import compile_step
-    from mcfn.tools.benchmark import Timer
-    from mcfn.tools.lens_bench import lens_forward_ms
-
-    compile_fn = (lambda fn: compile_step(fn, mode)) if mode else (lambda fn: fn)
-    result = lens_forward_ms(cfg, vocab, device, args.lens_entries, Timer(device), compile_fn, args.steps, args.warmup)
-    bench_progress(" ".join(f"{k}={v}" for k, v in result.items()))
-    return result
 
 
 def sweep_benchmark(args: argparse.Namespace) -> None:

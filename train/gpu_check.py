@@ -79,13 +79,15 @@ def steps(dry: bool, work: Path) -> list[Step]:
         ]  # fmt: skip
     default = ["--set", "train.compile_mode=default"]
     xdist = ["-n", "4"] if importable("xdist") else []
-    # B = 8 in the bench: at the profile's 32 the whole-batch MC step ran out of the H200's 140 GB (the trainer
-    # splits a batch into micro-batches; the bench times one step of one shape).
+    # B = 8 in the bench: at the profile's 32 the whole-batch MC step ran out of the H200's 140 GB. The run uses
+    # B = 8 too: at 32 its micro-batch search compiles the step once for each size it tries (minutes each), and at
+    # the bench's shapes inductor's caches on the machine may serve the compile the bench just did.
     return [
         Step("bench", 240, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--lens-entries", "8192",
                                  "--set", "train.batch_size=8", "--json", str(work / "bench.json")]),
         Step("run", 180, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
-                               str(run_dir), *default, *run_settings(4)], logs, fresh=run_dir),
+                               str(run_dir), *default, "--set", "train.batch_size=8", *run_settings(4)], logs,
+             fresh=run_dir),
         Step("decode", 100, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                   "--lengths", "1024,4096,16384,32768", "--new-tokens", "64", "--repeats", "2",
                                   "--json", str(work / "decode.json")]),

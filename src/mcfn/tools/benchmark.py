@@ -46,6 +46,7 @@ from mcfn.core.weights import LossWeights
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.evaluation import default_budgets, score_tasks
 from mcfn.tools.flops import peak_flops, step_flops
+from mcfn.tools.lens_bench import lens_forward_ms
 from mcfn.typecheck import checks
 
 
@@ -85,10 +86,11 @@ def run_benchmark(
     compile_mode: str | None,
     phase_steps: int = 5,
     progress: Callable[[str], None] = lambda line: None,
+    lens_entries: int = 0,
 ) -> dict[str, Any]:
-    """Measure as described in the module docstring; ``compile_mode=None`` runs eagerly. ``progress`` gets the
-    step times as ``key=value`` pairs as soon as they are known, before the phases compile, so a run cut short
-    still leaves them."""
+    """Measure as described in the module docstring; ``compile_mode=None`` runs eagerly. ``progress`` gets each
+    figure as ``key=value`` pairs as soon as it is known (the step times, then LensNet's forward over
+    ``lens_entries`` entries when that is not 0, then each phase), so a run cut short still leaves them."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
@@ -137,16 +139,27 @@ def run_benchmark(
     timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
     early = early_figures(cfg, system, timed, device)
     progress(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in early.items()))
+    lens = {}
+    if lens_entries:  # before the phases: one compile, where the phases are seven
+        lens = lens_forward_ms(cfg, vocab, device, lens_entries, timer, compile_fn, steps, warmup)
+        progress(" ".join(f"{k}={v}" for k, v in lens.items()))
     phases = time_phases(
-        partial(step, system, *mc_inputs(), weights), system, compile_fn, timer, autocast, warmup, phase_steps
+        partial(step, system, *mc_inputs(), weights),
+        system,
+        compile_fn,
+        timer,
+        autocast,
+        warmup,
+        phase_steps,
+        lambda name, ms: progress(f"{name}={ms:.3f}"),
     )
-    progress(" ".join(f"{name}={ms:.3f}" for name, ms in phases.items()))
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
     return {
         **result,
+        **lens,
         "mfu": early["mfu"],
         "saved_activations_mb": saved_mb,
         "activation_checkpointing": cfg.train.activation_checkpointing,
@@ -281,9 +294,17 @@ def _backward_scalar(out: Any) -> Tensor | None:
 
 
 def time_phases(
-    step: Callable, system: MegaContext, compile_fn, timer: Timer, autocast, warmup: int, steps: int
+    step: Callable,
+    system: MegaContext,
+    compile_fn,
+    timer: Timer,
+    autocast,
+    warmup: int,
+    steps: int,
+    progress: Callable[[str, float], None] = lambda name, ms: None,
 ) -> dict[str, float]:
-    """Median forward + backward milliseconds of each stage of ``step`` (a step with its inputs bound)."""
+    """Median forward + backward milliseconds of each stage of ``step`` (a step with its inputs bound), each
+    passed to ``progress`` as soon as it is timed."""
     recorder = StageRecorder()
     with autocast, recording(recorder):
         step()
@@ -302,6 +323,7 @@ def time_phases(
         for _ in range(warmup):
             run_stage()
         phases[f"{name}_ms"] = statistics.median(timer(run_stage) for _ in range(steps))
+        progress(f"{name}_ms", phases[f"{name}_ms"])
         system.zero_grad(set_to_none=True)
     return phases
 
