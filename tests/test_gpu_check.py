@@ -30,6 +30,7 @@ def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):
     assert "skipped" in figures["tests"]["pytest"]  # the CUDA tests, collected and skipped off a GPU
     assert figures["bench"]["mc_step_ms"] > 0 and figures["bench"]["lens_entries"] == 512
     assert figures["run"]["steps"] == 3 and figures["run"]["graph_breaks"] == 0
+    assert figures["run"]["fwd_bwd_ms_median"] > 0 and figures["run"]["optim_ms_median"] > 0
     assert {row["prompt_tokens"] for row in figures["decode"]["rows"]} == {256, 512}
     assert {row["condition"] for row in figures["sweep"]["rows"]} == {"plain", "mc"}
     assert (out / "gpu_check.md").read_text().startswith("# GPU check")

@@ -6,9 +6,10 @@ have passed on an H200 once already:
 
 1. ``bench``: ``train.bench --profile gpu-h100`` (B = 8) compiled with ``default``: MC and plain step, their ratio,
    the MFU, peak memory, the phases (LensNet's forward and loss) and LensNet's forward over one 8,192-entry context;
-   the step times are printed before the phases compile, so a bench cut short still leaves them;
-2. ``run``: a 100-step compiled ``gpu-h100`` run: tokens/s, MFU, graph breaks and recompiles (from
-   ``TORCH_LOGS``);
+   each figure is printed as soon as it is known (the step times, LensNet at 8k, then each phase), so a bench cut
+   short still leaves them;
+2. ``run``: a 100-step compiled ``gpu-h100`` run at B = 8: tokens/s, MFU, the median data, forward + backward and
+   update times of a step, graph breaks and recompiles (from ``TORCH_LOGS``);
 3. ``decode``: ``train.bench --decode`` with that run on a 32k-token prompt, MC against full context;
 4. ``tests``: the CUDA tests (``pytest -m cuda``), in parallel processes where pytest-xdist is there;
 5. ``sweep``: with what time is left, ``--sweep-T`` of the ``gpu-h100`` model up to T = 65536, warmed first.
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -68,7 +70,8 @@ def steps(dry: bool, work: Path) -> list[Step]:
                                     "--warmup", "1", "--lens-entries", "512", "--json", str(work / "bench.json"),
                                     *tiny]),
             Step("run", 120, py + ["-m", "train.run", "--profile", "cpu-tiny", "--steps", "3", "--out", str(run_dir),
-                                  *data, *tiny, *run_settings(1)], logs, fresh=run_dir),
+                                  *data, *tiny, "--set", "train.log_every=1", *run_settings(1)], logs,
+                  fresh=run_dir),
             Step("decode", 90, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                      "--eager", "--lengths", "256,512", "--new-tokens", "4", "--repeats", "1",
                                      "--json", str(work / "decode.json")]),
@@ -88,7 +91,7 @@ def steps(dry: bool, work: Path) -> list[Step]:
         Step("run", 180, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
                                str(run_dir), *default, "--set", "train.batch_size=8", *run_settings(4)], logs,
              fresh=run_dir),
-        Step("decode", 100, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
+        Step("decode", 150, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                   "--lengths", "1024,4096,16384,32768", "--new-tokens", "64", "--repeats", "2",
                                   "--json", str(work / "decode.json")]),
         Step("tests", 120, py + cuda_tests + xdist),
@@ -137,15 +140,31 @@ def figures(name: str, work: Path, log: str) -> dict[str, Any]:
         summary = json.loads((work / "run" / "summary.json").read_text())
         keys = ("device", "steps", "micro_batch_size", "step_ms_median", "tokens_per_s", "mfu", "compile_s",
                 "first_val_bpb", "final_val_bpb", "wall_s")  # fmt: skip
-        return {k: summary.get(k) for k in keys} | {
-            "graph_breaks": len(re.findall(r"Graph break", log)),
-            "recompiles": len(re.findall(r"Recompiling function", log)),
-        }
+        return (
+            {k: summary.get(k) for k in keys}
+            | step_phases(work / "run" / "metrics.jsonl")
+            | {
+                "graph_breaks": len(re.findall(r"Graph break", log)),
+                "recompiles": len(re.findall(r"Recompiling function", log)),
+            }
+        )
     if name == "decode":
         rows = json.loads((work / "decode.json").read_text())
         flat = "; ".join(f"{r['prompt_tokens']}: {r['mc_tok_s']:.0f} / {r['full_tok_s']:.0f}" for r in rows)
         return {"tok_s_mc_over_full": flat, "rows": rows}
     return {"rows": json.loads((work / "sweep" / "bench_sweep.json").read_text())}
+
+
+def step_phases(metrics: Path) -> dict[str, float]:
+    """Median data, forward + backward and update milliseconds of the run's logged steps after its first (which
+    compiles): where a training step's time goes beyond the benchmark's forward + backward."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    timed = [r for r in records if "time/step_ms" in r][1:]
+    return {
+        f"{key.removeprefix('time/')}_median": statistics.median(r[key] for r in timed if key in r)
+        for key in ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms")
+        if any(key in r for r in timed)
+    }
 
 
 def progress_figures(log: str) -> dict[str, Any]:
