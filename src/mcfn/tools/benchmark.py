@@ -143,27 +143,18 @@ def run_benchmark(
     if lens_entries:  # before the phases: one compile, where the phases are seven
         lens = lens_forward_ms(cfg, vocab, device, lens_entries, timer, compile_fn, steps, warmup)
         progress(" ".join(f"{k}={v}" for k, v in lens.items()))
-    phases = time_phases(
-        partial(step, system, *mc_inputs(), weights),
-        system,
-        compile_fn,
-        timer,
-        autocast,
-        warmup,
-        phase_steps,
-        lambda name, ms: progress(f"{name}={ms:.3f}"),
-    )
+    bound = partial(step, system, *mc_inputs(), weights)
+    phases = time_phases(bound, system, compile_fn, timer, autocast, warmup, phase_steps, progress)
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.gist_width}  # fmt: skip
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
-    return {
-        **result,
-        **lens,
-        "mfu": early["mfu"],
-        "saved_activations_mb": saved_mb,
-        "activation_checkpointing": cfg.train.activation_checkpointing,
-    }
+    checkpointing = cfg.train.activation_checkpointing
+    return (
+        result
+        | lens
+        | {"mfu": early["mfu"], "saved_activations_mb": saved_mb, "activation_checkpointing": checkpointing}
+    )
 
 
 def early_figures(cfg: RunConfig, system: MegaContext, timed: dict, device: torch.device) -> dict[str, Any]:
@@ -301,10 +292,10 @@ def time_phases(
     autocast,
     warmup: int,
     steps: int,
-    progress: Callable[[str, float], None] = lambda name, ms: None,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, float]:
     """Median forward + backward milliseconds of each stage of ``step`` (a step with its inputs bound), each
-    passed to ``progress`` as soon as it is timed."""
+    passed to ``progress`` as ``NAME_ms=VALUE`` as soon as it is timed."""
     recorder = StageRecorder()
     with autocast, recording(recorder):
         step()
@@ -323,7 +314,7 @@ def time_phases(
         for _ in range(warmup):
             run_stage()
         phases[f"{name}_ms"] = statistics.median(timer(run_stage) for _ in range(steps))
-        progress(f"{name}_ms", phases[f"{name}_ms"])
+        progress(f"{name}_ms={phases[f'{name}_ms']:.3f}")
         system.zero_grad(set_to_none=True)
     return phases
 
