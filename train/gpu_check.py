@@ -142,7 +142,7 @@ def figures(name: str, work: Path, log: str) -> dict[str, Any]:
                 "first_val_bpb", "final_val_bpb", "wall_s")  # fmt: skip
         return (
             {k: summary.get(k) for k in keys}
-            | step_phases(work / "run" / "metrics.jsonl")
+            | step_phases(work / "run")
             | {
                 "graph_breaks": len(re.findall(r"Graph break", log)),
                 "recompiles": len(re.findall(r"Recompiling function", log)),
@@ -155,14 +155,16 @@ def figures(name: str, work: Path, log: str) -> dict[str, Any]:
     return {"rows": json.loads((work / "sweep" / "bench_sweep.json").read_text())}
 
 
-def step_phases(metrics: Path) -> dict[str, float]:
+def step_phases(run_dir: Path) -> dict[str, float]:
     """Median data, forward + backward and update milliseconds of the run's logged steps after its first (which
     compiles): where a training step's time goes beyond the benchmark's forward + backward."""
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    timed = [r for r in records if "time/step_ms" in r][1:]
+    from mcfn.shell.tracking import read_metrics  # here: they bring torch, which only reading a run needs
+    from mcfn.tools.report import PHASES
+
+    timed = [r for r in read_metrics(run_dir) if "time/step_ms" in r][1:]
     return {
         f"{key.removeprefix('time/')}_median": statistics.median(r[key] for r in timed if key in r)
-        for key in ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms")
+        for key in PHASES
         if any(key in r for r in timed)
     }
 

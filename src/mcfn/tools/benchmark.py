@@ -138,11 +138,11 @@ def run_benchmark(
         torch.cuda.reset_peak_memory_stats()
     timed = time_alternately(mc_step, mc_inputs, plain_step_, plain_inputs, timer, warmup, steps)
     early = early_figures(cfg, system, timed, device)
-    progress(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in early.items()))
+    progress(key_values(early))
     lens = {}
     if lens_entries:  # before the phases: one compile, where the phases are seven
         lens = lens_forward_ms(cfg, vocab, device, lens_entries, timer, compile_fn, steps, warmup)
-        progress(" ".join(f"{k}={v}" for k, v in lens.items()))
+        progress(key_values(lens))
     bound = partial(step, system, *mc_inputs(), weights)
     phases = time_phases(bound, system, compile_fn, timer, autocast, warmup, phase_steps, progress)
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
@@ -155,6 +155,11 @@ def run_benchmark(
         | lens
         | {"mfu": early["mfu"], "saved_activations_mb": saved_mb, "activation_checkpointing": checkpointing}
     )
+
+
+def key_values(figures: dict[str, Any]) -> str:
+    """A progress line: ``key=value`` pairs, floats to four significant figures."""
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in figures.items())
 
 
 def early_figures(cfg: RunConfig, system: MegaContext, timed: dict, device: torch.device) -> dict[str, Any]:
