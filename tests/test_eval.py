@@ -78,6 +78,11 @@ def test_report_has_every_condition_and_the_headline(report):
     assert set(report["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in report["bpb"].values())
     assert set(report["one_cut"]["bpb"]) == set(CONDITIONS) and report["refocus_every"] == 4
     assert [row["W"] for row in report["sweep"]] == [W, T]
+    corpus = report["tasks"]["corpus"]
+    assert -1 <= report["utility_corr"] <= 1 and report["utility_corr"] == corpus["utility_corr"]
+    assert corpus["utility_states"] == 6 * (H // 4), "one state per window and chunk of R = 4"
+    best = {"focus": "lens", "match": "match", "recency": "recency"}[report["best_context"]]
+    assert report["bpb"][best] == min(report["bpb"][c] for c in ("lens", "match", "recency"))
     assert -1.0 <= report["lens_rank_corr"] <= 1.0
     assert report["tasks"]["corpus"]["bpb"] == report["bpb"] and "longrange" in report["tasks"]["corpus"]
     json.dumps(report)  # the CLI writes it as JSON

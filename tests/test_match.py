@@ -94,10 +94,10 @@ def test_lensnet_reads_the_match_votes_only_behind_its_knob():
         assert not torch.allclose(a, b)
 
 
-def test_a_new_lensnet_with_the_match_prior_ranks_as_match_does_and_learns_from_there():
-    """``mc.lens.match_prior``: before it learns, LensNet's block-view scores rank every block the match votes for
-    above every block it does not, and those newest first (the order ``match`` cuts by); without the prior they do
-    not, and the prior's head still gets a gradient, so training can move it."""
+def test_a_new_lensnet_with_the_match_prior_scores_as_match_does_and_learns_from_there():
+    """``mc.lens.match_prior``: before it learns, LensNet's block-view scores are ``match``'s own (its votes and its
+    recency prior) on every gist, so it cuts as ``match`` does; without the prior they are not, and the prior's
+    head still gets a gradient, so training can move it."""
     from builders import make_system
 
     from mcfn.core.context import seen_until
@@ -112,15 +112,11 @@ def test_a_new_lensnet_with_the_match_prior_ranks_as_match_does_and_learns_from_
     assert (votes[:, :blocks] > 0).any() and (votes[:, :blocks] == 0).any()
     for prior in (True, False):
         system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": prior}, refocus_every=R)
-        nodes = system.nodes
-        lo = system.layout.level_offsets[1]
-        scores = focus_scores(system.lensnet, history_tree(system, window[:, :T]), window, nodes)[:, lo : lo + blocks]
-        ordered = True
-        for row in range(3):
-            voted = votes[row, :blocks] > 0
-            ordered &= bool(scores[row, voted].min() > scores[row, ~voted].max())
-            ordered &= bool((scores[row, ~voted].diff() > 0).all())  # unvoted: newer ranks higher
-        assert ordered == prior
+        nodes, tree = system.nodes, history_tree(system, window[:, :T])
+        lensnet = focus_scores(system.lensnet, tree, window, nodes)
+        match = focus_scores(None, tree, window, nodes, scorer=match_scorer(window[:, :T], K, R, T))
+        gists = nodes.eligible & (nodes.lod > 0)  # what every expansion, collapse and drop is decided on
+        assert torch.allclose(lensnet[:, gists], match[:, gists], atol=1e-5) == prior
     noise = draw_variant_noise(system.layout, 3, torch.Generator().manual_seed(1), torch.device("cpu"))
     system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": True}, refocus_every=R)
     wc = seen_until(build_contexts(system, window, noise)[0], torch.full((9,), T - H))

@@ -26,9 +26,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["mc", "full"], default="mc")
     p.add_argument(
         "--context",
-        choices=["focus", "recency"],
+        choices=["focus", "match", "recency"],
         default="focus",
-        help="mc: refocus with LensNet (focus), or keep the newest W - R tokens (recency: truncation, same cadence)",
+        help="mc: refocus with LensNet (focus) or the training-free n-gram match (match), or keep the newest W - R "
+        "tokens (recency: truncation, same cadence); the run's report says which its evaluation found best",
     )
     p.add_argument(
         "--refocus-every", type=int, help="tokens decoded between refocuses (mc; default: the run's mc.refocus_every)"

@@ -281,6 +281,9 @@ class TrainConfig:
     # MegaContext runs: the first this many steps train the base model alone, as a plain GPT over whole windows
     # (a plain phase at length T, where it learns to read long contexts), then the MegaContext step takes over.
     plain_steps: int = 0
+    # MegaContext runs with LensNet: after the last step, this many rounds of the counterfactual LensNet stage
+    # (counterfactual traces, LensNet trained on them: mcfn.shell.lens_stage, train.lens) before the final evaluation.
+    lens_rounds: int = 0
     # Recompute each transformer block's activations in the backward instead of storing them (less memory,
     # one more forward of every block per step).
     activation_checkpointing: bool = False
@@ -301,6 +304,7 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
         _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
+        _require(self.lens_rounds >= 0, "train.lens_rounds", "must be >= 0")
         _require(0 <= self.plain_steps < self.steps, "train.plain_steps", "must lie in [0, train.steps)")
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")

@@ -16,6 +16,8 @@ STREAMS = {
     "eval_contexts": 5,
     "eval_probes": 6,
     "train_mix": 7,
+    "lens_stage": 8,  # the LensNet stage: its initialisation (index 0) and each round's epoch order (index r)
+    "lens_traces": 9,  # the LensNet stage: each round's random candidate cuts
 }
 
 

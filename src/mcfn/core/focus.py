@@ -47,7 +47,7 @@ def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor,
 
 
 @typechecked
-def focus_scores(
+def block_scores(
     lensnet: LensNet | None,
     tree: Tree,
     window: Int[Tensor, "b t1"],
@@ -59,6 +59,7 @@ def focus_scores(
     (every eligible LOD1 gist, the tail as tokens), up to ``horizon [B]`` (:func:`seen_until`; by default the
     start of the tail, the first prediction the cut serves), and spread to every level
     (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (``lensnet`` by default).
+    With the gradient: the counterfactual LensNet stage trains through it; a refocus calls :func:`focus_scores`.
 
     Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
     context of far gists asks for the recent text back and a context of recent text asks for the far gists,
@@ -69,9 +70,14 @@ def focus_scores(
     horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
     view = nodes.with_sizes(W=nodes.layout.block_view_width)
     wc = assemble(tree, repeat(nodes.block_view, "n -> b 1 n", b=B), window, view)
-    with torch.no_grad():
-        scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
+    scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
     return nodes.spread_block_scores(scores)
+
+
+def focus_scores(*args, **kwargs) -> Tensor:
+    """:func:`block_scores` (the same arguments) without the gradient: what a refocus reads."""
+    with torch.no_grad():
+        return block_scores(*args, **kwargs)
 
 
 @typechecked

@@ -11,10 +11,10 @@ LOD, and the log-span and distance back from the newest entry (both scaled to ab
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With ``mc.lens.match_feature``
 a third feature is the n-gram copy votes on the unit's text (:func:`mcfn.core.match.match_votes`, ``log1p``), read
 from the window's tokens up to the horizon: where a copy of the newest text would read next. With
-``mc.lens.match_prior`` the score is a bounded form of the match's own plus what the transformer adds, its head
-starting at zero: :func:`match_prior` ranks every block a copy points at above every block none does, and the
-rest newest first, as ``match`` does, in ``(-1, 2)``, so that a learned score of order one can still overrule it
-(with the match's raw votes, which reach tens, it could not: the pass key was lost, LABLOG).
+``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its votes plus its recency prior) plus
+what the transformer adds, its head starting at zero, so that a new LensNet cuts as ``match`` does and the
+counterfactual stage (:mod:`mcfn.shell.lens_stage`) teaches it where to differ. (A prior bounded to ``(-1, 2)``,
+every voted block above every unvoted one, cut worse than truncation on text: LABLOG, issue 53.)
 
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
@@ -100,10 +100,9 @@ def unit_votes(
 
 
 def match_prior(votes: Float[Tensor, "r u"], back: Float[Tensor, "r u"]) -> Float[Tensor, "r u"]:
-    """The match's order as a score in ``(-1, 2)``: ``1 + tanh(votes)`` on a block some copy points at, minus the
-    distance ``back`` in ``[0, 1)``, so every voted block outranks every unvoted one and these fall back to
-    truncation's order, newest first."""
-    return torch.where(votes > 0, 1 + torch.tanh(votes), 0.0) - back
+    """The match's own score (:func:`mcfn.core.match.match_scorer`): its copy votes on the unit, minus the distance
+    ``back`` over the view's length, so that a new LensNet with the prior cuts exactly as ``match`` does."""
+    return votes - back
 
 
 class LensNet(nn.Module):
@@ -150,11 +149,12 @@ class LensNet(nn.Module):
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
-        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens), (0, 1))  # the padding slot scores 0
+        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T), (0, 1))  # padding scores 0
         return scores.gather(1, unit) * wc.valid
 
-    def score(self, wc: WorkingContext, tokens: Tensor | None = None) -> Float[Tensor, "r w"]:
-        """The transformer over the rows of ``wc`` (units), one score per valid one."""
+    def score(self, wc: WorkingContext, tokens: Tensor | None = None, scale: int = 0) -> Float[Tensor, "r w"]:
+        """The transformer over the rows of ``wc`` (units), one score per valid one; ``scale``: the length of the
+        layout read (the prior's distance is over it, as ``match``'s is)."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
@@ -177,5 +177,5 @@ class LensNet(nn.Module):
             x = block(x, cos, sin, attend)
         learned = self.head(rms_norm(x)).squeeze(-1)
         if self.match_prior:  # a config constant: static under compile
-            learned = learned + match_prior(votes, back)
+            learned = learned + match_prior(votes, (now - end).float() / (scale or T))
         return learned * wc.valid

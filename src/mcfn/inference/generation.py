@@ -14,6 +14,7 @@ through the model again.
 
 ``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
 
+``match`` (``context="match"``): the same refocus scored by the training-free n-gram match instead of LensNet.
 ``recency`` (``context="recency"``): the newest ``W - refocus_every`` tokens at every refocus instead, truncation
 at the same cadence, to compare with. :func:`teacher_forced_mc` feeds a known continuation instead of sampling:
 the logits the evaluation's generation protocol scores (:mod:`mcfn.tools.refocused`).
@@ -194,7 +195,8 @@ def decode_mc(
             wc = recency_context(stream, budget)
         else:
             steps = refocus.warm_steps if warm else refocus.steps
-            wc = focused_context(system, stream, budget, steps, wc if warm else None)
+            reach = refocus.every if refocus.context == "match" else 0
+            wc = focused_context(system, stream, budget, steps, wc if warm else None, reach)
         stats.focus_s += time.perf_counter() - t_refocus
         layout_text = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), layout.K)
         stats.layouts.append(layout_text)

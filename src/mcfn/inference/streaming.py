@@ -17,8 +17,6 @@ before it is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from jaxtyping import Int
@@ -26,6 +24,7 @@ from torch import Tensor
 
 from mcfn.core.context import WorkingContext
 from mcfn.core.focus import StreamView, focus_cut, stream_view, view_context
+from mcfn.core.match import match_scorer
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 
@@ -98,14 +97,17 @@ def focused_context(
     budget: int,
     steps: int,
     previous: WorkingContext | None = None,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
+    match_reach: int = 0,
 ) -> WorkingContext:
     """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history: the refocus
     (:func:`~mcfn.core.focus.focus_cut`), ``steps`` allocator steps from the coarsest cut, or with ``previous`` (this
-    function's last answer for a shorter history) from that context: a warm start. Positions and starts are
-    absolute token positions."""
+    function's last answer for a shorter history) from that context: a warm start. Scored by LensNet, or with
+    ``match_reach`` (the tokens a cut serves) by the training-free ``match``. Positions and starts are absolute
+    token positions."""
     view = stream_view(len(stream), system.layout, budget)
     tree, window = view_tree(stream, view)
+    T = view.layout.T
+    scorer = match_scorer(window[:, :T], view.layout.K, match_reach, T) if match_reach else None
     cut = focus_cut(system.lensnet, tree, window, view, steps, previous, scorer)
     return view_context(tree, cut, window, view)
 

@@ -19,6 +19,7 @@ from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
 from mcfn.data.probes import PROBES
+from mcfn.shell.lens_stage import StageSettings, run_stage
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
 from mcfn.tools.eval_batch import EvalSettings
@@ -65,6 +66,16 @@ def final_evaluation(s: Session) -> dict | None:
     return report
 
 
+def lens_stage(s: Session, say: Callable[[str], None]) -> dict | None:
+    """``train.lens_rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint; the trained
+    LensNet then replaces the run's for the final evaluation. Its figures, or None without the stage."""
+    rounds = s.cfg.train.lens_rounds
+    if not (rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
+        return None
+    s.task.model, figures = run_stage(s.out_dir, StageSettings(rounds=rounds), s.device, say, s.corpus)
+    return figures
+
+
 def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict | None) -> dict[str, Any]:
     median_ms = statistics.median(progress.step_ms) if progress.step_ms else progress.first_step_ms or 0.0
     tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
@@ -100,10 +111,12 @@ def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], 
     """Evaluate (unless stopped early), write ``summary.json`` and the report; returns the summary."""
     if not s.world.is_main:
         return {"steps": s.cfg.train.steps, "rank": s.world.rank, "stopped_at": progress.stopped_at}
+    stage = None if progress.stopped_at is not None else lens_stage(s, say)
     final_eval = None if progress.stopped_at is not None else final_evaluation(s)
     if final_eval is not None:
         say(f"\n{write_eval_outputs(final_eval, s.out_dir)}")
     summary = summarise(s, progress, t_start, final_eval)
+    summary["lens_stage"] = stage
     tmp = s.out_dir / f"{SUMMARY_NAME}.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, s.out_dir / SUMMARY_NAME)

@@ -51,12 +51,15 @@ class EvalBatch:
     horizon: Tensor  # [B] int64: each window's first scored prediction's position, what a cut is chosen up to (I11)
     tree: Tree  # [B, n_nodes, D]: the summary tree the working contexts read
     nogist: Tree  # [B, n_nodes, D]: the same with every gist zeroed
+    utility: bool = False  # also label each edit of LensNet's cuts (utility_corr), under generation's protocol
 
     @classmethod
     @torch.no_grad()
-    def of(cls, system: MegaContext, settings: EvalSettings, window: Tensor, horizon: Tensor) -> EvalBatch:
+    def of(
+        cls, system: MegaContext, settings: EvalSettings, window: Tensor, horizon: Tensor, utility: bool = False
+    ) -> EvalBatch:
         tree = tree_stage(system, window)
-        return cls(system, settings, window, horizon, tree, gists_zeroed(tree, system.nodes))
+        return cls(system, settings, window, horizon, tree, gists_zeroed(tree, system.nodes), utility)
 
     def nodes(self, budget: int) -> NodeTable:
         """The node table of the training layout at ``budget``."""

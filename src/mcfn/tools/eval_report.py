@@ -28,7 +28,15 @@ def format_eval_table(report: dict) -> str:
         + (f" from {report['documents']} documents" if report.get("documents") else "")
         + f", {report['n_windows_per_probe']} for each probe; standard errors by bootstrap over "
         f"{report.get('se', 'window')}s. Generation's protocol: every condition that chooses a cut refocuses every "
-        f"R={report['refocus_every']} tokens, as train.generate does."
+        f"R={report['refocus_every']} tokens, as train.generate does.",
+        "",
+        f"Generate with `--context {report['best_context']}`: its condition scored the lowest corpus bpb here."
+        + (
+            f" LensNet's utility_corr (its predicted worth of each single edit of its cut against the edit's measured "
+            f"ΔNLL, per state, averaged): {_cell(report['utility_corr'])}."
+            if report.get("utility_corr") is not None
+            else ""
+        ),
     ]
     for task, result in report["tasks"].items():
         if "skipped" in result:

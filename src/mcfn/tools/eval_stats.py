@@ -32,6 +32,7 @@ class Scores:
     predicted: list[Tensor] = field(default_factory=list)
     measured: list[Tensor] = field(default_factory=list)
     docs: list[Tensor] = field(default_factory=list)  # each window's document, where known
+    utility: list[Tensor] = field(default_factory=list)  # per state, LensNet's utility_corr (counterfactual edits)
 
     def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
         self.nats.setdefault(name, []).append(nats.double().cpu())
@@ -47,6 +48,7 @@ class Scores:
         self.predicted.extend(other.predicted)
         self.measured.extend(other.measured)
         self.docs.extend(other.docs)
+        self.utility.extend(other.utility)
 
 
 BOOTSTRAP = 1000  # resamples of the documents for the gains' errors and the retained fraction's interval
@@ -142,6 +144,10 @@ def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
         row["accuracy"] = {name: float(torch.cat(parts).mean()) for name, parts in scores.correct.items()}
     if scores.predicted:
         row["lens_rank_corr"] = spearman(torch.cat(scores.predicted), torch.cat(scores.measured))
+    if scores.utility and (per_state := torch.cat(scores.utility)).numel():
+        row["utility_corr"] = float(per_state.mean())
+        row["utility_corr_se"] = float(per_state.std() / per_state.numel() ** 0.5) if per_state.numel() > 1 else None
+        row["utility_states"] = per_state.numel()
     return row
 
 

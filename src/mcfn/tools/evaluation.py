@@ -33,6 +33,10 @@ the tokens alone (:mod:`mcfn.tools.long_range`): tail predictions whose trigram 
 window, but only beyond the last ``W - R`` tokens at the run's ``W``. A probe window counts as answered when every
 answer token is the greedy argmax.
 
+``utility_corr`` (``corpus``, under generation's protocol) is, per state (a window's chunk), the Spearman correlation
+of LensNet's predicted worth of each single edit of its own cut with the edit's measured ΔNLL
+(:mod:`mcfn.tools.counterfactual`), averaged over states.
+
 ``lens_rank_corr`` is the Spearman correlation, over all pairs of a chunk's random contexts, between
 LensNet's predicted preference and the measured gap in scored nats. LensNet's predicted preference of ``a``
 over ``b`` is ``Σ s·y`` over ``b``'s entries with the I7 targets that move ``b`` towards ``a``, minus the same
@@ -112,6 +116,9 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
     out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
+    utility = getattr(pred, "utility", None)
+    if utility is not None:
+        out.utility.append(utility[utility.isfinite()])
     if pred.preference is not None:
         B, M, C = chunk_nats.shape
         i, j = pair_slots(M, B, random_nats.device)
@@ -176,7 +183,7 @@ def score_batch(
     targets = split_window(window)[1][:, layout.T - layout.H :]
     scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
     horizon = probe.answer.long().argmax(-1)  # the first scored prediction's position: what a cut may be chosen from
-    batch = EvalBatch.of(system, settings, window, horizon)
+    batch = EvalBatch.of(system, settings, window, horizon, utility=with_longrange and system.lensnet is not None)
     references = {"full": full_predictions(system.base, window, layout.H)}
     if reference is not None:
         references["full_plain"] = full_predictions(reference, window, layout.H)
@@ -270,6 +277,14 @@ def score_tasks(
     return tasks
 
 
+GENERATION_CONTEXTS = {"lens": "focus", "match": "match", "recency": "recency"}  # condition: train.generate --context
+
+
+def best_context(bpb: dict[str, float]) -> str:
+    """The ``train.generate --context`` whose condition scored the lowest bpb: the policy to generate with."""
+    return GENERATION_CONTEXTS[min((c for c in GENERATION_CONTEXTS if c in bpb), key=bpb.__getitem__)]
+
+
 def evaluate(
     system: MegaContext,
     windows: list[Tensor],
@@ -301,6 +316,8 @@ def evaluate(
         "bpb": head["bpb"],
         "retained_fraction": head["retained_fraction"],
         "lens_rank_corr": head.get("lens_rank_corr"),
+        "utility_corr": head.get("utility_corr"),
+        "best_context": best_context(head["bpb"]),
         "sweep": [
             {
                 "W": r["W"],

@@ -22,21 +22,20 @@ Nothing that chooses a chunk's cut reads anything after its horizon (I11, per ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
-from mcfn.core.focus import Refocus, StreamView, focus_cut, refocus_budget, stream_view, view_context, view_node_ids
-from mcfn.core.match import match_scorer
+from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.focus import StreamView, refocus_budget
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recent_cut
-from mcfn.tools.attention import attention_scores
+from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, full_cut, recency_of, refocus_rows
+from mcfn.tools.counterfactual import label_edits, lens_view_scores, utility_corr
 from mcfn.tools.eval_batch import EvalBatch
 from mcfn.tools.one_cut import Predictions, stacked
 
@@ -48,31 +47,7 @@ class ChunkedPredictions(Predictions):
     """The tail predictions of one batch at one budget, each chunk of ``R`` from its own cuts, and those cuts."""
 
     cuts: dict[str, list[list[Tensor]]]  # per focus condition, per row, each chunk's full-window cut [nodes]
-
-
-def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamView, reach: int):
-    """The scorer of focus condition ``name`` for one row's view ``window [1, T + 1]`` (``None``: LensNet's)."""
-    if name == "attn":
-        return partial(attention_scores, system.base, system.layout.H)
-    if name == "match":
-        return match_scorer(window[:, : view.layout.T], view.layout.K, reach, view.layout.T)
-    return None
-
-
-def full_cut(view_cut: Tensor, real: Tensor, ids: Tensor, nodes: NodeTable, n: int, upto: int) -> Tensor:
-    """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries (``real
-    [view_nodes]``: no phantom), then the tokens ``[n, upto)`` that generation would read after it at LOD0."""
-    real = real & view_cut
-    shown = torch.zeros(*view_cut.shape[:-1], nodes.layout.n_nodes, dtype=torch.bool, device=view_cut.device)
-    shown[..., ids] = real
-    shown[..., n:upto] = True  # LOD0 nodes are numbered first, by token
-    return shown
-
-
-def recency_of(nodes: NodeTable, n: int, upto: int, budget: int, rows: int) -> Tensor:
-    """``[rows, 1, nodes]``: the newest ``budget`` tokens before ``n``, then the tokens ``[n, upto)``."""
-    node = torch.arange(nodes.layout.n_nodes, device=nodes.lod.device)
-    return ((node >= max(0, n - budget)) & (node < upto)).expand(rows, 1, -1)
+    utility: Tensor | None = None  # [B, C] float64: each chunk's utility_corr (NaN: not measured)
 
 
 @dataclass(frozen=True)
@@ -85,6 +60,7 @@ class Chunk:
     preference: Tensor | None  # [g, P]: LensNet's preference between every pair of the chunk's random cuts
     contexts: dict[str, list[WorkingContext]]  # per focus condition, per row: what the next refocus carries (warm)
     cuts: dict[str, Tensor]  # per focus condition: [g, nodes] each row's cut as a cut of the whole window
+    utility: Tensor | None = None  # [g]: with ``batch.utility``, each row's utility_corr at this chunk
 
 
 def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -> ChunkedPredictions:
@@ -102,6 +78,7 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
     M = batch.settings.random_contexts
     slots, nll, hit = None, None, None
     preference = torch.zeros(B, n_chunks, M * (M - 1) // 2, device=device)
+    utility = torch.full((B, n_chunks), torch.nan, dtype=torch.float64)
     previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in FOCUSES}
     cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in FOCUSES}
     for c in range(n_chunks):
@@ -119,11 +96,16 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
             hit[rows[:, None], :, columns[None]] = rearrange(part.hit, "g s k -> g k s")
             if part.preference is not None:
                 preference[rows, c] = part.preference
+            if part.utility is not None:
+                utility[rows.cpu(), c] = part.utility
             for name, contexts in part.contexts.items():
                 for i, row in enumerate(rows.tolist()):
                     previous[name][row] = contexts[i]
                     cuts[name][row].append(part.cuts[name][i])
-    return ChunkedPredictions(nll, hit, slots, chunk, preference if system.lensnet is not None else None, cuts)
+    with_lens = system.lensnet is not None
+    return ChunkedPredictions(
+        nll, hit, slots, chunk, preference if with_lens else None, cuts, utility if batch.utility else None
+    )
 
 
 def predict_chunk(
@@ -135,78 +117,51 @@ def predict_chunk(
     carried: dict[str, list[WorkingContext | None]],
 ) -> Chunk:
     """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions of the tokens after
-    the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold)."""
-    system, tree, window = batch.system, batch.tree, batch.window
+    the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold).
+    With ``batch.utility``, each row's LensNet cut is also labelled edit by edit (:mod:`mcfn.tools.counterfactual`)."""
+    system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
     protocol, M = batch.settings.protocol, batch.settings.random_contexts
-    layout, R = nodes.layout, protocol.every
-    budget, upto = layout.W - R, min(n + R - 1, layout.T)
-    view = stream_view(n, layout, budget)
-    ids = view_node_ids(view, layout, window.device)
-    view_nodes = NodeTable.of(view.layout, window.device)
-    real = view_nodes.start < view.real
-    view_tree = Tree(emb=tree.emb[rows][:, ids], batch_size=[rows.numel()])
-    view_window = window[rows, view.origin : view.origin + view.layout.T + 1]
+    cv = chunk_view(tree, window, nodes, n, protocol.every)
+    g, device, upto = rows.numel(), window.device, cv.upto
     parts: dict[str, Tensor] = {
-        "recency": recency_of(nodes, n, upto, budget, rows.numel()),
-        "recent": full_cut(recent_cut(view.layout, window.device), real, ids, nodes, n, upto).expand(
-            rows.numel(), 1, -1
-        ),
+        "recency": recency_of(nodes, n, upto, nodes.layout.W - protocol.every, g),
+        "recent": full_cut(recent_cut(cv.view.layout, device), cv.real, cv.ids, nodes, n, upto).expand(g, 1, -1),
     }
-    noise = draw_variant_noise(view_nodes.with_sizes(N=M).layout, rows.numel(), generator, window.device)
-    random_view = compressed_cuts(noise, view_nodes.with_sizes(N=M))
-    parts["random"] = full_cut(random_view, real, ids, nodes, n, upto)
+    noise = draw_variant_noise(cv.nodes.with_sizes(N=M).layout, g, generator, device)
+    random_view = compressed_cuts(noise, cv.nodes.with_sizes(N=M))
+    parts["random"] = full_cut(random_view, cv.real, cv.ids, nodes, n, upto)
     contexts: dict[str, list[WorkingContext]] = {}
+    view_cuts: dict[str, Tensor] = {}
     for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
-        view_cuts, contexts[name] = refocus_rows(system, name, view_tree, view_window, view, protocol, carried[name])
-        parts[name] = full_cut(view_cuts, real, ids, nodes, n, upto)
+        view_cuts[name], contexts[name] = refocus_rows(
+            system, name, cv.tree, cv.window, cv.view, protocol, carried[name]
+        )
+        parts[name] = full_cut(view_cuts[name], cv.real, cv.ids, nodes, n, upto)
     shown, slots = stacked(parts)
-    nll, hit = chunk_predictions(system, tree[rows], shown, window[rows], nodes, n, upto)
-    preference = None
+    nll, hit = chunk_predictions(system, tree, shown, window, nodes, n, upto)
+    preference, utility = None, None
     if system.lensnet is not None:
-        ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window[rows], nodes, n, upto)
+        ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window, nodes, n, upto)
         slots["lens_nogist"] = slice(shown.size(1), shown.size(1) + 1)
         nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)
-        preference = random_preferences(system, view_tree, random_view, view_window, view_nodes, view)
+        preference = random_preferences(system, cv.tree, random_view, cv.window, cv.nodes, cv.view)
+        if batch.utility:
+            utility = edit_correlations(system, tree, window, nodes, cv, view_cuts["lens"][:, 0])
     cuts = {name: parts[name][:, 0] for name in contexts}
-    return Chunk(slots, nll, hit, preference, contexts, cuts)
+    return Chunk(slots, nll, hit, preference, contexts, cuts, utility)
 
 
-def refocus_rows(
-    system: MegaContext,
-    name: str,
-    tree: Tree,
-    window: Tensor,
-    view: StreamView,
-    protocol: Refocus,
-    carried: list[WorkingContext | None],
-) -> tuple[Tensor, list[WorkingContext]]:
-    """Focus condition ``name``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``),
-    warm from its ``carried`` context where there is one: the view's cuts ``[g, 1, view_nodes]``, and the contexts
-    the next chunk carries."""
-    cuts, contexts = [], []
-    for i, prior in enumerate(carried):
-        one_tree, one_window = tree[i : i + 1], window[i : i + 1]
-        scorer = focus_scorer(system, name, one_window, view, protocol.every)
-        warm = prior if protocol.warm_steps else None
-        steps = protocol.steps if warm is None else protocol.warm_steps
-        cut = focus_cut(system.lensnet, one_tree, one_window, view, steps, warm, scorer)
-        contexts.append(view_context(one_tree, cut, one_window, view))
-        cuts.append(cut)
-    return torch.cat(cuts), contexts
-
-
-def chunk_predictions(
-    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable, n: int, upto: int
-) -> tuple[Tensor, Tensor]:
-    """NLL and argmax hits ``[g, S, k]`` of the ``k = upto - n + 1`` predictions from position ``n - 1`` on, for the
-    ``S`` cuts ``shown [g, S, nodes]`` (each ending with the tokens ``[n - 1, upto)``)."""
-    base, k = system.base, upto - n + 1
-    wc = assemble(tree, shown, window, nodes)
-    first = wc.valid.sum(-1) - k  # the last k valid entries are the tokens n - 1 .. upto - 1
-    h = tail_entries(base.hidden(wc.emb, wc.position, wc.span.float()), first, k)
-    targets = repeat(window[:, n : upto + 1], "g k -> (g s) k", s=shown.size(1))
-    nll, hit = base.nll(h, targets), base.logits(h).argmax(-1) == targets
-    return tuple(rearrange(x, "(g s) k -> g s k", g=shown.size(0)) for x in (nll, hit))
+def edit_correlations(
+    system: MegaContext, tree: Tree, window: Tensor, nodes: NodeTable, cv: ChunkView, policy: Tensor
+) -> Tensor:
+    """``[g]``: per row, the Spearman correlation of LensNet's predicted worth of each edit of its cut ``policy
+    [g, view_nodes]`` with the edit's measured ΔNLL (:func:`~mcfn.tools.counterfactual.utility_corr`)."""
+    scores = lens_view_scores(system, cv)
+    corr = []
+    for i in range(policy.size(0)):
+        labelled = label_edits(system, tree[i : i + 1], window[i : i + 1], nodes, cv, policy[i], scores[i])
+        corr.append(utility_corr(labelled, scores[i]))
+    return torch.tensor(corr, dtype=torch.float64)
 
 
 def random_preferences(

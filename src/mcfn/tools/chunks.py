@@ -1,0 +1,119 @@
+"""One chunk of generation's protocol, as the evaluation and the counterfactual traces both read it: the view that
+generation lays over a history of ``n`` tokens (:func:`~mcfn.core.focus.stream_view`), the focus conditions' refocus
+in it, and the base model's NLL of the chunk's predictions under any cut of the window.
+
+A chunk at history ``n`` serves the predictions from position ``n - 1`` up to ``upto - 1``: its cut is chosen over
+tokens ``[0, n)`` within ``W - R`` entries, and the tokens ``[n, upto)`` are read after it at LOD0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor
+
+from mcfn.core.context import WorkingContext, assemble, tail_entries
+from mcfn.core.focus import Refocus, StreamView, focus_cut, stream_view, view_context, view_node_ids
+from mcfn.core.match import match_scorer
+from mcfn.core.nodes import NodeTable
+from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
+from mcfn.tools.attention import attention_scores
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """The view of ``g`` rows whose history is ``n`` tokens, read from their window's tree."""
+
+    view: StreamView
+    nodes: NodeTable  # the view's table
+    ids: Tensor  # [view_nodes]: each view node as a node id of the window's layout
+    real: Tensor  # [view_nodes] bool: no phantom
+    tree: Tree  # [g, view_nodes, D]
+    window: Tensor  # [g, T_view + 1]
+    n: int
+    upto: int  # the chunk's last prediction reads up to token upto - 1
+
+    @property
+    def horizon(self) -> Tensor:
+        """``[g]``: the newest real token, the last one a cut of this chunk may read (I11)."""
+        return torch.full((self.window.size(0),), self.view.real - 1, device=self.window.device)
+
+
+def chunk_view(tree: Tree, window: Tensor, nodes: NodeTable, n: int, every: int) -> ChunkView:
+    """The view of the rows of ``tree [g, n_nodes, D]`` and ``window [g, T + 1]`` (``nodes``: the window's layout at
+    the budget) at history ``n``, refocused every ``every`` tokens."""
+    layout = nodes.layout
+    view = stream_view(n, layout, layout.W - every)
+    ids = view_node_ids(view, layout, window.device)
+    view_nodes = NodeTable.of(view.layout, window.device)
+    view_tree = Tree(emb=tree.emb[:, ids], batch_size=[window.size(0)])
+    view_window = window[:, view.origin : view.origin + view.layout.T + 1]
+    upto = min(n + every - 1, layout.T)
+    return ChunkView(view, view_nodes, ids, view_nodes.start < view.real, view_tree, view_window, n, upto)
+
+
+def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamView, reach: int):
+    """The scorer of focus condition ``name`` for one row's view ``window [1, T + 1]`` (``None``: LensNet's)."""
+    if name == "attn":
+        return partial(attention_scores, system.base, system.layout.H)
+    if name == "match":
+        return match_scorer(window[:, : view.layout.T], view.layout.K, reach, view.layout.T)
+    return None
+
+
+def full_cut(view_cut: Tensor, real: Tensor, ids: Tensor, nodes: NodeTable, n: int, upto: int) -> Tensor:
+    """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries (``real
+    [view_nodes]``: no phantom), then the tokens ``[n, upto)`` that generation would read after it at LOD0."""
+    real = real & view_cut
+    shown = torch.zeros(*view_cut.shape[:-1], nodes.layout.n_nodes, dtype=torch.bool, device=view_cut.device)
+    shown[..., ids] = real
+    shown[..., n:upto] = True  # LOD0 nodes are numbered first, by token
+    return shown
+
+
+def recency_of(nodes: NodeTable, n: int, upto: int, budget: int, rows: int) -> Tensor:
+    """``[rows, 1, nodes]``: the newest ``budget`` tokens before ``n``, then the tokens ``[n, upto)``."""
+    node = torch.arange(nodes.layout.n_nodes, device=nodes.lod.device)
+    return ((node >= max(0, n - budget)) & (node < upto)).expand(rows, 1, -1)
+
+
+def refocus_rows(
+    system: MegaContext,
+    name: str,
+    tree: Tree,
+    window: Tensor,
+    view: StreamView,
+    protocol: Refocus,
+    carried: list[WorkingContext | None],
+) -> tuple[Tensor, list[WorkingContext]]:
+    """Focus condition ``name``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``),
+    warm from its ``carried`` context where there is one: the view's cuts ``[g, 1, view_nodes]``, and the contexts
+    the next chunk carries."""
+    cuts, contexts = [], []
+    for i, prior in enumerate(carried):
+        one_tree, one_window = tree[i : i + 1], window[i : i + 1]
+        scorer = focus_scorer(system, name, one_window, view, protocol.every)
+        warm = prior if protocol.warm_steps else None
+        steps = protocol.steps if warm is None else protocol.warm_steps
+        cut = focus_cut(system.lensnet, one_tree, one_window, view, steps, warm, scorer)
+        contexts.append(view_context(one_tree, cut, one_window, view))
+        cuts.append(cut)
+    return torch.cat(cuts), contexts
+
+
+def chunk_predictions(
+    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable, n: int, upto: int
+) -> tuple[Tensor, Tensor]:
+    """NLL and argmax hits ``[g, S, k]`` of the ``k = upto - n + 1`` predictions from position ``n - 1`` on, for the
+    ``S`` cuts ``shown [g, S, nodes]`` (each ending with the tokens ``[n - 1, upto)``)."""
+    base, k = system.base, upto - n + 1
+    wc = assemble(tree, shown, window, nodes)
+    first = wc.valid.sum(-1) - k  # the last k valid entries are the tokens n - 1 .. upto - 1
+    h = tail_entries(base.hidden(wc.emb, wc.position, wc.span.float()), first, k)
+    targets = repeat(window[:, n : upto + 1], "g k -> (g s) k", s=shown.size(1))
+    nll, hit = base.nll(h, targets), base.logits(h).argmax(-1) == targets
+    return tuple(rearrange(x, "(g s) k -> g s k", g=shown.size(0)) for x in (nll, hit))

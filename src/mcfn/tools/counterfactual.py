@@ -1,0 +1,119 @@
+"""The counterfactual evaluator: what each single edit of LensNet's own cut is worth, under generation's protocol.
+
+At a chunk's refocus (:mod:`mcfn.tools.chunks`: the view, ``focus_cut`` and the warm start that ``train.generate``
+and the evaluation use), the state is the one LensNet itself reached: on-policy, warm from its previous chunk's
+context. The candidates are LensNet's cut, every single legal edit of it (:func:`mcfn.core.edits.single_edits`),
+``match``'s cut, ``recency`` and a few random cuts, all scored on the chunk's next-token NLLs in one packed forward
+of the base model. An edit's label is its ΔNLL: the policy cut's mean NLL over the chunk's predictions minus the
+edited cut's (> 0: the edit helps).
+
+Nothing that builds a candidate reads past the chunk's horizon (I11): the view, the scores and the cuts come from
+tokens ``[0, n)``; only the labels read the chunk's own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mcfn.core.context import WorkingContext
+from mcfn.core.edits import Edits, edit_worth, single_edits
+from mcfn.core.focus import Refocus, focus_scores
+from mcfn.core.nodes import NodeTable
+from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
+from mcfn.core.variants import compressed_cuts, draw_variant_noise
+from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, full_cut, recency_of, refocus_rows
+from mcfn.tools.eval_stats import spearman
+from mcfn.tools.one_cut import stacked
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """One state's edits (in the view's node ids), their ΔNLL, and every candidate's chunk NLL."""
+
+    edits: Edits
+    delta: Tensor  # [e]: the policy cut's chunk NLL minus each edit's (nats per prediction)
+    nll: dict[str, Tensor]  # per candidate condition, [c] chunk NLLs (the policy's is "lens")
+
+
+def lens_view_scores(system: MegaContext, cv: ChunkView) -> Tensor:
+    """LensNet's node scores ``[g, view_nodes]`` in the chunk's view, read up to its horizon (I11)."""
+    return focus_scores(system.lensnet, cv.tree, cv.window, cv.nodes, cv.horizon)
+
+
+@torch.no_grad()
+def label_edits(
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    nodes: NodeTable,
+    cv: ChunkView,
+    policy: Tensor,
+    scores: Tensor,
+    others: dict[str, Tensor] | None = None,
+) -> Labelled:
+    """The edits of one row's ``policy`` cut ``[view_nodes]`` (chosen with ``scores [view_nodes]``) and their ΔNLL;
+    ``others`` are further candidates ``[1, c, nodes]`` (cuts of the window) scored in the same forward. ``tree
+    [1, n_nodes, D]`` and ``window [1, T + 1]`` are the row's; ``cv`` its view at the chunk."""
+    edits = single_edits(policy, scores, cv.nodes)
+    views = torch.cat([policy[None], edits.shown])
+    cuts = full_cut(views, cv.real, cv.ids, nodes, cv.n, cv.upto)
+    shown, slots = stacked({"lens": cuts[None, :1], "edits": cuts[None, 1:], **(others or {})})
+    nll = chunk_predictions(system, tree, shown, window, nodes, cv.n, cv.upto)[0][0].mean(-1)  # [S]
+    by_slot = {name: nll[where] for name, where in slots.items()}
+    return Labelled(edits, by_slot["lens"] - by_slot.pop("edits"), by_slot)
+
+
+def utility_corr(labelled: Labelled, scores: Tensor) -> float:
+    """The Spearman correlation of LensNet's predicted worth of each edit with its measured ΔNLL (NaN below three
+    edits)."""
+    worth = edit_worth(scores, labelled.edits.gain, labelled.edits.loss)
+    return spearman(worth.double().cpu(), labelled.delta.double().cpu())
+
+
+@dataclass(frozen=True)
+class State:
+    """One traced state: a window's chunk at history ``n``, its edits and labels."""
+
+    window: int  # the window's index among the traced ones
+    n: int
+    labelled: Labelled
+    utility_corr: float  # of the policy that made the state
+
+
+@torch.no_grad()
+def trace_window(
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    protocol: Refocus,
+    random_cuts: int,
+    generator: torch.Generator,
+    index: int = 0,
+) -> list[State]:
+    """Walk one window's tail (``tree [1, n_nodes, D]``, ``window [1, T + 1]``) under generation's protocol, LensNet
+    and ``match`` each refocusing warm from its own previous context, and label every chunk's state."""
+    layout, R = system.layout, protocol.every
+    nodes = system.nodes
+    previous: dict[str, WorkingContext | None] = {"lens": None, "match": None}
+    states = []
+    for n in range(layout.T - layout.H + 1, layout.T + 1, R):
+        cv = chunk_view(tree, window, nodes, n, R)
+        cuts = {}
+        for name in previous:
+            view_cuts, contexts = refocus_rows(system, name, cv.tree, cv.window, cv.view, protocol, [previous[name]])
+            previous[name], cuts[name] = contexts[0], view_cuts[0, 0]
+        scores = lens_view_scores(system, cv)[0]
+        noise = draw_variant_noise(cv.nodes.with_sizes(N=random_cuts).layout, 1, generator, window.device)
+        others = {
+            "match": full_cut(cuts["match"], cv.real, cv.ids, nodes, n, cv.upto)[None, None],
+            "recency": recency_of(nodes, n, cv.upto, nodes.layout.W - R, 1),
+            "random": full_cut(compressed_cuts(noise, cv.nodes.with_sizes(N=random_cuts)), cv.real, cv.ids, nodes,
+                               n, cv.upto),
+        }  # fmt: skip
+        labelled = label_edits(system, tree, window, nodes, cv, cuts["lens"], scores, others)
+        states.append(State(index, n, labelled, utility_corr(labelled, scores)))
+    return states

@@ -1,0 +1,214 @@
+"""The counterfactual LensNet: single legal edits of a cut, their ΔNLL under generation's protocol, the ranking
+objective, traces on disk and the stage that trains on them (issue 53)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from builders import VOCAB, awake, check_cut, make_system, rewritten_after
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mcfn.core.edits import COLLAPSE, DROP, EXPAND, edit_worth, ranking_loss, single_edits
+from mcfn.core.focus import Refocus, focus_cut, view_context
+from mcfn.core.system import tree_stage
+from mcfn.errors import UserError
+from mcfn.shell.traces import Traces, fingerprint
+from mcfn.tools.chunks import chunk_view
+from mcfn.tools.counterfactual import label_edits, lens_view_scores, trace_window
+
+T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
+
+
+@pytest.fixture(scope="module")
+def system():
+    return awake(make_system(T, K, L, W, H, N=2, seed=3, refocus_every=R)).eval()
+
+
+def window_of(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def policy_state(system, window: torch.Tensor, n: int):
+    """The chunk at history ``n``: its view, LensNet's cold cut in it, and LensNet's scores there."""
+    tree = tree_stage(system, window)
+    cv = chunk_view(tree, window, system.nodes, n, R)
+    cut = focus_cut(system.lensnet, cv.tree, cv.window, cv.view, steps=4)
+    return tree, cv, cut[0, 0], lens_view_scores(system, cv)[0]
+
+
+@torch.no_grad()
+def by_hand_nll(system, cv, cut: torch.Tensor, window: torch.Tensor) -> float:
+    """The chunk's mean NLL read the way generation reads it: the cut's context (:func:`view_context`), then the
+    chunk's tokens appended one entry each, through the base model once."""
+    base, n, upto = system.base, cv.n, cv.upto
+    ctx = view_context(cv.tree, cut[None, None], cv.window, cv.view)
+    tokens = window[:, n:upto]
+    positions = torch.arange(n, upto, dtype=torch.float32)[None]
+    emb = torch.cat([ctx.emb, base.embed(tokens)], 1)
+    pos = torch.cat([ctx.position, positions], 1)
+    span = torch.cat([ctx.span.float(), torch.ones_like(positions)], 1)
+    k = upto - n + 1
+    h = base.hidden(emb, pos, span)[:, -k:]
+    return float(base.nll(h, window[:, n : upto + 1]).mean())
+
+
+def test_every_edit_is_a_legal_cut_within_budget_and_the_policy_is_a_candidate(system):
+    """Every candidate cut is legal (I2, I3, I4: disjoint, within W, the tail at LOD0, nothing left out but whole
+    droppable spans); each kind of edit occurs; the policy's own cut is scored beside the edits. Fails if an
+    expansion is not paid for, or a collapse's freed budget overflows."""
+    kinds = set()
+    for seed in range(4):
+        window = window_of(seed)
+        for n in range(T - H + 1, T + 1, R):
+            tree, cv, cut, scores = policy_state(system, window, n)
+            edits = single_edits(cut, scores, cv.nodes)
+            check_cut(edits.shown, cv.nodes.layout)
+            assert not (edits.shown == cut).all(-1).any(), "every edit changes the cut"
+            kinds |= set(edits.kind.tolist())
+            labelled = label_edits(system, tree, window, system.nodes, cv, cut, scores)
+            assert labelled.delta.numel() == edits.kind.numel() and "lens" in labelled.nll
+    assert kinds == {EXPAND, COLLAPSE, DROP}
+
+
+def test_an_edits_delta_nll_equals_a_separate_forward_over_that_context(system):
+    """ΔNLL of an edit = the chunk NLL under the policy's cut minus under the edit, each recomputed by hand the way
+    generation reads a context. Fails if the packed forward scored other predictions or another cut."""
+    window = window_of(7)
+    n = T - H + 1 + R
+    tree, cv, cut, scores = policy_state(system, window, n)
+    labelled = label_edits(system, tree, window, system.nodes, cv, cut, scores)
+    policy = by_hand_nll(system, cv, cut, window)
+    assert labelled.nll["lens"][0] == pytest.approx(policy, abs=1e-5)
+    for j in (0, labelled.delta.numel() // 2, labelled.delta.numel() - 1):
+        edited = by_hand_nll(system, cv, labelled.edits.shown[j], window)
+        assert float(labelled.delta[j]) == pytest.approx(policy - edited, abs=1e-5)
+    assert labelled.delta.abs().max() > 1e-4, "the edits change what the base model predicts"
+
+
+def test_candidates_read_nothing_after_the_horizon_but_the_labels_do(system):
+    """No leak (I11): rewriting every token after a chunk's horizon leaves its candidates (the edits' cuts and
+    nodes, the policy's scores) unchanged and changes its labels."""
+    window = window_of(11)
+    n = T - H + 1
+    rewritten = rewritten_after(window, torch.tensor([n - 1]), seed=5)
+    states = [policy_state(system, w, n) for w in (window, rewritten)]
+    labels = [label_edits(system, tree, w, system.nodes, cv, cut, scores)
+              for (tree, cv, cut, scores), w in zip(states, (window, rewritten), strict=True)]  # fmt: skip
+    (_, _, cut_a, scores_a), (_, _, cut_b, scores_b) = states
+    assert torch.equal(cut_a, cut_b) and torch.equal(scores_a, scores_b)
+    a, b = labels[0].edits, labels[1].edits
+    assert torch.equal(a.shown, b.shown) and torch.equal(a.gain, b.gain) and torch.equal(a.loss, b.loss)
+    assert not torch.allclose(labels[0].delta, labels[1].delta)
+
+
+def test_a_trace_walks_the_tail_on_policy_chunk_by_chunk(system):
+    """One state per chunk of R, each carrying the policy's, match's, recency's and the random cuts' chunk NLLs."""
+    window = window_of(2)
+    states = trace_window(system, tree_stage(system, window), window, Refocus(R, 4, 1), 2, torch.Generator(), 9)
+    assert [s.n for s in states] == list(range(T - H + 1, T + 1, R))
+    assert all(s.window == 9 and set(s.labelled.nll) == {"lens", "match", "recency", "random"} for s in states)
+    assert all(s.labelled.nll["random"].numel() == 2 for s in states)
+
+
+deltas = st.lists(st.integers(-100, 100).map(lambda x: x / 100), min_size=3, max_size=12, unique=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(deltas, st.integers(0, 3))
+def test_property_one_ranking_step_orders_the_edits_as_their_measured_worth(delta, padding):
+    """From equal scores, one gradient step of the ranking loss gives each edit a score that rises with its ΔNLL:
+    the order of the scores is exactly the order of the labels (padding ignored). With the labels' sign flipped the
+    order is reversed, so this fails for a loss that ranked the wrong way."""
+    for sign in (1.0, -1.0):
+        labels = torch.tensor(delta + [0.0] * padding) * sign
+        valid = torch.arange(labels.numel()) < len(delta)
+        predicted = torch.zeros(1, labels.numel(), requires_grad=True)
+        ranking_loss(predicted, labels[None], valid[None]).backward()
+        stepped = (-predicted.grad[0])[valid]
+        order = torch.argsort(stepped)
+        assert torch.equal(order, torch.argsort(labels[valid])), (sign, stepped, labels)
+        assert (predicted.grad[0][~valid] == 0).all()
+
+
+def test_an_edits_predicted_worth_is_what_it_gains_minus_what_it_gives_up():
+    scores = torch.tensor([[0.5, -1.0, 2.0, 0.25]])
+    gain, loss = torch.tensor([[2, -1, 0]]), torch.tensor([[1, 3, -1]])
+    assert edit_worth(scores, gain, loss).tolist() == [[3.0, -0.25, 0.5]]
+
+
+def test_traces_are_written_read_back_and_refused_for_another_checkpoint_or_config(system, tmp_path):
+    window = window_of(4)
+    tree = tree_stage(system, window)
+    states = trace_window(system, tree, window, Refocus(R, 4, 1), 2, torch.Generator(), 0)
+    config = {"data": {"mix": 0.8}, "mc": {"budget": W, "lens": {"match_prior": False}}}
+    made_by = fingerprint(system, 10, config)
+    traces = Traces.of(window, tree.emb, states, made_by, round=1)
+    traces.save(tmp_path / "t.pt")
+    back = Traces.load(tmp_path / "t.pt", made_by)
+    assert back.round == 1 and torch.equal(back.windows, traces.windows) and torch.equal(back.trees, traces.trees)
+    assert all(torch.equal(back.states[k], traces.states[k]) for k in traces.states.keys())
+    assert int(back.states["valid"].sum()) == sum(s.labelled.delta.numel() for s in states)
+    policy = {**config, "mc": {**config["mc"], "lens": {"match_prior": True}}}
+    assert fingerprint(system, 10, policy) == made_by, "the policy may change"
+    other_config = {**config, "data": {**config["data"], "mix": 0.5}}
+    other_weights = awake(make_system(T, K, L, W, H, N=2, seed=4, refocus_every=R))
+    for other in (fingerprint(system, 11, config), fingerprint(system, 10, other_config),
+                  fingerprint(other_weights, 10, config)):  # fmt: skip
+        with pytest.raises(UserError, match="another checkpoint or config") as refused:
+            Traces.load(tmp_path / "t.pt", other)
+        assert "\n" not in str(refused.value)
+
+
+def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, capsys):
+    from train.lens import main as lens_main
+
+    def one_line(argv) -> str:
+        assert lens_main(argv) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert one_line(["--run", str(tmp_path)]).startswith("error: no checkpoint")
+    assert one_line(["--run", str(tmp_path), "--rounds", "0"]).startswith("error: ")
+
+
+def test_the_stage_trains_lensnet_on_a_run_and_writes_it_back(decoding_run, tmp_path):
+    """``train.lens`` on a tiny run: the traces on disk, the figures per round, and the checkpoint's LensNet and
+    config (the match prior on) replaced, so that ``train.eval`` and ``train.generate`` read the new policy."""
+    from mcfn.shell.checkpoint import Checkpoint
+    from train.lens import main as lens_main
+
+    run = tmp_path / "run"
+    shutil.copytree(decoding_run[0], run)
+    before = Checkpoint.read(run)
+    argv = ["--run", str(run), "--rounds", "2", "--windows", "2", "--held-out", "2", "--epochs", "1"]
+    assert lens_main(argv) == 0
+    summary = json.loads((run / "lens_stage.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    assert all(-1 <= r["held_out"]["utility_corr"] <= 1 and r["states"] > 0 for r in summary["rounds"])
+    assert sorted(p.name for p in (run / "lens_traces").iterdir()) == ["round1.pt", "round2.pt"]
+    after = Checkpoint.read(run)
+    assert after.cfg.mc.lens.match_prior and not before.cfg.mc.lens.match_prior
+    assert after.state["lens_stage"]["rounds"] == summary["rounds"]
+    changed = [k for k in before.state["model"] if not torch.equal(before.state["model"][k], after.state["model"][k])]
+    assert changed and all(k.startswith("lensnet.") for k in changed)
+
+
+def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
+    """``train.lens_rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
+    then scores the stage's LensNet (``utility_corr`` beside the bpb) and says which context to generate with."""
+    from train.run import main as run_main
+
+    out = tmp_path / "run"
+    overrides = ["--set", "train.lens_rounds=1", "--set", "train.final_eval_batches=2"]
+    assert run_main(["--profile", str(profile), "--out", str(out), "--steps", "2", *overrides]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in summary["lens_stage"]["rounds"]] == [1] and summary["lens_stage"]["kept_round"] in (
+        0,
+        1,
+    )
+    report = json.loads((out / "eval.json").read_text())
+    assert -1 <= report["utility_corr"] <= 1 and report["best_context"] in ("focus", "match", "recency")
+    assert f"Generate with `--context {report['best_context']}`" in (out / "eval.md").read_text()

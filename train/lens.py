@@ -1,0 +1,50 @@
+"""Train LensNet on what each choice costs: ``python -m train.lens --run DIR [--rounds N] [--windows N] ...``.
+
+The LensNet stage (``mcfn.shell.lens_stage``) on an existing MegaContext run: rounds of counterfactual traces under
+generation's protocol and LensNet training on them, the held-out utility correlation after each round. The trained
+LensNet goes back into the run's checkpoint; ``train.eval --ckpt DIR`` then scores it. Bad input (no checkpoint, a
+plain run, traces of another checkpoint) ends with a one-line ``error:`` message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mcfn.errors import exit_code
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from mcfn.shell.lens_stage import StageSettings
+
+    d = StageSettings()
+    p = argparse.ArgumentParser(prog="python -m train.lens", description=__doc__.split("\n")[0])
+    p.add_argument("--run", type=Path, required=True, help="the run directory (or its checkpoint.pt)")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="rounds of trace, train, measure")
+    p.add_argument("--windows", type=int, default=d.windows, help="fresh training windows traced per round")
+    p.add_argument("--held-out", type=int, default=d.held_out, help="validation windows measured after each round")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over every round's traces so far")
+    p.add_argument("--lr", type=float, default=d.lr, help="LensNet's AdamW learning rate")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    from mcfn.shell.devices import resolve_device
+    from mcfn.shell.lens_stage import StageSettings, run_stage
+    from mcfn.shell.trainer import say
+
+    settings = StageSettings(args.rounds, args.windows, args.held_out, args.epochs, args.lr)
+    run_dir = args.run if args.run.is_dir() else args.run.parent
+    _, summary = run_stage(run_dir, settings, resolve_device(args.device), say)
+    (run_dir / "lens_stage.json").write_text(json.dumps(summary, indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
