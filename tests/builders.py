@@ -1,9 +1,14 @@
 """What the tests build and check with: small systems and batches, Hypothesis strategies over tree shapes, the
-cut checker, and adversarial scores. One home, so that test files import from here and never from each other."""
+cut checker, adversarial scores, generated documents and tiny profiles. One home, so that test files import from
+here and never from each other or from ``conftest.py`` (which holds the fixtures)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import random
+import tomllib
+from pathlib import Path
 
 import torch
 from einops import rearrange
@@ -216,3 +221,60 @@ def one_line_error(argv, capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ")
     return err[-1]
+
+
+WORDS = (
+    "the cat sat on a mat while dogs ran past old trees near quiet rivers and green hills under "
+    "bright skies so every small bird sang songs of morning light to sleepy foxes"
+).split()
+
+
+def make_document(rng: random.Random, sentences: int) -> str:
+    out = []
+    for _ in range(sentences):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 12))]
+        out.append(" ".join(words).capitalize() + ".")
+    return " ".join(out)
+
+
+def make_documents(n: int, seed: int = 0, sentences: int = 40) -> list[str]:
+    rng = random.Random(seed)
+    return [make_document(rng, sentences) for _ in range(n)]
+
+
+def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
+    """Config sections for a model and corpus small enough for a test to train in seconds."""
+    sections = {
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
+        "data": {"source": source, "seq_len": 32, "vocab_size": 320, "min_doc_chars": 100, "val_fraction": 0.2},
+        "optim": {},
+        "train": {
+            "steps": 20,
+            "batch_size": 4,
+            "eval_every": 10,
+            "eval_batches": 2,
+            "log_every": 1,
+            "ckpt_every": 10,
+            "wandb": "disabled",
+        },
+        "mc": {"block_size": 4, "lod_max": 2, "budget": 16, "tail": 8, "variants": 2, "refocus_every": 2},
+    }
+    for section, values in extra.items():
+        sections[section].update(values)
+    return sections
+
+
+def toml_tables(name: str, values: dict) -> list[str]:
+    """``[name]`` with its plain keys, then its nested tables (``[mc.lens]``) the same way."""
+    lines = [f"[{name}]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items() if not isinstance(v, dict)]
+    for key, table in values.items():
+        if isinstance(table, dict):
+            lines += toml_tables(f"{name}.{key}", table)
+    return lines
+
+
+def write_profile(path: Path, sections: dict) -> Path:
+    lines = [line for section, values in sections.items() for line in toml_tables(section, values)]
+    path.write_text("\n".join(lines) + "\n")
+    tomllib.loads(path.read_text())
+    return path

@@ -1,14 +1,14 @@
-"""Shared fixtures: a private token cache, small generated corpora of every kind, tiny configs."""
+"""Shared fixtures: a private token cache, small generated corpora of every kind, a tiny profile and run. What they
+build from lives in ``builders.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import tomllib
 from pathlib import Path
 
 import pytest
+from builders import make_documents, tiny_sections, write_profile
 from hypothesis import settings
 
 # ci: what every test run uses (pytest -k property stays under 3 minutes); nightly: a deeper search, for a
@@ -16,24 +16,6 @@ from hypothesis import settings
 settings.register_profile("ci", deadline=None, max_examples=40, derandomize=True)
 settings.register_profile("nightly", deadline=None, max_examples=400)
 settings.load_profile(os.environ.get("MCFN_HYPOTHESIS", "ci"))
-
-WORDS = (
-    "the cat sat on a mat while dogs ran past old trees near quiet rivers and green hills under "
-    "bright skies so every small bird sang songs of morning light to sleepy foxes"
-).split()
-
-
-def make_document(rng: random.Random, sentences: int) -> str:
-    out = []
-    for _ in range(sentences):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(5, 12))]
-        out.append(" ".join(words).capitalize() + ".")
-    return " ".join(out)
-
-
-def make_documents(n: int, seed: int = 0, sentences: int = 40) -> list[str]:
-    rng = random.Random(seed)
-    return [make_document(rng, sentences) for _ in range(n)]
 
 
 @pytest.fixture
@@ -82,44 +64,6 @@ def parquet_dir(tmp_path_factory) -> Path:
     for shard in range(3):
         pq.write_table(pa.table({"text": docs[shard::3]}), root / f"shard_{shard:05d}.parquet", row_group_size=4)
     return root
-
-
-def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
-    """Config sections for a model and corpus small enough for a test to train in seconds."""
-    sections = {
-        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32},
-        "data": {"source": source, "seq_len": 32, "vocab_size": 320, "min_doc_chars": 100, "val_fraction": 0.2},
-        "optim": {},
-        "train": {
-            "steps": 20,
-            "batch_size": 4,
-            "eval_every": 10,
-            "eval_batches": 2,
-            "log_every": 1,
-            "ckpt_every": 10,
-            "wandb": "disabled",
-        },
-        "mc": {"block_size": 4, "lod_max": 2, "budget": 16, "tail": 8, "variants": 2, "refocus_every": 2},
-    }
-    for section, values in extra.items():
-        sections[section].update(values)
-    return sections
-
-
-def toml_tables(name: str, values: dict) -> list[str]:
-    """``[name]`` with its plain keys, then its nested tables (``[mc.lens]``) the same way."""
-    lines = [f"[{name}]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items() if not isinstance(v, dict)]
-    for key, table in values.items():
-        if isinstance(table, dict):
-            lines += toml_tables(f"{name}.{key}", table)
-    return lines
-
-
-def write_profile(path: Path, sections: dict) -> Path:
-    lines = [line for section, values in sections.items() for line in toml_tables(section, values)]
-    path.write_text("\n".join(lines) + "\n")
-    tomllib.loads(path.read_text())
-    return path
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import make_documents
+from builders import make_documents
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -118,7 +118,7 @@ def test_the_gist_ablation_and_the_paired_gains(report):
 
 
 def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
-    from conftest import tiny_sections, write_profile
+    from builders import tiny_sections, write_profile
 
     from train.eval import main as eval_main
     from train.run import main as run_main
@@ -184,7 +184,7 @@ def test_attention_mass_is_the_models_attention_from_the_queries():
 
 def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     """``--task`` and ``--reference`` end to end; a reference with another T or corpus is refused (exit 2)."""
-    from conftest import tiny_sections, write_profile
+    from builders import tiny_sections, write_profile
 
     from train.eval import main as eval_main
     from train.run import main as run_main

@@ -10,7 +10,8 @@ from compile_check import one_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.core.focus import carried_cut, focus_cut, focus_scores, shrink_to_budget, stream_view
+from mcfn.core.focus import carried_cut, focus_cut, focus_scores, shrink_to_budget, stream_view, view_context
+from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
 from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
@@ -153,6 +154,26 @@ def random_stream(system, n: int) -> StreamingTree:
     return stream
 
 
+def test_generation_with_context_match_refocuses_with_match_as_the_evaluation_does():
+    """``--context match``: the streaming refocus scored by the n-gram ``match`` (reach R), the cut the evaluation's
+    ``match`` condition takes over the same view; a LensNet that disagrees cuts otherwise. Over 4 token ids the
+    votes fire, so the test fails if generation's match ignored them."""
+    system = decisive_system()
+    stream = StreamingTree(system, torch.device("cpu"))
+    stream.append(torch.randint(0, 4, (5 * W,), generator=torch.Generator().manual_seed(3)))
+    budget = W - REFOCUS
+    view = stream_view(len(stream), system.layout, budget)
+    tree, window = view_tree(stream, view)
+    scorer = match_scorer(window[:, : view.layout.T], K, REFOCUS, view.layout.T)
+    expected = view_context(tree, focus_cut(None, tree, window, view, 4, scorer=scorer), window, view)
+    got = focused_context(system, stream, budget, 4, match_reach=REFOCUS)
+    assert torch.equal(got.start, expected.start) and torch.equal(got.lod, expected.lod)
+    lens = focused_context(system, stream, budget, 4)
+    assert not (
+        lens.start.shape == got.start.shape and torch.equal(lens.lod, got.lod) and torch.equal(lens.start, got.start)
+    )
+
+
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 40 * W))
 def test_property_streaming_context_covers_the_recent_history_within_budget(n):
@@ -252,6 +273,8 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     maps = ["".join(line.strip() for line in r.splitlines() if line.startswith("  ")) for r in refocuses]
     assert "[generate] mc:" in err and maps and all(m.lstrip("·") == "0" * len(m.lstrip("·")) for m in maps)
     assert all(5 <= len(m.lstrip("·")) <= 6 for m in maps)  # 20 tokens span 5 blocks, or 6 when not aligned
+    assert generate_main([*common, "--context", "match", "--quiet"]) == 0
+    assert "[generate] mc:" in capsys.readouterr().err
     assert generate_main([*common, "--warm-steps", "-1"]) == 2
     assert generate_main([*common, "--refocus-every", "100000"]) == 2
 

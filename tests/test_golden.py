@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import tiny_sections, write_profile
+from builders import tiny_sections, write_profile
 
 from mcfn.shell.tracking import read_metrics
 from train.run import main

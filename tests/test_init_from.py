@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from builders import one_line_error
-from conftest import tiny_sections, write_profile
+from builders import one_line_error, tiny_sections, write_profile
 
 from mcfn.core.system import MegaContext
 from mcfn.profile import resolve

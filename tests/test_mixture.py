@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import make_documents
+from builders import make_documents
 
 from mcfn.data.corpus import Split
 from mcfn.data.loader import WindowSampler, validation_batches

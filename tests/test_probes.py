@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_documents
+from builders import make_documents
 
 from mcfn.data.probes import PAIRS, PROBES, QUERIES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer

@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from builders import one_line_error
-from conftest import tiny_sections, write_profile
+from builders import one_line_error, tiny_sections, write_profile
 
 from mcfn.profile import config_from_saved
 from mcfn.shell.outcome import git_commit

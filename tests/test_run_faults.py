@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_sections, write_profile
+from builders import tiny_sections, write_profile
 
 from mcfn.shell.checkpoint import load_checkpoint
 from mcfn.shell.tracking import read_metrics
