@@ -49,7 +49,7 @@ FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: 
 
 @dataclass(frozen=True)
 class StageSettings:
-    rounds: int = 2  # trace, train, measure
+    rounds: int = 3  # trace, train, measure
     windows: int = 64  # training windows traced per round
     held_out: int = 32  # validation windows whose states give the round's utility_corr
     epochs: int = 6  # passes over every round's traces so far
