@@ -48,7 +48,6 @@ def make_system(
     teacher: dict | None = None,
     lens: dict | None = None,
     gist: dict | None = None,
-    leave_out: str = "top",
     refocus_every: int = 16,
 ) -> MegaContext:
     cfg = build_config(
@@ -61,7 +60,6 @@ def make_system(
                 "budget": W,
                 "tail": H,
                 "variants": N,
-                "leave_out": leave_out,
                 "refocus_every": refocus_every,
                 "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
                 "lens": {"width": lens_width, **(lens or {})},
@@ -118,8 +116,8 @@ def layouts(draw) -> dict:
     H = K * draw(st.one_of(st.just(T // K - 1), st.integers(1, T // K - 1)))
     low = max(H, coarsest_cover_size(T, K, L, H))
     W = draw(st.one_of(st.just(low), st.just(T), st.integers(low, T)))
-    N, leave_out = draw(st.integers(1, 3)), draw(st.sampled_from(["top", "gist"]))
-    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": N, "leave_out": leave_out}
+    N = draw(st.integers(1, 3))
+    return {"T": T, "K": K, "L": L, "W": W, "H": H, "N": N}
 
 
 cases = st.tuples(layouts(), st.integers(1, 2), st.integers(0, 2**16))
@@ -154,15 +152,15 @@ def token_coverage(shown: torch.Tensor, layout) -> torch.Tensor:
 
 def check_cut(shown: torch.Tensor, layout) -> None:
     """A valid working context (I2): text covered at most once; what is left out is a union of whole spans of
-    droppable gists (eligible, at LODmax, or with ``leave_out = "gist"`` at any level from LOD1), so each
-    aligned block of ``K^lowest_drop`` tokens is covered whole or left out whole, and only an eligible one is
+    droppable gists (eligible, at LODmax), so each aligned top-level block of ``K^L`` tokens is covered whole or
+    left out whole, and only an eligible one is
     left out; the tail at LOD0; within W."""
     coverage = token_coverage(shown, layout)
     assert (coverage <= 1).all(), "disjoint spans (I2)"
-    unit = layout.K**layout.lowest_drop
+    unit = layout.K**layout.L
     blocks = rearrange(coverage, "... (n s) -> ... n s", s=unit)
     assert ((blocks == 1).all(-1) | (blocks == 0).all(-1)).all(), "text is left out in whole droppable spans (I2)"
-    may_leave_out = torch.arange(layout.T // unit) < layout.eligible_counts[layout.lowest_drop]
+    may_leave_out = torch.arange(layout.T // unit) < layout.eligible_counts[layout.L]
     assert ((blocks == 1).all(-1) | may_leave_out).all(), "only an eligible gist's span is left out (I2)"
     assert (lod_map(shown[:, None], NodeTable.of(layout))[..., layout.T - layout.H :] == 0).all(), "tail at LOD0 (I4)"
     assert (shown.sum(-1) <= layout.W).all(), "capacity (I3)"

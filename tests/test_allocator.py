@@ -78,28 +78,18 @@ def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, 
 
 @given(cases)
 def test_property_I2_compressed_variants_leave_out_only_whole_eligible_spans(case):
-    """Every compressed variant is a cut (I2–I4). Under ``leave_out = "top"`` it leaves out at most
-    :func:`most_left_out` top-level blocks, each freeing one entry for detail, and with the noise at its top
-    exactly that many; under ``"gist"`` the LOD1 share of the noise buys tokens by leaving LOD1 blocks out."""
+    """Every compressed variant is a cut (I2–I4). It leaves out at most :func:`most_left_out` top-level blocks,
+    each freeing one entry for detail, and with the noise at its top exactly that many."""
     shape, batch, seed = case
     layout = make_system(**shape, seed=seed).layout
     table = NodeTable.of(layout)
     noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
     cuts = sample_variants(noise, table)[:, 1:]
     check_cut(rearrange(cuts, "b n x -> (b n) x"), layout)
-    if layout.leave_out == "top":
-        n_left_out = table.left_out(cuts).sum(-1)
-        assert (n_left_out <= most_left_out(layout)).all()
-        noise.leave_out = torch.full_like(noise.leave_out, 0.999)
-        assert (table.left_out(sample_variants(noise, table)[:, 1:]).sum(-1) == most_left_out(layout)).all()
-    else:  # LOD1 drops pay for more tokens: with the LOD1 share at its top a variant shows at least as many
-        tokens = {}
-        for share in (0.0, 0.999):
-            noise.share[..., 0] = share
-            varied = sample_variants(noise, table)[:, 1:]
-            check_cut(rearrange(varied, "b n x -> (b n) x"), layout)
-            tokens[share] = table.level(varied, 0).sum(-1)
-        assert (tokens[0.999] >= tokens[0.0]).all()
+    n_left_out = table.left_out(cuts).sum(-1)
+    assert (n_left_out <= most_left_out(layout)).all()
+    noise.leave_out = torch.full_like(noise.leave_out, 0.999)
+    assert (table.left_out(sample_variants(noise, table)[:, 1:]).sum(-1) == most_left_out(layout)).all()
 
 
 @pytest.mark.parametrize("offset", [0.0, -1000.0, 1000.0])
@@ -117,33 +107,6 @@ def test_allocator_reaches_truncation_when_scores_fall_with_age_whatever_their_s
         check_cut(cut, layout)
         check_actions(before, cut, table, layout.K)
     assert torch.equal(cut, recency_cut(layout, 1, torch.device("cpu"))[:, 0])
-
-
-def test_allocator_under_gist_leave_out_reaches_a_far_block_of_tokens_beside_the_recent_window():
-    """T=64, K=4, L=2, W=32, H=8, ``leave_out = "gist"``: scores rank the LOD1 block [4,8) first, then the
-    newest text. From the coarsest cut the allocator reaches a block-sparse cut: tokens [4,8) and the newest
-    tokens, the rest of the first top-level block left out, which ``"top"`` cannot do (it must cover the
-    block's other LOD1 spans with gists, or leave out the far block with them)."""
-    cuts = {}
-    for rule in ("top", "gist"):
-        layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1, leave_out=rule).layout
-        table = NodeTable.of(layout)
-        end = (table.start + table.span).float()
-        far = (table.start >= 4) & (table.start + table.span <= 8)  # LOD1 [4,8) and its tokens
-        scores = torch.where(far | (table.lod == 2) & (table.start == 0), 1000.0, end)[None]
-        cut = coarsest_cut(layout, torch.device("cpu"))[None]
-        for _ in range(4):
-            before, cut = cut, allocate(cut, scores, table)
-            check_cut(cut, layout)
-            check_actions(before, cut, table, layout.K)
-        cuts[rule] = cut[0]
-    layout = make_system(T=64, K=4, L=2, W=32, H=8, N=1, leave_out="gist").layout
-    want = torch.zeros(layout.n_nodes, dtype=torch.bool)
-    want[4:8] = True
-    want[36:64] = True  # 28 newest tokens: with [4,8), the whole budget
-    assert torch.equal(cuts["gist"], want)
-    top_tokens = cuts["top"][:64]
-    assert not (top_tokens[4:8].all() and not cuts["top"][:4].any() and not cuts["top"][64:66].any())
 
 
 def test_recent_cut_is_the_newest_detail_first_built_by_hand():

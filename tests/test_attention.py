@@ -67,7 +67,7 @@ def test_the_teachers_mass_covers_the_window_once_per_level():
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
         recency_nll = recency_tail_nll(system.base.nll(hidden, wc.target), wc, system.layout)
         weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
-        _, mass, _ = teacher_losses(system.base, window, recency_nll, system.layout, weights, with_mass=True)
+        _, mass = teacher_losses(system.base, window, recency_nll, system.layout, weights, with_mass=True)
     layout = system.layout
     totals = [mass[:, o : o + n].sum(-1) for o, n in zip(layout.level_offsets, layout.level_sizes, strict=True)]
     for total in totals[1:]:

@@ -70,9 +70,9 @@ def test_override_syntax():
 
 
 def test_nested_mc_tables_and_overrides():
-    cfg = resolve("cpu-tiny", [parse_override("mc.lens.pair_weight=2"), parse_override("mc.alloc.noise=0.5")])
-    assert cfg.mc.lens.pair_weight == 2.0 and cfg.mc.alloc.noise == 0.5 and cfg.mc.gist.layers == 2
-    assert cfg.flat()["mc.lens.pair_weight"] == 2.0
+    cfg = resolve("cpu-tiny", [parse_override("mc.gist.recon_weight=2"), parse_override("mc.alloc.noise=0.5")])
+    assert cfg.mc.gist.recon_weight == 2.0 and cfg.mc.alloc.noise == 0.5 and cfg.mc.gist.layers == 2
+    assert cfg.flat()["mc.gist.recon_weight"] == 2.0
     off = build_config({"mc": {"lens": {"enabled": False}}})
     assert not off.mc.lens.enabled and off.mc.alloc_variants == 0
 
@@ -86,7 +86,7 @@ def test_nested_mc_tables_and_overrides():
         ({"mc": {"lens": False}}, "mc.lens in config must be a table"),
         ({"mc": {"lens": {"wieght": 1.0}}}, "unknown key mc.lens.wieght"),
         ({"mc": {"gist": 2}}, r"mc.gist in config must be a table"),
-        ({"mc": {"lens": {"pair_weight": -1}}}, "mc.lens.pair_weight: must be >= 0"),
+        ({"mc": {"lens": {"attention_weight": -1}}}, "mc.lens.attention_weight: must be >= 0"),
         ({"mc": {"lens": {"temperature": 0.5}}}, "unknown key mc.lens.temperature"),
         ({"mc": {"variants": 1, "alloc": {"variants": 2}}}, "mc.alloc.variants"),
     ],
@@ -120,6 +120,29 @@ def test_a_config_saved_with_a_retired_knob_loads_at_its_fixed_value_and_is_refu
         config_from_saved(saved)
 
 
+@pytest.mark.parametrize(
+    "section, key, default, other",
+    [("lens", "match_feature", False, True), ("lens", "horizons", "tail", "chunks"), ("teacher", "stretch", 0, 256),
+     ("lens", "pair_weight", 0.0, 1.0), (None, "leave_out", "top", "gist")],
+)  # fmt: skip
+def test_the_knobs_of_experiments_that_lost_load_at_their_default_and_are_refused_at_another(
+    section, key, default, other
+):
+    """House part 3: the knobs whose A/B lost are gone; a run saved at their default loads, one saved at another
+    value is refused in one line naming it."""
+    from mcfn.profile import config_from_saved
+
+    cfg = resolve("cpu-tiny", [])
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    table = saved["mc"] if section is None else saved["mc"][section]
+    table[key] = default
+    assert config_from_saved(saved) == cfg
+    table[key] = other
+    with pytest.raises(UserError, match=f"{key}={other!r}") as refused:
+        config_from_saved(saved)
+    assert "\n" not in str(refused.value)
+
+
 def test_a_config_saved_before_test_splits_existed_loads_without_one_and_finds_its_old_cache():
     """A run saved before ``data.test_fraction`` existed trained on every non-validation document: it loads with no
     test split, and a corpus key of its own (test_fraction enters the key only where it is not 0, so the key is the
@@ -137,11 +160,11 @@ def test_a_config_saved_before_test_splits_existed_loads_without_one_and_finds_i
 
 
 def test_a_profile_extends_another_and_says_only_what_differs(tmp_path):
-    (tmp_path / "base.toml").write_text("[train]\nsteps = 7\nbatch_size = 2\n[mc.lens]\npair_weight = 0.5\n")
+    (tmp_path / "base.toml").write_text("[train]\nsteps = 7\nbatch_size = 2\n[mc.gist]\nrecon_weight = 0.5\n")
     (tmp_path / "child.toml").write_text('extends = "base.toml"\n[train]\nsteps = 9\n[mc.lens]\nlayers = 3\n')
     cfg = resolve(str(tmp_path / "child.toml"), [])
     assert (cfg.train.steps, cfg.train.batch_size) == (9, 2)
-    assert (cfg.mc.lens.pair_weight, cfg.mc.lens.layers) == (0.5, 3)
+    assert (cfg.mc.gist.recon_weight, cfg.mc.lens.layers) == (0.5, 3)
     (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
     with pytest.raises(UserError, match="extends itself"):
         resolve(str(tmp_path / "loop.toml"), [])
@@ -158,4 +181,4 @@ def test_the_shipped_profiles_that_extend_differ_from_their_parent_in_a_few_keys
 def test_config_hash_follows_every_setting():
     base = resolve("cpu-tiny", [])
     assert base.digest() == resolve("cpu-tiny", []).digest()
-    assert base.digest() != resolve("cpu-tiny", [parse_override("mc.lens.pair_weight=2")]).digest()
+    assert base.digest() != resolve("cpu-tiny", [parse_override("mc.gist.recon_weight=2")]).digest()

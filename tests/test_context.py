@@ -95,5 +95,5 @@ def test_property_I11_a_cut_is_chosen_from_nothing_after_its_horizon(case, data)
 def test_I11_on_a_shape_where_the_tail_would_change_the_cuts():
     """A shape with room to choose (many of Hypothesis' smallest draw none): read past the horizon, both scorers'
     cuts would change here (checked by taking ``seen_until`` out of :func:`refocus`)."""
-    shape = {"T": 64, "K": 4, "L": 2, "W": 32, "H": 8, "N": 2, "leave_out": "top"}
+    shape = {"T": 64, "K": 4, "L": 2, "W": 32, "H": 8, "N": 2}
     assert_chosen_before(shape, 2, 3, torch.tensor([56, 60]))

@@ -64,36 +64,6 @@ def test_property_match_votes_read_nothing_after_the_horizon(seed: int, horizon:
     torch.testing.assert_close(before, match_votes(rewritten, at, block=4, reach=reach, queries=queries))
 
 
-def test_lensnet_reads_the_match_votes_only_behind_its_knob():
-    """``mc.lens.match_feature``: off, LensNet never reads the tokens (the same scores bit for bit whatever they say);
-    on, a far block that a copy of the newest trigram points at gets votes, and LensNet's scores tell the text with
-    the copy from the text without it."""
-    from builders import decisive, make_system
-
-    from mcfn.core.context import seen_until
-    from mcfn.core.lensnet import unit_votes
-    from mcfn.core.system import build_contexts
-    from mcfn.core.variants import draw_variant_noise
-
-    T, K, H = 64, 4, 8
-    plain = text_with(T + 1, {}, filler=0)  # distinct ids: no n-gram repeats, no votes
-    copied = text_with(T + 1, {10: [120, 121, 122], T - H - 2: [120, 121, 122]}, filler=0)  # first ended at 12
-    horizon = torch.tensor([T - H])
-    for on in (False, True):
-        system = decisive(make_system(T, K, 2, 32, H, N=2, seed=1, lens={"match_feature": on}, refocus_every=4))
-        noise = draw_variant_noise(system.layout, 1, torch.Generator().manual_seed(0), torch.device("cpu"))
-        with torch.no_grad():
-            wc = seen_until(build_contexts(system, plain, noise)[0], horizon.repeat(3))
-            a, b = (system.lensnet(wc, tokens=t[:, :T].repeat(3, 1)) for t in (plain, copied))
-        if not on:
-            assert torch.equal(a, b)
-            continue
-        votes = unit_votes(wc, copied[:, :T].repeat(3, 1), horizon.repeat(3), K, 4)
-        favoured = wc.valid & (wc.start <= 13) & (wc.start + wc.span > 13)  # the unit the copy reads next
-        assert (votes[favoured] > 0).all() and (votes[wc.valid & ~favoured & (wc.start < T - H)] == 0).all()
-        assert not torch.allclose(a, b)
-
-
 def test_a_new_lensnet_with_the_match_prior_scores_as_match_does_and_learns_from_there():
     """``mc.lens.match_prior``: before it learns, LensNet's block-view scores are ``match``'s own (its votes and its
     recency prior) on every gist, so it cuts as ``match`` does; without the prior they are not, and the prior's

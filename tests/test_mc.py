@@ -48,11 +48,11 @@ def test_property_I1_alignment_each_gist_is_gistnet_of_exactly_its_aligned_child
 def test_property_I2_partition_compressed_variants_cover_what_they_keep_once_baseline_the_recent_W(case):
     """Entries are disjoint and in increasing order; the baseline is the last W tokens; a compressed variant
     reaches the end of the window, and each gap in it is text left out in whole aligned spans of droppable
-    gists (top-level blocks, or with ``leave_out = "gist"`` any LOD1-aligned block), before the tail."""
+    gists (top-level blocks), before the tail."""
     shape, batch, seed = case
     _, _, wc = contexts(shape, batch, seed)
     T, W, V, H = shape["T"], shape["W"], shape["N"] + 1, shape["H"]
-    unit = shape["K"] ** (1 if shape["leave_out"] == "gist" else shape["L"])
+    unit = shape["K"] ** shape["L"]
     for r, starts, spans, lods in valid_rows(wc):
         ends = [a + s for a, s in zip(starts, spans, strict=True)]
         assert all(e <= b for e, b in zip(ends[:-1], starts[1:], strict=True)), "disjoint, increasing"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 import torch._dynamo
 from builders import VOCAB, decisive, expanded, layouts, make_system
@@ -22,7 +21,6 @@ from mcfn.config import MCConfig, coarsest_cover_size
 from mcfn.core.context import assemble
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import (
-    detail_targets,
     lens_losses,
     lens_metrics,
     lod_map,
@@ -82,8 +80,7 @@ def test_property_I6_legality_of_targets(case):
                 siblings = (parent[b, p] == parent[b, p, e]) & (lod[b, p] == lod[b, p, e]) & valid[b, p]
                 assert int(siblings.sum()) == shape["K"], "a collapse acts on a complete group"
                 assert (y[b, p][siblings] == -1).all(), "the collapse label is shared by every sibling"
-            if system.layout.leave_out == "top":
-                assert not (droppable[b, p] & (lod[b, p] < L)).any(), "below LODmax nothing is droppable"
+            assert not (droppable[b, p] & (lod[b, p] < L)).any(), "below LODmax nothing is droppable"
 
 
 def token_targets(y: torch.Tensor, rows: torch.Tensor, wc, T: int) -> torch.Tensor:
@@ -138,48 +135,16 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     assert tie[0, 0][: int(valid.sum())].sum() == layout.H  # the tail's tokens: shown alike by both
 
 
-def test_under_gist_leave_out_a_far_block_that_won_teaches_drops_on_its_lod1_siblings():
-    """I7 with ``leave_out = "gist"``: the better variant (slot 0) shows tokens [4,8) and the newest tokens and
-    leaves out the rest of [0,16); the worse one (slot 1) covers [0,16) with four LOD1 gists. Its LOD1 gist
-    over [4,8) gets +, the three over [0,4), [8,12), [12,16) get − each as a drop of its own (their parent's
-    span is not left out whole, so no group collapse explains them); under ``"top"`` they get none."""
-    for rule, want_siblings in (("gist", -1), ("top", 0)):
-        system = make_system(T=64, K=4, L=2, W=32, H=8, N=1, leave_out=rule)
-        layout, table = system.layout, system.nodes
-        lod1, lod2 = layout.level_offsets[1], layout.level_offsets[2]
-        better = torch.zeros(layout.n_nodes, dtype=torch.bool)
-        better[4:8] = True
-        better[36:64] = True
-        worse = torch.zeros(layout.n_nodes, dtype=torch.bool)
-        worse[lod1 : lod1 + 4] = True  # [0,16) as LOD1 gists
-        worse[lod2 + 1 : lod2 + 3] = True  # [16,48) as LOD2 gists
-        worse[48:64] = True
-        shown = torch.stack([better, worse])[None]
-        window = torch.zeros(1, layout.T + 1, dtype=torch.long)
-        tree = build_tree(system.gistnet, system.base.embed(window[:, : layout.T]), layout)
-        wc = assemble(tree, shown, window, table)
-        y, _, _, rows, *_ = preference_targets(shown, torch.tensor([[0.0, 1.0]]), wc, table, WEIGHTS.temperature)
-        node, valid = wc.node[rows][0, 0], wc.valid[rows][0, 0]
-        want = {lod1 + 1: 1, lod1 + 0: want_siblings, lod1 + 2: want_siblings, lod1 + 3: want_siblings}
-        want |= {lod2 + 1: -1, lod2 + 2: 1}  # [16,32) left out by the better one (a drop); [32,48) has tokens
-        for e in range(int(valid.sum())):
-            assert int(y[0, 0, e]) == want.get(int(node[e]), 0), f"{rule}: entry for node {int(node[e])}"
-
-
-@pytest.mark.parametrize("term", ["pref", "pair"])
-def test_lensnet_learns_where_detail_pays(term: str):
+def test_lensnet_learns_where_detail_pays():
     """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
-    (tokens 20..23), and nothing else matters. After 800 steps on one preference term alone (the entry-wise
-    one, or the pair-level one), LensNet scores the coarsest context's entry that covers that block first,
-    far above chance."""
+    (tokens 20..23), and nothing else matters. After 800 steps on the entry-wise preference term alone, LensNet
+    scores the coarsest context's entry that covers that block first, far above chance."""
     system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
     layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)
     zero, one = torch.tensor(0.0), torch.tensor(1.0)
-    weights = dataclasses.replace(
-        WEIGHTS, budget=zero, pref=one if term == "pref" else zero, pair=one if term == "pair" else zero
-    )
+    weights = dataclasses.replace(WEIGHTS, budget=zero, pref=one)
     block = slice(20, 24)  # tokens 20..23: inside the second LOD2 gist of the coarsest context
     g = torch.Generator().manual_seed(0)
     B = 8
@@ -192,7 +157,7 @@ def test_lensnet_learns_where_detail_pays(term: str):
             wc = assemble(tree, shown, window, table)
         detail = (layout.L - lod_map(shown, table)[..., block].amin(-1)).float() / layout.L  # [B, V]
         tails = 2.0 - detail + 0.01 * torch.rand(B, layout.V, generator=g)  # near-ties weigh ~0.02
-        loss = lens_losses(lens(wc), shown, tails, wc, table, weights, with_pair=term == "pair").losses["loss_lens"]
+        loss = lens_losses(lens(wc), shown, tails, wc, table, weights).losses["loss_lens"]
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -281,30 +246,6 @@ def test_property_I7_a_gradient_step_moves_every_targeted_score_toward_its_targe
     assert ((step * y)[targeted] > 0).all()
 
 
-@given(roomy_cases, st.booleans())
-def test_property_the_pair_term_credits_both_sides_of_a_pair(case, fine_is_better):
-    """``loss_pair`` alone: a gradient step moves the worse context's targeted scores toward its targets (towards
-    the better one) and the better context's away from theirs (its own detail, or its coarseness, is what won):
-    when the fine context wins, the K children it shows are credited on themselves, tokens included."""
-    shape, pick, seed = case
-    system, shown, wc, _ = coarse_and_fine(shape, pick, seed)
-    tails = torch.tensor([[2.0, 1.0]] if fine_is_better else [[1.0, 2.0]])
-    scores = torch.randn(2, shape["W"], generator=torch.Generator().manual_seed(seed)).requires_grad_()
-    zero = torch.tensor(0.0)
-    weights = dataclasses.replace(WEIGHTS, pref=zero, budget=zero, pair=torch.tensor(1.0))
-    lens_losses(scores, shown, tails, wc, system.nodes, weights, with_pair=True).losses["loss_lens"].backward()
-    better, worse = (1, 0) if fine_is_better else (0, 1)
-    step = -scores.grad
-    y_worse, _, rows_worse = detail_targets(shown, torch.tensor([[better]]), torch.tensor([[worse]]), wc, system.nodes)
-    y_better, _, rows_better = detail_targets(
-        shown, torch.tensor([[worse]]), torch.tensor([[better]]), wc, system.nodes
-    )
-    assert (y_worse != 0).any() and (y_better != 0).any()
-    assert ((step[rows_worse] * y_worse)[y_worse != 0] > 0).all()
-    assert ((step[rows_better] * y_better)[y_better != 0] < 0).all()
-    assert (step[rows_better][y_better == 0] == 0).all() and (step[rows_worse][y_worse == 0] == 0).all()
-
-
 @given(roomy_cases)
 def test_property_lens_rank_corr_reads_a_preference_for_the_first_slot_as_positive(case):
     """The evaluation correlates LensNet's preference of slot i over slot j with the measured gap
@@ -357,16 +298,3 @@ def test_the_score_histogram_counts_bfloat16_scores_exactly_in_float32():
     assert counts.dtype == torch.float32 and float(counts.sum()) == n
 
 
-def test_the_lens_step_with_the_pair_term_is_one_graph_equal_to_eager(fresh_dynamo):
-    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2, lens={"pair_weight": 1.0}))
-    assert system.use_pair
-    weights = dataclasses.replace(WEIGHTS, pair=torch.tensor(1.0))
-    g = torch.Generator().manual_seed(4)
-    batches = []
-    for _ in range(3):
-        window = torch.randint(0, VOCAB, (2, 33), generator=g)
-        batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), weights))
-    assert_one_graph_equals_eager(
-        process_batch_lens, batches, loss=lambda out: out.total(), params=system.lensnet.parameters()
-    )
-    assert "mc/lens_pair" in process_batch_lens(*batches[0]).metrics

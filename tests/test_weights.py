@@ -10,14 +10,13 @@ from mcfn.core.weights import BUDGET_WEIGHT, PREF_WEIGHT, TEMPERATURE, LossWeigh
 
 
 def test_lens_weights_map_each_setting_to_its_term():
-    lens = LensConfig(pair_weight=7.0, attention_weight=17.0)
+    lens = LensConfig(attention_weight=17.0)
     teacher = TeacherConfig(full_weight=19.0)
     mc = MCConfig(lens=lens, teacher=teacher, gist=GistConfig(recon_weight=29.0))
     weights = LossWeights.of(mc, torch.device("cpu"))
     expected = {
         "pref": PREF_WEIGHT,
         "budget": BUDGET_WEIGHT,
-        "pair": 7.0,
         "temperature": TEMPERATURE,
         "attention": 17.0,
         "full": 19.0,

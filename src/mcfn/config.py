@@ -2,7 +2,7 @@
 
 Sections: ``model``, ``data``, ``optim``, ``train`` and ``mc``, the last with nested ``gist``, ``lens`` and
 ``alloc`` tables. An out-of-range value raises a one-line :class:`~mcfn.errors.UserError` naming its dotted
-key (``mc.lens.pair_weight``). Reading profiles and overrides into a config is :mod:`mcfn.profile`'s job.
+key (``mc.lens.attention_weight``). Reading profiles and overrides into a config is :mod:`mcfn.profile`'s job.
 """
 
 from __future__ import annotations
@@ -109,8 +109,6 @@ def most_refocus_every(budget: int, tail: int, block: int, lod_max: int) -> int:
     return budget - tail - (block - 1) * lod_max
 
 
-LEAVE_OUT_RULES = ("top", "gist")
-LENS_HORIZONS = ("tail", "chunks")
 
 
 @dataclass(frozen=True)
@@ -143,30 +141,18 @@ class LensConfig:
     layers: int = 2
     width: int = 0  # LensNet's internal width; 0 means half the model width
     heads: int = 2
-    # Pair-level Bradley-Terry: the sum of the scores on every entry two variants differ in predicts which is
-    # better (mcfn.core.preferences.pair_margin), so raw tokens that won are credited too.
-    pair_weight: float = 0.0
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
-    # Where LensNet is trained to choose a cut: "tail", at the tail's start with targets from the whole tail;
-    # "chunks", at a uniformly drawn chunk start T - H + cR inside the tail (R = mc.refocus_every, where generation and
-    # the evaluation ask it), with targets from that chunk's R predictions and the teacher's from its queries.
-    horizons: str = "tail"
-    # LensNet also reads the n-gram match's copy votes on each unit (mcfn.core.match), so that an ablation shows
-    # what the training-free signal is worth to the learned policy.
-    match_feature: bool = False
-    # LensNet's score is the match's order (voted blocks first, the rest newest first, bounded in (-1, 2)) plus what
-    # LensNet learns, its head starting at zero: a new LensNet cuts as the match does, and training moves it.
+    # LensNet's score is the match's own (its copy votes and recency prior, mcfn.core.match) plus what LensNet
+    # learns, its head starting at zero: a new LensNet cuts as the match does (the LensNet stage sets it).
     match_prior: bool = False
 
     def __post_init__(self) -> None:
         _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
         _require(self.width >= 0, "mc.lens.width", "must be >= 0")
         _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
-        for name in ("pair_weight", "attention_weight"):
-            _require(getattr(self, name) >= 0, f"mc.lens.{name}", "must be >= 0")
-        _require(self.horizons in LENS_HORIZONS, "mc.lens.horizons", f"must be one of {', '.join(LENS_HORIZONS)}")
+        _require(self.attention_weight >= 0, "mc.lens.attention_weight", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -186,16 +172,12 @@ class TeacherConfig:
     """The full-window teacher (:mod:`mcfn.core.teacher`): one extra base forward over the window's tokens."""
 
     full_weight: float = 0.0  # next-token loss over the whole window at LOD0 (keeps ``full`` an upper bound)
-    # Tokens the teacher reads, a bound on its cost; 0: all T. Else half of them are the window's last tokens (the
-    # tail among them), half a far stretch of whole blocks of K tokens drawn anew for every window and step.
-    stretch: int = 0
-    # Another bound: every token reads only the `window` tokens up to itself, and the tail reads them all: the
+    # A bound on its cost: every token reads only the `window` tokens up to itself, and the tail reads them all: the
     # teacher's cost grows like T·window + H·T instead of T². 0: full attention.
     window: int = 0
 
     def __post_init__(self) -> None:
         _require(self.full_weight >= 0, "mc.teacher.full_weight", "must be >= 0")
-        _require(self.stretch >= 0, "mc.teacher.stretch", "must be >= 0 (0: the whole window)")
         _require(self.window >= 0, "mc.teacher.window", "must be >= 0 (0: full attention)")
 
     @property
@@ -210,9 +192,6 @@ class MCConfig:
     lod_max: int = 2  # highest level of detail in the tree
     budget: int = 256  # W: working-context capacity in entries
     tail: int = 64  # H: the last H tokens, LOD0 in every variant and scored in every variant
-    # What a cut may leave out (DESIGN I2): "top", whole top-level blocks only; "gist", the span of any eligible
-    # gist, so that a far block's tokens can be shown without covering the rest of its top-level block.
-    leave_out: str = "top"
     variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
     # R: tokens read between two refocuses. Generation refocuses every R tokens within W - R entries, and the
     # evaluation scores what generation computes: every condition that chooses a cut refocuses every R tail tokens.
@@ -233,12 +212,6 @@ class MCConfig:
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
         # Its upper bound (most_refocus_every) binds only where a cut is refocused: generation and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
-        _require(
-            self.lens.horizons == "tail" or self.tail % self.refocus_every == 0,
-            "mc.lens.horizons",
-            '"chunks" needs mc.tail to be a multiple of mc.refocus_every',
-        )
-        _require(self.leave_out in LEAVE_OUT_RULES, "mc.leave_out", f"must be one of {', '.join(LEAVE_OUT_RULES)}")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
         _require(
             self.lens.attention_weight == 0 or self.teacher.enabled,
@@ -332,13 +305,6 @@ class RunConfig:
         _require(mc.tail <= mc.budget <= seq_len, "mc.budget", "must lie between mc.tail and data.seq_len")
         need = coarsest_cover_size(seq_len, mc.block_size, mc.lod_max, mc.tail)
         _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
-        stretch = mc.teacher.stretch
-        _require(
-            stretch == 0 or (stretch % (2 * mc.block_size) == 0 and mc.tail <= stretch // 2 and stretch < seq_len),
-            "mc.teacher.stretch",
-            f"must be 0 or a multiple of 2 * mc.block_size = {2 * mc.block_size} below data.seq_len, its half at "
-            "least mc.tail",
-        )
         window = mc.teacher.window
         _require(window == 0 or seq_len % window == 0, "mc.teacher.window", "must be 0 or divide data.seq_len")
         for name, width, heads in (("gist", self.gist_width, mc.gist.heads), ("lens", self.lens_width, mc.lens.heads)):
@@ -360,7 +326,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def flat(self) -> dict[str, Any]:
-        """Every setting under its dotted key (``mc.lens.pair_weight``)."""
+        """Every setting under its dotted key (``mc.lens.attention_weight``)."""
         return flatten(self.to_dict())
 
     def digest(self) -> str:

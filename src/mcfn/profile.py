@@ -97,6 +97,12 @@ RETIRED: dict[str, Any] = {
     "mc.lens.budget_weight": 0.1,
     "mc.lens.temperature": 0.5,
     "mc.lens.every": 1,
+    # Experiments that lost their A/B (LABLOG); each can be rerun at commit 8ab6b6c.
+    "mc.lens.match_feature": False,
+    "mc.lens.horizons": "tail",
+    "mc.teacher.stretch": 0,
+    "mc.lens.pair_weight": 0.0,
+    "mc.leave_out": "top",
 }
 
 

@@ -11,9 +11,8 @@ and a rule that waits for a sign would leave truncation out of reach whenever ol
 2. **Collapses** are candidates among the complete groups: a parent whose ``K`` children are all shown and
    which is eligible (never over the tail). Each turns ``K`` entries into one and frees ``K - 1``. A group
    is scored by its **best** child: collapsing it gives up that child's detail too.
-3. **Drops** are candidates among the shown eligible LODmax gists (with ``mc.leave_out = "gist"``, the shown
-   eligible gists of every level) outside the groups collapsed: each leaves its span out of the context and
-   frees one entry.
+3. **Drops** are candidates among the shown eligible LODmax gists outside the groups collapsed: each leaves its
+   span out of the context and frees one entry.
 4. The free budget is filled first, with the highest-scoring expansions, whatever their sign. Then the
    i-th best expansion that does not fit is paid for by the i-th lowest collapse while it scores higher;
    what is still unpaid, by drops: an expansion is taken while it scores higher than every one of the

@@ -27,7 +27,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
@@ -118,20 +118,16 @@ def attention_target_loss(
     mass: Float[Tensor, "b nodes"],
     layout: Layout,
     weight: Float[Tensor, ""],
-    seen: Bool[Tensor, "b nodes"] | None = None,
 ) -> StepOutput:
     """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention share under each
     entry outside the tail to the softmax of LensNet's scores over those entries, averaged over contexts;
-    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does). With
-    ``seen`` (a bounded teacher's), only the entries whose node it read are candidates: the rest are not judged."""
+    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does)."""
 
     def per_entry(per_node: Tensor) -> Tensor:  # [B, nodes] -> [B·V, W]: each entry's node's value
         rows = rearrange(per_node, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)
         return rows.gather(1, wc.node.clamp(min=0))
 
     candidates = wc.valid & (wc.start < layout.T - layout.H)
-    if seen is not None:
-        candidates = candidates & per_entry(seen)
     entry_mass = torch.where(candidates, per_entry(mass), 0.0)
     target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)
     log_q = torch.log_softmax(scores.masked_fill(~candidates, -torch.inf), -1)

@@ -8,9 +8,7 @@ see the recent text they are judged against. It reads a context only up to the h
 it is scored on stays unseen. Padding is masked out of attention. Entries carry
 their (damped) rotary position, and three features added to the input: a learned embedding of the
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
-entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With ``mc.lens.match_feature``
-a third feature is the n-gram copy votes on the unit's text (:func:`mcfn.core.match.match_votes`, ``log1p``), read
-from the window's tokens up to the horizon: where a copy of the newest text would read next. With
+entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With
 ``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its votes plus its recency prior) plus
 what the transformer adds, its head starting at zero, so that a new LensNet cuts as ``match`` does and the
 counterfactual stage (:mod:`mcfn.shell.lens_stage`) teaches it where to differ. (A prior bounded to ``(-1, 2)``,
@@ -114,18 +112,17 @@ class LensNet(nn.Module):
         n_head: int,
         layout: Layout,
         match_reach: int = 0,
-        match_feature: bool = False,
         match_prior: bool = False,
     ):
         super().__init__()
-        if (match_feature or match_prior) and match_reach < 1:
-            raise ValueError("the match feature and prior need the predictions a cut serves (mc.refocus_every)")
+        if match_prior and match_reach < 1:
+            raise ValueError("the match prior needs the predictions a cut serves (mc.refocus_every)")
         self.layout, self.head_dim = layout, width // n_head
         self.match_reach = match_reach  # the predictions a cut serves (mc.refocus_every), for the match's votes
-        self.match_feature, self.match_prior = match_feature, match_prior
+        self.match_prior = match_prior
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
-        self.feature_proj = nn.Linear(3 if match_feature else 2, width, bias=False)
+        self.feature_proj = nn.Linear(2, width, bias=False)
         self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
         self.reset_parameters()
@@ -145,7 +142,7 @@ class LensNet(nn.Module):
         self, wc: WorkingContext, layout: Layout | None = None, tokens: Int[Tensor, "r t"] | None = None
     ) -> Float[Tensor, "r w"]:
         """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one); with the
-        match feature, ``tokens`` are each row's window (only what lies up to its newest entry is read)."""
+        match prior, ``tokens`` are each row's window (only what lies up to its newest entry is read)."""
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
@@ -161,15 +158,7 @@ class LensNet(nn.Module):
         # training T: in training that is the tail's first token; while streaming, the newest real token.
         now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
         back = (now - end).float() / T  # in [0, 1): the match's recency prior is its negative
-        columns = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back]
-        votes = None
-        if self.match_feature or self.match_prior:  # config constants: static under compile
-            if tokens is None:
-                raise ValueError("LensNet's match feature and prior need the window's tokens")
-            votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach)
-        if self.match_feature:
-            columns.append(torch.log1p(votes))
-        features = torch.stack(columns, dim=-1)
+        features = torch.stack([torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back], dim=-1)
         x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
         attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
@@ -177,5 +166,8 @@ class LensNet(nn.Module):
             x = block(x, cos, sin, attend)
         learned = self.head(rms_norm(x)).squeeze(-1)
         if self.match_prior:  # a config constant: static under compile
+            if tokens is None:
+                raise ValueError("LensNet's match prior needs the window's tokens")
+            votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach)
             learned = learned + match_prior(votes, (now - end).float() / (scale or T))
         return learned * wc.valid

@@ -10,9 +10,7 @@ shown (I4), so only they are ever computed. At each level the eligible nodes are
 A cut may **leave text out**: an eligible LODmax gist can be *dropped* (the block's text is then not in the
 working context at all, coarser than any gist, I7) and a left-out block can be *restored* as its LODmax gist.
 So truncation, and every cut between it and full coverage, is a cut (when ``T - W`` is a multiple of
-``K^L``, the recency baseline itself). With ``mc.leave_out = "gist"`` any eligible gist can be dropped, not
-only a LODmax one: a cut can then show one far block's tokens and leave the rest of its top-level block out,
-as block-sparse attention keeps a few far blocks beside the recent window.
+``K^L``, the recency baseline itself).
 
 Every rule about the tree that the variants, the allocator, LensNet's targets and its budget term need
 lives in :class:`NodeTable`, so they cannot drift apart (I6, I8): a collapse needs a complete group of
@@ -40,7 +38,6 @@ class Layout:
     W: int  # working-context capacity
     H: int  # supervised tail, LOD0 in every variant
     N: int  # compressed variants per sample
-    leave_out: str = "top"  # what a cut may leave out: "top" (whole top-level blocks) or "gist" (any gist's span)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Layout:
@@ -52,14 +49,7 @@ class Layout:
             W=mc.budget,
             H=mc.tail,
             N=mc.variants,
-            leave_out=mc.leave_out,
         )
-
-    @property
-    def lowest_drop(self) -> int:
-        """The lowest LOD of a gist that a drop may leave out: ``L`` (whole top-level blocks) unless the cut
-        may leave out the span of any gist (``mc.leave_out = "gist"``)."""
-        return 1 if self.leave_out == "gist" else self.L
 
     @property
     def V(self) -> int:  # variants per sample, the recency baseline first
@@ -180,9 +170,8 @@ class NodeTable:
         return (self.lod[node] < self.layout.L) & collapsible.gather(-1, parent)
 
     def droppable_entry(self, node: Tensor) -> Tensor:
-        """Per entry, whether it is an eligible gist that a cut may leave out: at LODmax, or with
-        ``mc.leave_out = "gist"`` at any level from LOD1 up (:attr:`Layout.lowest_drop`)."""
-        return (self.lod[node] >= self.layout.lowest_drop) & self.eligible[node]
+        """Per entry, whether it is an eligible gist that a cut may leave out: a top-level (LODmax) one."""
+        return (self.lod[node] == self.layout.L) & self.eligible[node]
 
     @property
     def droppable(self) -> Bool[Tensor, " nodes"]:

@@ -7,8 +7,8 @@ text (I7), with "not covered at all" counting as coarser than any gist:
 * ``+1`` (expand) where ``a`` shows more detail somewhere in ``e``'s span: ``min lod_a(span) < k``;
 * ``-1`` (collapse) where ``a`` is coarser over the **whole group** ``e`` belongs to, the span of its
   parent: ``min lod_a(parent span) > k``. The label is computed from the parent, so every sibling shares it.
-  ``-1`` also where ``e`` is a droppable gist (an eligible LODmax gist, or any eligible gist with
-  ``mc.leave_out = "gist"``) and ``a`` leaves its whole span out: a drop, a label of that entry alone;
+  ``-1`` also where ``e`` is a droppable gist (an eligible LODmax gist) and ``a`` leaves its whole span out: a
+  drop, a label of that entry alone;
 * no target where ``a`` shows the same node: a **tie**.
 
 Legality (I6) masks the rest: no ``+`` on LOD0, a ``-`` below LODmax only where the entry's complete
@@ -28,13 +28,6 @@ Losses over the flat ``[B, P, W]`` pair/entry tensors (no Python loop over sampl
   Ties matter: without them an entry that is rarely told to collapse would mostly see "expand" and its
   score would grow whether detail there paid often or rarely. With them the optimum is the log-odds of
   "detail here helped", which ranks.
-* ``loss_pair`` (weight ``mc.lens.pair_weight``, 0 by default): Bradley–Terry on whole pairs,
-  ``Σ w·softplus(-m) / max(Σ w, B/4)`` with the margin ``m`` = :func:`pair_margin` of the better over the
-  worse: the scores of the worse variant's entries times their targets towards the better one, minus the same
-  on the better variant's entries towards the worse. The scores are then additive shares of the loss gap, and
-  evidence lands on both sides: a raw token that the better variant keeps and the worse one collapses is
-  credited on the token itself, which the entry-wise term, labelling the worse side only, never does (a token
-  there can only be told to collapse or tie).
 * ``loss_budget``: per working context, the net span (in units of ``T``) that the scores push to expand,
   ``Σ relu(s)·span`` over legal expansions minus ``Σ relu(-s)·span`` over legal collapses, summed per
   row with ``scatter_add``; its mean square keeps expansion and collapse pressure balanced, so the
@@ -198,11 +191,9 @@ def lens_losses(
     wc: WorkingContext,
     nodes: NodeTable,
     weights: LossWeights,
-    with_pair: bool = False,
 ) -> StepOutput:
-    """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics; ``loss_pair`` only
-    ``with_pair`` (a config constant, ``mc.lens.pair_weight > 0``: the step does not pay for a term that is off)."""
-    target, tie, pair_w, rows, better, worse = preference_targets(shown, tails, wc, nodes, weights.temperature)
+    """``loss_lens`` (weighted sum of the terms), each term as a metric, and the LensNet metrics."""
+    target, tie, pair_w, rows, _, _ = preference_targets(shown, tails, wc, nodes, weights.temperature)
     s = scores[rows]  # [B, P, W]
     y = target.float()
     w = pair_w[..., None] * y.abs()  # [B, P, W]: zero where there is no target
@@ -216,13 +207,6 @@ def lens_losses(
 
     metrics = {"mc/lens_pref": pref, "mc/lens_budget": budget}
     total = weights.pref * pref + weights.budget * budget
-    if with_pair:  # a config constant: static under compile
-        # The worse side's pull is the entry-wise term's own targets; only the better side's is new.
-        margin = (s * y).sum(-1) - pull_towards(scores, shown, worse, better, wc, nodes)
-        pair = (pair_w * F.softplus(-margin)).sum() / pair_w.sum().clamp(min=floor)
-        metrics["mc/lens_pair"] = pair
-        metrics["mc/lens_pair_agreement"] = ((margin > 0).float() * pair_w).sum() / pair_w.sum().clamp(min=1e-6)
-        total = total + weights.pair * pair
     metrics["mc/lens_loss"] = total
     out = StepOutput({"loss_lens": total}, metrics, {})
     return out.merge(lens_metrics(scores, wc.valid, s, y, w))

@@ -19,14 +19,14 @@ times each stage on its own, so the phase table always times the program that tr
 from __future__ import annotations
 
 import torch
-from einops import rearrange, repeat
+from einops import repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from mcfn.config import RunConfig
 from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.focus import refocus
+from mcfn.core.focus import refocus, tail_horizon
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet
 from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
@@ -37,7 +37,7 @@ from mcfn.core.preferences import lens_losses
 from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
 from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
-from mcfn.core.teacher import stretch_positions, teacher_losses
+from mcfn.core.teacher import teacher_losses
 from mcfn.core.tree import Tree, build_tree, gradient_blocks, sparse_gradient_bites, with_sparse_gradient
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.core.weights import LossWeights
@@ -74,7 +74,6 @@ class MegaContext(nn.Module):
                 mc.lens.heads,
                 self.layout,
                 match_reach=mc.refocus_every,
-                match_feature=mc.lens.match_feature,
                 match_prior=mc.lens.match_prior,
             )
             if mc.lens.enabled
@@ -83,13 +82,9 @@ class MegaContext(nn.Module):
         self.alloc_variants = mc.alloc_variants
         self.alloc_noise = mc.alloc.noise
         self.use_teacher = mc.teacher.enabled
-        self.teacher_stretch = mc.teacher.stretch  # tokens the teacher reads; 0: the whole window
         self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
-        self.use_pair = mc.lens.enabled and mc.lens.pair_weight > 0
         self.refocus_every = mc.refocus_every
-        # LensNet trained where it is asked: each window's horizon at a drawn chunk start inside the tail.
-        self.chunk_horizons = mc.lens.enabled and mc.lens.horizons == "chunks"
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -103,40 +98,15 @@ class MegaContext(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def training_horizon(system: MegaContext, noise: VariantNoise) -> Int[Tensor, " b"]:
-    """Each window's training horizon ``[B]`` (I11): the tail's first token, or with ``mc.lens.horizons = "chunks"``
-    the start ``T - H + cR`` of its drawn chunk ``c`` (a tensor: one graph for every horizon)."""
-    layout = system.layout
-    return layout.T - layout.H + noise.tail_chunk[:, 0] * system.refocus_every
-
-
-@typechecked
-def chunk_queries(horizon: Int[Tensor, " b"], layout: Layout, reach: int) -> Bool[Tensor, "b h"]:
-    """Which of the ``H`` tail predictions ``[B, H]`` a cut chosen at ``horizon`` serves: the next ``reach``."""
-    position = layout.T - layout.H + torch.arange(layout.H, device=horizon.device)
-    return (position >= horizon[:, None]) & (position < horizon[:, None] + reach)
-
-
-@typechecked
-def chunk_tail_nll(
-    nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout, horizon: Int[Tensor, " b"], reach: int
-) -> Float[Tensor, "b v"]:
-    """Each variant's mean NLL ``[B, V]`` on the ``reach`` predictions from its window's ``horizon`` on: what LensNet's
-    preference targets compare when it learns at in-tail horizons (every variant shows them at LOD0, I4)."""
-    at = repeat(horizon, "b -> (b v) 1", v=layout.V)
-    chunk = wc.valid & (wc.start >= at) & (wc.start < at + reach)
-    return rearrange((nll * chunk).sum(-1) / reach, "(b v) -> b v", v=layout.V)
-
-
 @typechecked
 def allocator_cuts(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b a nodes"]:
     """The allocator's working contexts, ``A = alloc_variants`` per sample, refocused from the coarsest cut
-    with exploration noise at each window's training horizon: LensNet thus learns on the contexts it creates."""
+    with exploration noise, reading up to the tail (I11): LensNet thus learns on the contexts it creates."""
     A, B = system.alloc_variants, window.size(0)
     start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
-    horizon = training_horizon(system, noise)
+    horizon = tail_horizon(system.layout, B, window.device)
     explore = noise.explore[:, -A:]
     return refocus(
         system.lensnet, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise
@@ -204,15 +174,11 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
 
 @stage("teacher")
 def teacher_stage(
-    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights, horizon: Tensor, far: Tensor
-) -> tuple[StepOutput, Tensor | None, Tensor | None]:
-    """The full-window teacher; at in-tail horizons its attention target comes from each chunk's queries only; with
-    ``mc.teacher.stretch`` it reads a bounded stretch of each window, whose far half starts where ``far [B]`` says."""
-    layout = system.layout
-    queries = chunk_queries(horizon, layout, system.refocus_every) if system.chunk_horizons else None
-    read = stretch_positions(layout, system.teacher_stretch, far) if system.teacher_stretch else None
+    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights
+) -> tuple[StepOutput, Tensor | None]:
+    """The full-window teacher's loss, and its attention target when LensNet learns from it."""
     lens_attention, reach = system.use_lens_attention, system.teacher_window
-    return teacher_losses(system.base, window, recency_nll, layout, weights, lens_attention, queries, read, reach)
+    return teacher_losses(system.base, window, recency_nll, system.layout, weights, lens_attention, reach)
 
 
 @stage("lens_fwd")
@@ -231,15 +197,14 @@ def lens_loss_stage(
     tails: Tensor,
     wc: WorkingContext,
     weights: LossWeights,
-    target: tuple[Tensor, Tensor | None] | None,
+    mass: Tensor | None,
 ) -> StepOutput:
-    """The preference loss, and with the teacher's attention ``target`` (its mass ``[B, nodes]``, and the nodes a
-    bounded teacher read) the auxiliary attention target."""
-    out = lens_losses(scores, shown, tails, wc, system.nodes, weights, system.use_pair)
-    if target is None:
+    """The preference loss, and with the teacher's attention ``mass`` (``[B, nodes]``) the auxiliary attention
+    target."""
+    out = lens_losses(scores, shown, tails, wc, system.nodes, weights)
+    if mass is None:
         return out
-    mass, seen = target
-    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention, seen))
+    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
 
 
 @stage("recon")
@@ -261,22 +226,17 @@ def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> 
 
 
 def language_model_terms(
-    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights, noise: VariantNoise
-) -> tuple[Tensor, StepOutput, tuple[Tensor, Tensor | None] | None]:
+    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights
+) -> tuple[Tensor, StepOutput, Tensor | None]:
     """The packed base forward's loss terms (``loss_lm`` over the whole tail), with the teacher's when it is on; the
-    NLL ``[B, V]`` LensNet's preferences compare (the whole tail's, or with in-tail horizons the chunk's after each
-    window's training horizon); and the teacher's attention target (mass per node ``[B, nodes]``, and the nodes a
-    bounded teacher read) when LensNet learns from it."""
-    horizon = training_horizon(system, noise)
+    tail NLL ``[B, V]`` LensNet's preferences compare; and the teacher's attention target (mass per node
+    ``[B, nodes]``) when LensNet learns from it."""
     hidden = base_stage(system, wc)
     nll, tails, out = loss_stage(system, hidden, wc)
-    if system.chunk_horizons:  # a config constant: static under compile
-        tails = chunk_tail_nll(nll, wc, system.layout, horizon, system.refocus_every)
     if not system.use_teacher:  # a config constant: static under compile
         return tails, out, None
-    recency_nll = recency_tail_nll(nll, wc, system.layout)
-    teacher, mass, seen = teacher_stage(system, window, recency_nll, weights, horizon, noise.teacher_far[:, 0])
-    return tails, out.merge(teacher), None if mass is None else (mass, seen)
+    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights)
+    return tails, out.merge(teacher), mass
 
 
 def with_recon(system: MegaContext, out: StepOutput, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
@@ -289,17 +249,17 @@ def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, weig
     """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's and reconstruction's terms)
     and the metrics."""
     wc, _, tree = build_contexts(system, window, noise)
-    terms = language_model_terms(system, window, wc, weights, noise)[1]
+    terms = language_model_terms(system, window, wc, weights)[1]
     return with_recon(system, terms, tree, window, weights)
 
 
 def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
     """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
     wc, shown, tree = build_contexts(system, window, noise)
-    tails, out, target = language_model_terms(system, window, wc, weights, noise)
+    tails, out, mass = language_model_terms(system, window, wc, weights)
     out = with_recon(system, out, tree, window, weights)
-    scores = lens_stage(system, wc, training_horizon(system, noise), window)
-    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, target))
+    scores = lens_stage(system, wc, tail_horizon(system.layout, window.size(0), window.device), window)
+    return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@
   top-level blocks (none to all but what the budget can fill with detail; each frees one entry), and
   spends the spare budget on expansions, top level first: at each level above LOD1 it expands a random share of
   what it could afford, among its shown nodes in a random order; at LOD1 it expands as many as still
-  fit (with ``mc.leave_out = "gist"``, a random share more, paid for by leaving other LOD1 blocks out). So
+  fit. So
   variants of a sample use about the same budget and differ in *where* the detail goes (which
   blocks are tokens, which are LOD1, which LOD2): their tail losses say where detail pays.
 
@@ -33,16 +33,11 @@ class VariantNoise(TensorClass):
     """Uniform noise for the compressed variants of a batch (batch_size ``[B, N]``)."""
 
     priority: Tensor  # [B, N, n_nodes]: expansion order among a level's shown nodes (higher first)
-    # [B, N, L]: share of the affordable expansions taken at each level; at LOD1, of the further ones that drops
-    # pay for (mc.leave_out = "gist" only)
+    # [B, N, L]: share of the affordable expansions taken at each level above LOD1 (LOD1's column is drawn, so that
+    # the other draws stay those of the runs before, and unused: LOD1 expands as many as fit)
     share: Tensor
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
     leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
-    # [B, N] int64: the chunk of R tail tokens whose start is the window's training horizon (column 0 is read;
-    # mc.lens.horizons = "chunks"); all 0, the tail's start, otherwise
-    tail_chunk: Tensor
-    # [B, N] uniform: where the bounded teacher's far stretch starts (column 0 is read; mc.teacher.stretch > 0)
-    teacher_far: Tensor
 
 
 def draw_variant_noise(
@@ -51,34 +46,14 @@ def draw_variant_noise(
     generator: torch.Generator,
     device: torch.device,
     alloc_iterations: int = 1,
-    chunks: int = 1,
-    teacher_far: bool = False,
 ) -> VariantNoise:
-    """The noise of a batch; with ``chunks > 1``, each window's training horizon is the start of a uniformly drawn
-    chunk of the tail; with ``teacher_far``, where the bounded teacher's far stretch starts (each drawn after the
-    variants' noise only when asked, so that the other draws are the same either way)."""
+    """The noise of a batch: ``N`` variants per window, ``alloc_iterations`` exploration draws per variant."""
     shape = (batch, layout.N)
     priority = torch.rand(*shape, layout.n_nodes, generator=generator, device=device)
     share = torch.rand(*shape, layout.L, generator=generator, device=device)
     explore = torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device)
     leave_out = torch.rand(*shape, generator=generator, device=device)
-    if chunks > 1:
-        chunk = torch.randint(0, chunks, shape, generator=generator, device=device)
-    else:
-        chunk = torch.zeros(shape, dtype=torch.int64, device=device)
-    if teacher_far:
-        far = torch.rand(*shape, generator=generator, device=device)
-    else:
-        far = torch.zeros(shape, device=device)
-    return VariantNoise(
-        priority=priority,
-        share=share,
-        explore=explore,
-        leave_out=leave_out,
-        tail_chunk=chunk,
-        teacher_far=far,
-        batch_size=list(shape),
-    )
+    return VariantNoise(priority=priority, share=share, explore=explore, leave_out=leave_out, batch_size=list(shape))
 
 
 def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:
@@ -110,39 +85,15 @@ def compressed_cuts(noise: VariantNoise, nodes: NodeTable) -> Bool[Tensor, "b n 
         eligible = nodes.level(nodes.eligible, k)
         candidates = parent_expanded & eligible
         affordable = torch.minimum(candidates.sum(-1), slack // cost)
-        if k == 1:
-            take, chosen, dropped = lod1_expansions(
-                candidates, nodes.level(priority, 1), share[..., 0], slack, affordable, nodes
-            )
-        else:
-            take = (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
-            chosen = top_by_priority(candidates, nodes.level(priority, k), take)
-            dropped = torch.zeros_like(candidates)
+        # LOD1 expands as many as fit; a level above a random share of what it can afford.
+        take = affordable if k == 1 else (share[..., k - 1] * (affordable + 1)).floor().long().clamp(max=affordable)
+        chosen = top_by_priority(candidates, nodes.level(priority, k), take)
         slack = slack - take * cost
         expanded[k] = chosen | (parent_expanded & ~eligible)  # nodes overlapping the tail are always expanded
-        shown_levels[k] = parent_expanded & ~expanded[k] & ~dropped
+        shown_levels[k] = parent_expanded & ~expanded[k]
         parent_expanded = expanded[k].repeat_interleave(layout.K, dim=-1)
     shown_levels[0] = parent_expanded
     return torch.cat([shown_levels[k] for k in range(layout.L + 1)], dim=-1)
-
-
-def lod1_expansions(
-    candidates: Tensor, priority: Tensor, share: Tensor, slack: Tensor, affordable: Tensor, nodes: NodeTable
-) -> tuple[Tensor, Tensor, Tensor]:
-    """How many of the LOD1 ``candidates`` a variant expands, which ones, and which of the others it drops (both
-    masks over LOD1). As many as fit, highest priority first; with ``mc.leave_out = "gist"`` also a ``share`` of
-    the further ones that dropping the lowest-priority candidates could pay for, from none to all but what the
-    expansions need: variants from full coverage to a few blocks of tokens with the rest left out.
-    ``affordable``: the expansions the ``slack`` pays for without drops."""
-    K, cost = nodes.layout.K, nodes.layout.K - 1
-    count = candidates.sum(-1)
-    if nodes.layout.lowest_drop > 1:
-        return affordable, top_by_priority(candidates, priority, affordable), torch.zeros_like(candidates)
-    most = torch.maximum(affordable, torch.minimum(count, (slack + count) // K))
-    take = affordable + (share * (most - affordable + 1)).floor().long().clamp(max=most - affordable)
-    chosen = top_by_priority(candidates, priority, take)
-    drops = (take * cost - slack).clamp(min=0)
-    return take, chosen, top_by_priority(candidates & ~chosen, -priority, drops)
 
 
 def most_left_out(layout: Layout) -> int:
@@ -163,8 +114,6 @@ def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
         share=zeros[..., : layout.L],
         explore=zeros[:, :, None],
         leave_out=zeros[..., 0],
-        tail_chunk=zeros[..., 0].long(),
-        teacher_far=zeros[..., 0],
         batch_size=[1, 1],
     )
     return compressed_cuts(noise, NodeTable.of(tight, device))[0, 0]

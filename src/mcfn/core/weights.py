@@ -24,7 +24,6 @@ PREF_WEIGHT, BUDGET_WEIGHT, TEMPERATURE = 1.0, 0.1, 0.5
 class LossWeights:
     pref: Tensor  # LensNet's Bradley–Terry preference term
     budget: Tensor  # its budget term
-    pair: Tensor  # its pair-level Bradley–Terry term (mc.lens.pair_weight)
     temperature: Tensor  # the preference pairs' weight over their ΔNLL
     attention: Tensor  # loss_lens_attn, the teacher's attention as LensNet's target
     full: Tensor  # loss_full, the full-window teacher's own next-token loss
@@ -36,7 +35,6 @@ class LossWeights:
         values = {
             "pref": PREF_WEIGHT,
             "budget": BUDGET_WEIGHT,
-            "pair": lens.pair_weight,
             "temperature": TEMPERATURE,
             "attention": lens.attention_weight,
             "full": teacher.full_weight,

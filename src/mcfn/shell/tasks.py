@@ -107,11 +107,7 @@ class MCTask:
 
     def noise(self, batch: int, seed: int):
         self.generator.manual_seed(seed)
-        chunks = self.layout.H // self.model.refocus_every if self.model.chunk_horizons else 1
-        far = self.model.teacher_stretch > 0
-        return draw_variant_noise(
-            self.layout, batch, self.generator, self.device, self.alloc_iterations, chunks, teacher_far=far
-        )
+        return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
 
     def contexts_per_window(self, step: int) -> int:
         """Working contexts the base model reads per window at ``step``: ``V``; the whole window, once, in the

@@ -21,6 +21,7 @@ Nothing that chooses a chunk's cut reads anything after its horizon (I11, per ch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +65,10 @@ class Chunk:
 
 
 def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -> ChunkedPredictions:
-    """Every condition's tail predictions ``[B, S, H]`` at ``budget`` under generation's protocol."""
+    """Every condition's tail predictions ``[B, S, H]`` at ``budget`` under generation's protocol; LensNet's edits
+    are labelled (``batch.utility``) at the headline budget only, the one the LensNet stage trains at."""
+    if budget != batch.settings.budgets[0]:
+        batch = dataclasses.replace(batch, utility=False)
     system, window, horizon = batch.system, batch.window, batch.horizon
     layout = system.layout
     T, H, R = layout.T, layout.H, batch.settings.refocus_every

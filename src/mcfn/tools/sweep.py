@@ -93,13 +93,12 @@ def measure_point(
     compile_fn: Callable = partial(compile_step, mode=mode) if mode else (lambda f: f)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     weights = LossWeights.of(cfg.mc, device)
-    bounded = cfg.mc.teacher.stretch > 0
 
     def inputs() -> tuple:
         window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
         if condition == "plain":
             return (system.base, window)
-        noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations, teacher_far=bounded)
+        noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
         return (system, window, noise, weights)
 
     fn = compile_fn(plain_step if condition == "plain" else process_batch_lens)
@@ -130,7 +129,7 @@ def measure_point(
         "recompiles": recompiles,
         "lod_max": layout.L,
         "n_nodes": layout.n_nodes,
-        "teacher_tokens": cfg.mc.teacher.stretch or (layout.T if cfg.mc.teacher.enabled else 0),
+        "teacher_tokens": layout.T if cfg.mc.teacher.enabled else 0,
         "teacher_window": cfg.mc.teacher.window,
         # None: no reconstruction (the plain step never has one); 0: every gist read back, the knob's own meaning
         "recon_tokens": cfg.mc.gist.recon_tokens if cfg.mc.gist.recon_weight > 0 and condition != "plain" else None,
