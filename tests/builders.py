@@ -14,8 +14,9 @@ import torch
 from einops import rearrange
 from hypothesis import strategies as st
 
-from mcfn.config import MCConfig, coarsest_cover_size
+from mcfn.config import MCConfig
 from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.nodes import NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lod_map

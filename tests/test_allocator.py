@@ -9,8 +9,8 @@ from builders import adversarial, adversarial_scores, cases, check_cut, expanded
 from einops import rearrange
 from hypothesis import given
 
-from mcfn.config import coarsest_cover_size
 from mcfn.core.allocator import allocate, node_scores_of, shrink
+from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.nodes import NodeTable
 from mcfn.core.variants import (
     coarsest_cut,

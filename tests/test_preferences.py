@@ -17,8 +17,9 @@ from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mcfn.config import MCConfig, coarsest_cover_size
+from mcfn.config import MCConfig
 from mcfn.core.context import assemble
+from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import (
     lens_losses,
@@ -296,5 +297,3 @@ def test_the_score_histogram_counts_bfloat16_scores_exactly_in_float32():
     zero = torch.zeros(1, 1, n)
     counts = lens_metrics(scores, valid, scores.float()[None], zero, zero).histograms["hist/policy_score"]
     assert counts.dtype == torch.float32 and float(counts.sum()) == n
-
-

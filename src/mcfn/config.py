@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from mcfn.core.geometry import coarsest_cover_size
 from mcfn.errors import UserError
 
 
@@ -87,28 +88,6 @@ class OptimConfig:
             _require(getattr(self, name) > 0, f"optim.{name}", "must be > 0")
         _require(0 <= self.warmdown_frac <= 1, "optim.warmdown_frac", "must be in [0, 1]")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
-
-
-def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> int:
-    """Entries in the coarsest working context that covers ``[0, T)`` with the last ``H`` tokens at LOD0.
-
-    Greedy from the top level: the largest aligned nodes that fit before the tail, then the next level
-    for what is left (``T - H`` is a multiple of ``K``, so LOD1 always finishes the job).
-    """
-    left, entries = seq_len - tail, tail
-    for level in range(lod_max, 0, -1):
-        entries += left // block**level
-        left %= block**level
-    return entries
-
-
-def most_refocus_every(budget: int, tail: int, block: int, lod_max: int) -> int:
-    """The largest ``R`` whose refocus budget ``W - R`` still holds any history's coarsest cover: the view's tail
-    (at most ``H + K - 1`` tokens) and, once the oldest top-level blocks are dropped, at most ``K - 1`` gists per
-    level below the top (:func:`mcfn.core.focus.stream_view`)."""
-    return budget - tail - (block - 1) * lod_max
-
-
 
 
 @dataclass(frozen=True)
@@ -210,7 +189,7 @@ class MCConfig:
             "must be a positive multiple of mc.block_size",
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
-        # Its upper bound (most_refocus_every) binds only where a cut is refocused: generation and the evaluation.
+        # Its upper bound (mcfn.core.geometry.most_refocus_every) binds only where a cut is refocused: generation and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
         _require(

@@ -30,9 +30,9 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.config import most_refocus_every
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.geometry import most_refocus_every
 from mcfn.core.lensnet import LensNet
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.tree import Tree

@@ -27,7 +27,8 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.config import RunConfig, coarsest_cover_size
+from mcfn.config import RunConfig
+from mcfn.core.geometry import coarsest_cover_size
 
 
 @dataclass(frozen=True)

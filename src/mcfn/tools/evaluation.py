@@ -57,8 +57,8 @@ from einops import rearrange, repeat
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.config import most_refocus_every
 from mcfn.core.focus import refocus_budget
+from mcfn.core.geometry import most_refocus_every
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.preferences import pair_slots

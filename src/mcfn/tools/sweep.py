@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from mcfn.config import RunConfig, coarsest_cover_size
+from mcfn.config import RunConfig
+from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.step import compile_step, plain_step
 from mcfn.core.system import MegaContext, process_batch_lens
 from mcfn.core.variants import draw_variant_noise
