@@ -17,7 +17,7 @@ from mcfn.core.attention import (
     node_mass,
 )
 from mcfn.core.nodes import Layout
-from mcfn.core.system import build_contexts, process_batch_lens
+from mcfn.core.system import build_contexts, process_batch
 from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
 from mcfn.profile import build_config
@@ -120,7 +120,7 @@ def test_the_attention_target_trains_lensnet_and_only_lensnet():
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     window, noise = random_batch(system, seed=3)
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
-    out = process_batch_lens(system, window, noise, weights)
+    out = process_batch(system, window, noise, weights)
     assert "loss_lens_attn" in out.losses and float(out.metrics["mc/lens_attn_kl"].detach()) > 0
     system.zero_grad(set_to_none=True)
     out.losses["loss_lens_attn"].backward()
@@ -134,7 +134,7 @@ def test_the_attention_target_trains_lensnet_and_only_lensnet():
 def test_without_the_weight_there_is_no_attention_term():
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))
     window, noise = random_batch(system)
-    out = process_batch_lens(system, window, noise, LossWeights.of(MCConfig(), torch.device("cpu")))
+    out = process_batch(system, window, noise, LossWeights.of(MCConfig(), torch.device("cpu")))
     assert "loss_lens_attn" not in out.losses
 
 
@@ -147,4 +147,4 @@ def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dy
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
     batches = [(system, *random_batch(system, seed=i), weights) for i in range(3)]
-    assert_one_graph_equals_eager(process_batch_lens, batches)
+    assert_one_graph_equals_eager(process_batch, batches)

@@ -8,7 +8,7 @@ from builders import VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager
 
 from mcfn.config import MCConfig, TeacherConfig
-from mcfn.core.system import process_batch_lens
+from mcfn.core.system import process_batch
 from mcfn.core.teacher import teacher_losses
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
@@ -32,7 +32,7 @@ def test_the_step_with_a_windowed_teacher_is_one_graph_equal_to_eager(fresh_dyna
     system = decisive(make_system(**SHAPE, seed=3, teacher=teacher, lens={"attention_weight": 1.0}))
     w = LossWeights.of(MCConfig(teacher=TeacherConfig(**teacher)), torch.device("cpu"))
     batches = [(system, *batch(system, seed=i), w) for i in range(2)]
-    assert_one_graph_equals_eager(process_batch_lens, batches, loss=lambda out: out.total(), params=system.parameters())
+    assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), params=system.parameters())
 
 
 def test_local_and_tail_attention_is_causal_attention_under_its_band():

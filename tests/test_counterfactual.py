@@ -175,8 +175,10 @@ def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, caps
 
 
 def test_the_stage_trains_lensnet_on_a_run_and_writes_it_back(decoding_run, tmp_path):
-    """``train.lens`` on a tiny run: the traces on disk, the figures per round, and the checkpoint's LensNet and
-    config (the match prior on) replaced, so that ``train.eval`` and ``train.generate`` read the new policy."""
+    """``train.lens`` on a tiny run: the traces on disk, the figures per round, the policy kept the one of lowest
+    held-out chunk NLL among the run's own, match's cut and each round's, and unless the run's own was best the
+    checkpoint's LensNet and config (the match prior on) replaced, so that ``train.eval`` and ``train.generate``
+    read the new policy."""
     from mcfn.shell.checkpoint import Checkpoint
     from train.lens import main as lens_main
 
@@ -190,10 +192,17 @@ def test_the_stage_trains_lensnet_on_a_run_and_writes_it_back(decoding_run, tmp_
     assert all(-1 <= r["held_out"]["utility_corr"] <= 1 and r["states"] > 0 for r in summary["rounds"])
     assert sorted(p.name for p in (run / "lens_traces").iterdir()) == ["round1.pt", "round2.pt"]
     after = Checkpoint.read(run)
-    assert after.cfg.mc.lens.match_prior and not before.cfg.mc.lens.match_prior
     assert after.state["lens_stage"]["rounds"] == summary["rounds"]
+    held = [summary["run_policy"]["nll_lens"], summary["before"]["nll_lens"]]
+    held += [r["held_out"]["nll_lens"] for r in summary["rounds"]]
+    kept = summary["kept_round"]
+    assert held[0 if kept == "run" else kept + 1] == min(held), "the policy kept is the best held out"
     changed = [k for k in before.state["model"] if not torch.equal(before.state["model"][k], after.state["model"][k])]
-    assert changed and all(k.startswith("lensnet.") for k in changed)
+    if kept == "run":  # the run's own LensNet was best: nothing changes but the figures
+        assert not changed and not after.cfg.mc.lens.match_prior
+    else:
+        assert after.cfg.mc.lens.match_prior and not before.cfg.mc.lens.match_prior
+        assert changed and all(k.startswith("lensnet.") for k in changed)
 
 
 def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):

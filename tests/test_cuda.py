@@ -12,7 +12,7 @@ from builders import VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager
 
 from mcfn.config import MCConfig, OptimConfig
-from mcfn.core.system import process_batch_lens
+from mcfn.core.system import process_batch
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 from mcfn.inference.generation import generate_mc
@@ -44,7 +44,7 @@ def test_mc_step_under_bf16_autocast_is_one_inductor_graph_equal_to_eager(fresh_
 
     def step(window, noise):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = process_batch_lens(system, window, noise, weights)
+            out = process_batch(system, window, noise, weights)
         return {**out.losses, **{f"{k}/count": h.float().sum() for k, h in out.histograms.items()}}
 
     batches = [tuple(b) for b in cuda_batches(system, 2)]
@@ -66,7 +66,7 @@ def test_optimizers_on_cuda_are_fused_and_step():
     assert adamw.defaults["fused"] is True and type(muon) is torch.optim.Muon
     window, noise = next(cuda_batches(system, 1))
     before = [p.detach().clone() for p in system.parameters()]
-    process_batch_lens(system, window, noise, LossWeights.of(MCConfig(), CUDA)).total().backward()
+    process_batch(system, window, noise, LossWeights.of(MCConfig(), CUDA)).total().backward()
     had_grad = [p.grad is not None and p.grad.abs().sum() > 0 for p in system.parameters()]
     for opt in (muon, adamw):
         opt.step()

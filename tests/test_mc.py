@@ -12,7 +12,7 @@ from hypothesis import given
 from mcfn.config import MCConfig, OptimConfig
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import build_contexts, process_batch, process_batch_lens
+from mcfn.core.system import build_contexts, process_batch
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.core.weights import LossWeights
@@ -160,7 +160,7 @@ def test_network_is_in_the_optimizer_and_learns_in_the_training_step(network):
     for _ in range(3):
         window = torch.randint(0, VOCAB, (2, 33), generator=g)
         noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
-        process_batch_lens(system, window, noise, weights).total().backward()
+        process_batch(system, window, noise, weights).total().backward()
         for opt in optimizers:
             opt.step()
         system.zero_grad(set_to_none=True)
@@ -188,5 +188,5 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
     weights = LossWeights.of(MCConfig(), torch.device("cpu"))
     batches = [(system, window, noise, weights) for window, noise in random_batches(system, 3)]
     assert_one_graph_equals_eager(
-        process_batch_lens, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()
+        process_batch, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()
     )

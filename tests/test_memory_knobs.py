@@ -8,7 +8,7 @@ from builders import STEP_WEIGHTS, VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager
 
 from mcfn.core.model import set_activation_checkpointing
-from mcfn.core.system import process_batch_lens
+from mcfn.core.system import process_batch
 from mcfn.core.variants import draw_variant_noise
 from mcfn.shell.memory import MemoryHistory
 from mcfn.tools.benchmark import saved_activation_bytes
@@ -21,7 +21,7 @@ def step_inputs(system, seed: int = 0):
     return window, draw_variant_noise(system.layout, 2, g, torch.device("cpu"))
 
 
-def saved_bytes_and_grads(system, window, noise, step=process_batch_lens) -> tuple[int, dict[str, torch.Tensor]]:
+def saved_bytes_and_grads(system, window, noise, step=process_batch) -> tuple[int, dict[str, torch.Tensor]]:
     """Bytes autograd keeps for the backward of one MC step (the benchmark's measure), and the gradients."""
     saved, out = saved_activation_bytes(lambda: step(system, window, noise, STEP_WEIGHTS))
     system.zero_grad(set_to_none=True)
@@ -46,7 +46,7 @@ def test_checkpointed_step_compiles_to_one_graph_and_equals_eager(fresh_dynamo):
     system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2)).train()
     set_activation_checkpointing(system, True)
     batches = [(system, *step_inputs(system, seed), STEP_WEIGHTS) for seed in range(3)]
-    assert_one_graph_equals_eager(process_batch_lens, batches, loss=lambda out: out.total(), params=system.parameters())
+    assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), params=system.parameters())
 
 
 def test_a_memory_snapshot_off_cuda_is_refused_before_anything_runs(tmp_path, profile, capsys):

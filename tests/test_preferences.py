@@ -29,7 +29,7 @@ from mcfn.core.preferences import (
     pair_slots,
     preference_targets,
 )
-from mcfn.core.system import build_contexts, process_batch_lens, tree_stage
+from mcfn.core.system import build_contexts, process_batch, tree_stage
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import (
     coarsest_cut,
@@ -186,7 +186,7 @@ def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo
     for _ in range(21):
         window = torch.randint(0, VOCAB, (2, 33), generator=g)
         batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), WEIGHTS))
-    assert_one_graph_equals_eager(process_batch_lens, batches, backend="inductor", loss=lambda out: out.total())
+    assert_one_graph_equals_eager(process_batch, batches, backend="inductor", loss=lambda out: out.total())
 
 
 def roomy_layouts():

@@ -169,7 +169,7 @@ def weights(gist: dict) -> dict[str, torch.Tensor]:
 
 
 def test_the_lens_step_with_loss_recon_compiles_to_one_graph_equal_to_eager(fresh_dynamo):
-    from mcfn.core.system import process_batch_lens
+    from mcfn.core.system import process_batch
 
     system, _, g = setup({"recon_weight": 0.5})
     w = weights({"recon_weight": 0.5})
@@ -177,4 +177,4 @@ def test_the_lens_step_with_loss_recon_compiles_to_one_graph_equal_to_eager(fres
     for _ in range(3):
         window = torch.randint(0, VOCAB, (2, SHAPE["T"] + 1), generator=g)
         batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu"), 1), w))
-    assert_one_graph_equals_eager(process_batch_lens, batches, loss=lambda out: out.total(), params=system.parameters())
+    assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), params=system.parameters())

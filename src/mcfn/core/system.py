@@ -8,10 +8,9 @@ The step is a composition of pure stage functions, compiled as one graph::
                             │                                                  └─► teacher_stage (optional)
                             └─► recon_stage (optional): gists read back into their own tokens
 
-``process_batch`` trains the base model and GistNet; ``process_batch_lens`` adds LensNet and its
-preference loss. They are separate functions (not one with a flag) so that each compiles to its own
-graph and a run that computes the lens loss every k-th step never recompiles. Both add the full-window
-teacher's terms (:mod:`mcfn.core.teacher`) when ``[mc.teacher]`` turns them on, a static choice. Each stage is
+``process_batch`` trains the base model and GistNet, and LensNet with its preference loss when the system has one
+(``mc.lens.enabled``, a static choice under compile); it adds the full-window teacher's terms
+(:mod:`mcfn.core.teacher`) when ``[mc.teacher]`` turns them on, static too. Each stage is
 marked with :func:`mcfn.core.stages.stage`: a plain call in training, and in the benchmark a recorder that
 times each stage on its own, so the phase table always times the program that trains.
 """
@@ -246,18 +245,13 @@ def with_recon(system: MegaContext, out: StepOutput, tree: Tree, window: Tensor,
 
 
 def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
-    """The MegaContext step without the LensNet loss: ``loss_lm`` (and the teacher's and reconstruction's terms)
-    and the metrics."""
-    wc, _, tree = build_contexts(system, window, noise)
-    terms = language_model_terms(system, window, wc, weights)[1]
-    return with_recon(system, terms, tree, window, weights)
-
-
-def process_batch_lens(system: MegaContext, window: Tensor, noise: VariantNoise, weights: LossWeights) -> StepOutput:
-    """The full MegaContext step: ``loss_lm``, ``loss_lens`` and all metrics, from one packed base forward."""
+    """The MegaContext step: ``loss_lm`` (with the teacher's and reconstruction's terms where on) and, with a
+    LensNet, ``loss_lens``, and all metrics, from one packed base forward."""
     wc, shown, tree = build_contexts(system, window, noise)
     tails, out, mass = language_model_terms(system, window, wc, weights)
     out = with_recon(system, out, tree, window, weights)
+    if system.lensnet is None:  # a config constant: static under compile
+        return out
     scores = lens_stage(system, wc, tail_horizon(system.layout, window.size(0), window.device), window)
     return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 

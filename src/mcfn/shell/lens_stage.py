@@ -33,8 +33,7 @@ from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
-from mcfn.data.corpus import Corpus, held_out, prepare_corpus
-from mcfn.data.loader import evaluation_windows
+from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -149,16 +148,17 @@ class Stage:
         self.protocol = Refocus(cfg.mc.refocus_every, cfg.mc.alloc.iterations, 1)
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
         self.sampler = training_sampler(cfg, corpus)
-        self.val_name, val = held_out(corpus, "val")
-        windows = evaluation_windows(val, cfg.data.seq_len + 1, settings.held_out, cfg.train.batch_size)[0]
-        self.val_windows = [w.to(device) for w in windows]
+        # Held out: the run's own mix (text and long-range tasks) over the validation split, so that a policy that
+        # loses retrieval is not kept for what it gains on text.
+        held_out = training_sampler(cfg, corpus, held_out=True)
+        self.val_windows = [held_out.batch(i, 1).to(device) for i in range(settings.held_out)]
         self.traces: list[Traces] = []
 
-    def measure(self, r: int) -> dict[str, float]:
-        """The current policy on the held-out windows: its utility_corr and chunk NLLs."""
-        total = sum(w.size(0) for w in self.val_windows)
-        with tqdm(total=total, desc=f"lens round {r}: held out", unit="window", file=sys.stderr) as bar:
-            states = trace(self.system, self.val_windows, self.protocol, self.settings.random_cuts, 0, bar)[2]
+    def measure(self, r: int | str, system: MegaContext | None = None) -> dict[str, float]:
+        """A policy (by default the stage's current one) on the held-out windows: its utility_corr and chunk NLLs."""
+        system = self.system if system is None else system
+        with tqdm(total=len(self.val_windows), desc=f"lens {r}: held out", unit="window", file=sys.stderr) as bar:
+            states = trace(system, self.val_windows, self.protocol, self.settings.random_cuts, 0, bar)[2]
         return utility_summary(states)
 
     def round(self, r: int, run_dir: Path) -> dict[str, object]:
@@ -192,8 +192,9 @@ def run_stage(
     corpus: Corpus | None = None,
 ) -> tuple[MegaContext, dict[str, object]]:
     """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand):
-    the trained system and the stage's figures, both also saved in the run's checkpoint. The policy kept is the
-    round's (the first, ``match``'s cut, counting as round 0) with the lowest held-out chunk NLL."""
+    the trained system and the stage's figures, both also saved in the run's checkpoint. The policy kept is the one
+    with the lowest held-out chunk NLL among the run's own LensNet (``"run"``), ``match``'s cut (round 0) and each
+    round's."""
     if settings.rounds < 1 or settings.windows < 1 or settings.held_out < 1 or settings.epochs < 0:
         raise UserError("the LensNet stage needs rounds, windows and held-out windows >= 1, and epochs >= 0")
     ckpt = Checkpoint.read(run_dir)
@@ -202,8 +203,12 @@ def run_stage(
     corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
     ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
     stage = Stage(ckpt, corpus, settings, device)
+    own = MegaContext(ckpt.cfg).to(device)
+    own.load_state_dict(ckpt.state["model"])
+    run_policy = stage.measure("run", own.eval())
+    say(f"[lens] the run's own LensNet: {held_out_line(run_policy)}")
     before = stage.measure(0)
-    say(f"[lens] before training (match's cut): {held_out_line(before, stage.val_name)}")
+    say(f"[lens] before training (match's cut): {held_out_line(before)}")
     best = (before["nll_lens"], 0, copy.deepcopy(stage.system.lensnet.state_dict()))
     rounds = []
     for r in range(1, settings.rounds + 1):
@@ -212,24 +217,29 @@ def run_stage(
         rounds.append(figures)
         say(
             f"[lens] round {r}: {figures['states']} states traced in {seconds['trace']:.0f} s, trained in "
-            f"{seconds['train']:.0f} s (loss {figures['loss']:.4f}); {held_out_line(held, stage.val_name)}"
+            f"{seconds['train']:.0f} s (loss {figures['loss']:.4f}); {held_out_line(held)}"
         )
         if held["nll_lens"] < best[0]:
             best = (held["nll_lens"], r, copy.deepcopy(stage.system.lensnet.state_dict()))
-    stage.system.lensnet.load_state_dict(best[2])
-    say(f"[lens] kept round {best[1]}'s policy (held-out chunk NLL {best[0]:.4f})")
-    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "before": before,
-               "rounds": rounds, "kept_round": best[1]}  # fmt: skip
+    kept, system = best[1], stage.system
+    if run_policy["nll_lens"] <= best[0]:
+        kept, system = "run", own
+    else:
+        system.lensnet.load_state_dict(best[2])
+    say(f"[lens] kept the policy of round {kept} (held-out chunk NLL {min(best[0], run_policy['nll_lens']):.4f})")
+    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": run_policy,
+               "before": before, "rounds": rounds, "kept_round": kept}  # fmt: skip
     state = load_checkpoint(ckpt.path)
-    state["model"] = {k: v.cpu() for k, v in stage.system.state_dict().items()}
-    state["config"] = stage.cfg.to_dict()
+    if kept != "run":
+        state["model"] = {k: v.cpu() for k, v in system.state_dict().items()}
+        state["config"] = stage.cfg.to_dict()
     state["lens_stage"] = summary
     save_checkpoint(ckpt.path, state)
-    return stage.system, summary
+    return system, summary
 
 
-def held_out_line(held: dict[str, float], split: str) -> str:
+def held_out_line(held: dict[str, float]) -> str:
     return (
-        f"held-out utility_corr {held['utility_corr']:.3f} ± {held['se']:.3f} over {held['states']} {split} states; "
+        f"held-out utility_corr {held['utility_corr']:.3f} ± {held['se']:.3f} over {held['states']} states; "
         f"chunk NLL lens {held['nll_lens']:.4f}, match {held['nll_match']:.4f}, recency {held['nll_recency']:.4f}"
     )

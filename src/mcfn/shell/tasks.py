@@ -21,7 +21,6 @@ from mcfn.core.system import (
     MegaContext,
     build_contexts,
     process_batch,
-    process_batch_lens,
     validation_sums,
 )
 from mcfn.core.variants import draw_variant_noise
@@ -91,19 +90,15 @@ class MCTask:
         self.token_bytes, self.device, self.seed = token_bytes, device, cfg.train.seed
         self.alloc_iterations = mc.alloc.iterations
         self.generator = torch.Generator(device=device)
-        self.with_lens = mc.lens.enabled
         # Loss weights are tensors: changing one during training never recompiles the step.
         self.weights = LossWeights.of(mc, device)
         self.plain_steps = cfg.train.plain_steps
         self._plain: Callable = plain_step
         self._step: Callable = process_batch
-        self._step_lens: Callable = process_batch_lens
         self._eval: Callable = validation_sums
 
     def compile(self, mode: str) -> None:
-        self._plain, self._step, self._step_lens, self._eval = (
-            compile_step(f, mode) for f in (self._plain, self._step, self._step_lens, self._eval)
-        )
+        self._plain, self._step, self._eval = (compile_step(f, mode) for f in (self._plain, self._step, self._eval))
 
     def noise(self, batch: int, seed: int):
         self.generator.manual_seed(seed)
@@ -123,8 +118,6 @@ class MCTask:
         if rows is None:
             rows = slice(0, window.size(0))
         noise = self.noise(max(self.global_batch, rows.stop), derive_seed(self.seed, "train_noise", step))[rows]
-        if self.with_lens:
-            return self._step_lens(self.model, window, noise, self.weights)
         return self._step(self.model, window, noise, self.weights)
 
     @torch.no_grad()

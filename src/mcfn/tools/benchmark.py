@@ -40,7 +40,7 @@ from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
 from mcfn.core.stages import recording
 from mcfn.core.step import compile_step
-from mcfn.core.system import MegaContext, build_contexts, process_batch, process_batch_lens
+from mcfn.core.system import MegaContext, build_contexts, process_batch
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 from mcfn.tools.eval_batch import EvalSettings
@@ -115,8 +115,7 @@ def run_benchmark(
 
     plain_fn = compile_fn(plain_entries_step)
     weights = LossWeights.of(cfg.mc, device)
-    step = process_batch_lens if system.lensnet is not None else process_batch
-    mc_fn = partial(compile_fn(step), weights=weights)
+    mc_fn = partial(compile_fn(process_batch), weights=weights)
 
     def mc_step(inputs):
         with autocast:
@@ -131,7 +130,7 @@ def run_benchmark(
         system.zero_grad(set_to_none=True)
 
     with autocast:  # one eager step: what autograd keeps for the backward
-        saved_mb = saved_activation_bytes(partial(step, system, *mc_inputs(), weights))[0] / 2**20
+        saved_mb = saved_activation_bytes(partial(process_batch, system, *mc_inputs(), weights))[0] / 2**20
     system.zero_grad(set_to_none=True)
     timer = Timer(device)
     if device.type == "cuda":
@@ -143,7 +142,7 @@ def run_benchmark(
     if lens_entries:  # before the phases: one compile, where the phases are seven
         lens = lens_forward_ms(cfg, vocab, device, lens_entries, timer, compile_fn, steps, warmup)
         progress(key_values(lens))
-    bound = partial(step, system, *mc_inputs(), weights)
+    bound = partial(process_batch, system, *mc_inputs(), weights)
     phases = time_phases(bound, system, compile_fn, timer, autocast, warmup, phase_steps, progress)
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
@@ -373,7 +372,7 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     settings = EvalSettings(default_budgets(layout), tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
 
     def step() -> None:
-        process_batch_lens(system, window, noise, weights).total().backward()
+        process_batch(system, window, noise, weights).total().backward()
         system.zero_grad(set_to_none=True)
 
     def evaluation() -> None:

@@ -42,7 +42,7 @@ import torch
 from mcfn.config import RunConfig
 from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.step import compile_step, plain_step
-from mcfn.core.system import MegaContext, process_batch_lens
+from mcfn.core.system import MegaContext, process_batch
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
@@ -102,7 +102,7 @@ def measure_point(
         noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
         return (system, window, noise, weights)
 
-    fn = compile_fn(plain_step if condition == "plain" else process_batch_lens)
+    fn = compile_fn(plain_step if condition == "plain" else process_batch)
 
     def step(args: tuple) -> None:
         with autocast:
@@ -116,7 +116,7 @@ def measure_point(
     first, step_ms, recompiles = warm_and_time(step, inputs, timer, warmup, steps)
     shares = {}
     if condition != "plain":
-        phases = time_phases(partial(process_batch_lens, *inputs()), system, compile_fn, timer, autocast, 1, 2)
+        phases = time_phases(partial(process_batch, *inputs()), system, compile_fn, timer, autocast, 1, 2)
         shares = {**stage_shares(phases, step_ms), "phases_ms": phases}
     return {
         "T": layout.T,
