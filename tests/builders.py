@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from mcfn.config import MCConfig
 from mcfn.core.context import WorkingContext, assemble
-from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.nodes import NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lod_map
 from mcfn.core.system import MegaContext, build_contexts, tree_stage
 from mcfn.core.variants import coarsest_cut, draw_variant_noise
 from mcfn.core.weights import LossWeights
+from mcfn.geometry import coarsest_cover_size
 from mcfn.profile import build_config
 from train.run import main
 

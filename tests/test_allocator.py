@@ -10,7 +10,6 @@ from einops import rearrange
 from hypothesis import given
 
 from mcfn.core.allocator import allocate, node_scores_of, shrink
-from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.nodes import NodeTable
 from mcfn.core.variants import (
     coarsest_cut,
@@ -20,6 +19,7 @@ from mcfn.core.variants import (
     recent_cut,
     sample_variants,
 )
+from mcfn.geometry import coarsest_cover_size
 
 
 def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> None:

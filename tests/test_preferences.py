@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from mcfn.config import MCConfig
 from mcfn.core.context import assemble
-from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import (
     lens_losses,
@@ -38,6 +37,7 @@ from mcfn.core.variants import (
     sample_variants,
 )
 from mcfn.core.weights import LossWeights
+from mcfn.geometry import coarsest_cover_size
 
 WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
 

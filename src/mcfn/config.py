@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from mcfn.core.geometry import coarsest_cover_size
 from mcfn.errors import UserError
+from mcfn.geometry import coarsest_cover_size
 
 
 def _require(ok: bool, key: str, why: str) -> None:
@@ -189,7 +189,7 @@ class MCConfig:
             "must be a positive multiple of mc.block_size",
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
-        # Its upper bound (mcfn.core.geometry.most_refocus_every) binds only where a cut is refocused: generation
+        # Its upper bound (mcfn.geometry.most_refocus_every) binds only where a cut is refocused: generation
         # and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
         _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")

@@ -32,12 +32,12 @@ from torch import Tensor
 
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.geometry import most_refocus_every
 from mcfn.core.lensnet import LensNet
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
 from mcfn.errors import UserError
+from mcfn.geometry import most_refocus_every
 from mcfn.typecheck import typechecked
 
 

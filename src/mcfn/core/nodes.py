@@ -28,7 +28,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.config import RunConfig
-from mcfn.core.geometry import coarsest_cover_size
+from mcfn.geometry import coarsest_cover_size
 
 
 @dataclass(frozen=True)

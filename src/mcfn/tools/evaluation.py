@@ -58,7 +58,6 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mcfn.core.focus import refocus_budget
-from mcfn.core.geometry import most_refocus_every
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.preferences import pair_slots
@@ -66,6 +65,7 @@ from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
+from mcfn.geometry import most_refocus_every
 from mcfn.seeding import derive_seed
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise

@@ -40,12 +40,12 @@ from typing import Any
 import torch
 
 from mcfn.config import RunConfig
-from mcfn.core.geometry import coarsest_cover_size
 from mcfn.core.step import compile_step, plain_step
 from mcfn.core.system import MegaContext, process_batch
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
+from mcfn.geometry import coarsest_cover_size
 from mcfn.tools.benchmark import Timer, compiled_frames, graph_breaks_seen, time_phases
 
 CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded", "mc_sparse")

@@ -1,6 +1,7 @@
-"""The layout rules of the tree that do not depend on a config: how many entries the coarsest cover of a window
-takes, and how often a working context can be refocused within its budget. Config validation (:mod:`mcfn.config`)
-and the core (:mod:`mcfn.core.nodes`, :mod:`mcfn.core.focus`) both ask here."""
+"""The layout rules of the tree, a base module below the config and the core: how many entries the coarsest cover
+of a window takes, and how often a working context can be refocused within its budget. Config validation
+(:mod:`mcfn.config`) and the core (:mod:`mcfn.core.nodes`, :mod:`mcfn.core.focus`) both ask here, so that the core
+learns its own shapes without importing the config."""
 
 from __future__ import annotations
 
