@@ -221,21 +221,25 @@ def run_stage(
         )
         if held["nll_lens"] < best[0]:
             best = (held["nll_lens"], r, copy.deepcopy(stage.system.lensnet.state_dict()))
-    kept, system = best[1], stage.system
-    if run_policy["nll_lens"] <= best[0]:
-        kept, system = "run", own
-    else:
+    kept, system = ("run", own) if run_policy["nll_lens"] <= best[0] else (best[1], stage.system)
+    if kept != "run":
         system.lensnet.load_state_dict(best[2])
     say(f"[lens] kept the policy of round {kept} (held-out chunk NLL {min(best[0], run_policy['nll_lens']):.4f})")
     summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": run_policy,
                "before": before, "rounds": rounds, "kept_round": kept}  # fmt: skip
+    write_back(ckpt, None if kept == "run" else (system, stage.cfg), summary)
+    return system, summary
+
+
+def write_back(ckpt: Checkpoint, policy: tuple[MegaContext, RunConfig] | None, summary: dict) -> None:
+    """The stage's figures into the run's checkpoint, and the policy kept with its config unless it is the run's."""
     state = load_checkpoint(ckpt.path)
-    if kept != "run":
+    if policy is not None:
+        system, cfg = policy
         state["model"] = {k: v.cpu() for k, v in system.state_dict().items()}
-        state["config"] = stage.cfg.to_dict()
+        state["config"] = cfg.to_dict()
     state["lens_stage"] = summary
     save_checkpoint(ckpt.path, state)
-    return system, summary
 
 
 def held_out_line(held: dict[str, float]) -> str:

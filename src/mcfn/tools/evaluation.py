@@ -277,6 +277,12 @@ def score_tasks(
     return tasks
 
 
+def sweep_row(row: dict) -> dict:
+    """One budget of the headline task as ``eval.json``'s top-level ``sweep`` lists it: bpb per condition, flat."""
+    return {"W": row["W"], "compression": row["compression"], **row["bpb"],
+            "retained_fraction": row["retained_fraction"], "lens_rank_corr": row.get("lens_rank_corr")}  # fmt: skip
+
+
 GENERATION_CONTEXTS = {"lens": "focus", "match": "match", "recency": "recency"}  # condition: train.generate --context
 
 
@@ -318,16 +324,7 @@ def evaluate(
         "lens_rank_corr": head.get("lens_rank_corr"),
         "utility_corr": head.get("utility_corr"),
         "best_context": best_context(head["bpb"]),
-        "sweep": [
-            {
-                "W": r["W"],
-                "compression": r["compression"],
-                **r["bpb"],
-                "retained_fraction": r["retained_fraction"],
-                "lens_rank_corr": r.get("lens_rank_corr"),
-            }
-            for r in head["sweep"]
-        ],  # fmt: skip
+        "sweep": [sweep_row(r) for r in head["sweep"]],
         "n_windows_per_probe": sum(b.size(0) for b in windows[: settings.probe_batches]),
         "random_contexts": settings.random_contexts,
         "refocus": settings.refocus,
