@@ -224,7 +224,8 @@ def run_stage(
     kept, system = ("run", own) if run_policy["nll_lens"] <= best[0] else (best[1], stage.system)
     if kept != "run":
         system.lensnet.load_state_dict(best[2])
-    say(f"[lens] kept the policy of round {kept} (held-out chunk NLL {min(best[0], run_policy['nll_lens']):.4f})")
+    which = "the run's own LensNet" if kept == "run" else f"round {kept}'s policy"
+    say(f"[lens] kept {which} (held-out chunk NLL {min(best[0], run_policy['nll_lens']):.4f})")
     summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": run_policy,
                "before": before, "rounds": rounds, "kept_round": kept}  # fmt: skip
     write_back(ckpt, None if kept == "run" else (system, stage.cfg), summary)
