@@ -9,7 +9,7 @@ from builders import make_documents
 from mcfn.data.probes import PAIRS, PROBES, QUERIES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
-from mcfn.tools.evaluation import record
+from mcfn.tools.eval_stats import record
 from mcfn.tools.one_cut import Predictions
 
 T, H = 512, 128

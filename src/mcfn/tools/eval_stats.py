@@ -1,5 +1,6 @@
-"""The evaluation's statistics over windows: pooled bits per byte, the retained fraction with a bootstrap
-interval, paired gains with their standard errors, the rank correlation, and one sweep row from them.
+"""The evaluation's statistics over windows: one batch's scores per window (:func:`record`), pooled bits per byte,
+the retained fraction with a bootstrap interval, paired gains with their standard errors, the rank correlation,
+and one sweep row from them.
 
 Every bootstrap resamples **documents**, keeping each one's windows together (a cluster bootstrap): windows of one
 document are not independent, so an error that counted them as such would be too small. Where the windows' documents
@@ -15,9 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from einops import rearrange, repeat
 from torch import Tensor
 
+from mcfn.core.preferences import pair_slots
 from mcfn.core.step import bits_per_byte
+from mcfn.tools.headroom import best_of, candidate_slots, cross_fitted, per_chunk
+from mcfn.tools.one_cut import Predictions
 
 
 @dataclass
@@ -156,3 +161,41 @@ def accuracy_by_depth(scores: Scores, condition: str, bins: int = 5) -> list[flo
     depth, correct = torch.cat(scores.depth), torch.cat(scores.correct[condition])
     which = (depth * bins).long().clamp(max=bins - 1)
     return [float(correct[which == b].mean()) if (which == b).any() else None for b in range(bins)]
+
+
+def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth: Tensor) -> Scores:
+    """One batch's per-window scores: ``scored [B, H]`` holds the bytes of each tail target that counts (0: not
+    scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The best-of conditions pick
+    per chunk (:mod:`mcfn.tools.headroom`), and the rank pairs are compared chunk by chunk."""
+    out = Scores()
+    mask = scored > 0
+    for name, (nll, hit) in references.items():
+        out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
+    nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
+    correct = (pred.hit | ~mask[:, None]).all(-1)
+    for name in ("recency", "recent", "attn", "match", "lens", "lens_nogist"):
+        if name in pred.slots:
+            out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
+    random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
+    out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
+    candidates = candidate_slots(pred)  # the random cuts first
+    all_nats, all_wrong, chunk_bytes = per_chunk(pred, mask, scored, candidates)  # [B, S, C], [B, S, C], [B, C]
+    M = random_nats.size(1)
+    chunk_nats, chunk_wrong = all_nats[:, :M], all_wrong[:, :M]
+    out.add("best_of_random", *best_of(chunk_nats, chunk_wrong))
+    out.add("best_of_all", *best_of(all_nats, all_wrong))
+    out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
+    out.nbytes.append(scored.sum(-1).double().cpu())
+    out.depth.append(depth.double().cpu())
+    utility = getattr(pred, "utility", None)
+    if utility is not None:
+        out.utility.append(utility[utility.isfinite()])
+    if pred.preference is not None:
+        B, M, C = chunk_nats.shape
+        i, j = pair_slots(M, B, random_nats.device)
+        index = repeat(i, "b p -> b p c", c=C), repeat(j, "b p -> b p c", c=C)
+        measured = rearrange(chunk_nats.gather(1, index[1]) - chunk_nats.gather(1, index[0]), "b p c -> b c p")
+        scored_chunk = repeat(chunk_bytes > 0, "b c -> b c p", p=i.size(1))
+        out.predicted.append(pred.preference[scored_chunk].cpu())
+        out.measured.append(measured[scored_chunk].cpu())  # > 0: i better
+    return out

@@ -53,14 +53,12 @@ import sys
 from functools import partial
 
 import torch
-from einops import rearrange, repeat
 from torch import Tensor
 from tqdm import tqdm
 
 from mcfn.core.focus import refocus_budget
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
-from mcfn.core.preferences import pair_slots
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
@@ -68,10 +66,9 @@ from mcfn.data.tokenizer import Tokenizer
 from mcfn.geometry import most_refocus_every
 from mcfn.seeding import derive_seed
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.eval_stats import Scores, accuracy_by_depth, summarise
-from mcfn.tools.headroom import best_of, candidate_slots, cross_fitted, per_chunk
+from mcfn.tools.eval_stats import Scores, accuracy_by_depth, record, summarise
 from mcfn.tools.long_range import far_context_tokens
-from mcfn.tools.one_cut import Predictions, predict_budget, tail_predictions
+from mcfn.tools.one_cut import predict_budget, tail_predictions
 from mcfn.tools.refocused import predict_chunked
 
 CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "best_of_random",
@@ -90,44 +87,6 @@ def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tens
     inputs, targets = split_window(window)
     first = torch.full((window.size(0),), inputs.size(1) - tail, device=window.device)
     return tail_predictions(base, base.token_hidden(inputs), first, targets[:, -tail:])
-
-
-def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth: Tensor) -> Scores:
-    """One batch's per-window scores: ``scored [B, H]`` holds the bytes of each tail target that counts (0: not
-    scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The best-of conditions pick
-    per chunk (:mod:`mcfn.tools.headroom`), and the rank pairs are compared chunk by chunk."""
-    out = Scores()
-    mask = scored > 0
-    for name, (nll, hit) in references.items():
-        out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
-    nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
-    correct = (pred.hit | ~mask[:, None]).all(-1)
-    for name in ("recency", "recent", "attn", "match", "lens", "lens_nogist"):
-        if name in pred.slots:
-            out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
-    random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
-    out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
-    candidates = candidate_slots(pred)  # the random cuts first
-    all_nats, all_wrong, chunk_bytes = per_chunk(pred, mask, scored, candidates)  # [B, S, C], [B, S, C], [B, C]
-    M = random_nats.size(1)
-    chunk_nats, chunk_wrong = all_nats[:, :M], all_wrong[:, :M]
-    out.add("best_of_random", *best_of(chunk_nats, chunk_wrong))
-    out.add("best_of_all", *best_of(all_nats, all_wrong))
-    out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
-    out.nbytes.append(scored.sum(-1).double().cpu())
-    out.depth.append(depth.double().cpu())
-    utility = getattr(pred, "utility", None)
-    if utility is not None:
-        out.utility.append(utility[utility.isfinite()])
-    if pred.preference is not None:
-        B, M, C = chunk_nats.shape
-        i, j = pair_slots(M, B, random_nats.device)
-        index = repeat(i, "b p -> b p c", c=C), repeat(j, "b p -> b p c", c=C)
-        measured = rearrange(chunk_nats.gather(1, index[1]) - chunk_nats.gather(1, index[0]), "b p c -> b c p")
-        scored_chunk = repeat(chunk_bytes > 0, "b c -> b c p", p=i.size(1))
-        out.predicted.append(pred.preference[scored_chunk].cpu())
-        out.measured.append(measured[scored_chunk].cpu())  # > 0: i better
-    return out
 
 
 @torch.no_grad()
