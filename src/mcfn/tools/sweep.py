@@ -118,24 +118,25 @@ def measure_point(
     if condition != "plain":
         phases = time_phases(partial(process_batch, *inputs()), system, compile_fn, timer, autocast, 1, 2)
         shares = {**stage_shares(phases, step_ms), "phases_ms": phases}
+    timing = {"step_ms": step_ms, "tokens_per_s": B * layout.T / (step_ms / 1e3), "peak_mem_mb": peak_memory_mb(device),
+              "compile_s": max(0.0, (first - step_ms) / 1e3) if mode else 0.0, "graph_breaks": graph_breaks_seen(),
+              "recompiles": recompiles}  # fmt: skip
+    return {"T": layout.T, "condition": condition, "status": "ok", **timing, **point_shape(cfg, system, condition),
+            **shares}  # fmt: skip
+
+
+def point_shape(cfg: RunConfig, system: MegaContext, condition: str) -> dict[str, Any]:
+    """What a point measured beside ``T``: the tree's depth and size, and the bounds on the teacher, the
+    reconstruction and GistNet's gradient."""
+    plain, mc = condition == "plain", cfg.mc
     return {
-        "T": layout.T,
-        "condition": condition,
-        "status": "ok",
-        "step_ms": step_ms,
-        "tokens_per_s": B * layout.T / (step_ms / 1e3),
-        "peak_mem_mb": peak_memory_mb(device),
-        "compile_s": max(0.0, (first - step_ms) / 1e3) if mode else 0.0,
-        "graph_breaks": graph_breaks_seen(),
-        "recompiles": recompiles,
-        "lod_max": layout.L,
-        "n_nodes": layout.n_nodes,
-        "teacher_tokens": layout.T if cfg.mc.teacher.enabled else 0,
-        "teacher_window": cfg.mc.teacher.window,
+        "lod_max": system.layout.L,
+        "n_nodes": system.layout.n_nodes,
+        "teacher_tokens": system.layout.T if mc.teacher.enabled else 0,
+        "teacher_window": mc.teacher.window,
         # None: no reconstruction (the plain step never has one); 0: every gist read back, the knob's own meaning
-        "recon_tokens": cfg.mc.gist.recon_tokens if cfg.mc.gist.recon_weight > 0 and condition != "plain" else None,
-        "grad_blocks": None if condition == "plain" else system.grad_blocks,  # 0: the exact backward (or no bite)
-        **shares,
+        "recon_tokens": mc.gist.recon_tokens if mc.gist.recon_weight > 0 and not plain else None,
+        "grad_blocks": None if plain else system.grad_blocks,  # 0: the exact backward (or no bite)
     }
 
 
