@@ -69,7 +69,7 @@ def test_every_edit_is_a_legal_cut_within_budget_and_the_policy_is_a_candidate(s
             check_cut(edits.shown, cv.nodes.layout)
             assert not (edits.shown == cut).all(-1).any(), "every edit changes the cut"
             kinds |= set(edits.kind.tolist())
-            labelled = label_edits(system, tree, window, system.nodes, cv, cut, scores)
+            labelled = label_edits(system, tree, window, cv, cut, scores)
             assert labelled.delta.numel() == edits.kind.numel() and "lens" in labelled.nll
     assert kinds == {EXPAND, COLLAPSE, DROP}
 
@@ -80,7 +80,7 @@ def test_an_edits_delta_nll_equals_a_separate_forward_over_that_context(system):
     window = window_of(7)
     n = T - H + 1 + R
     tree, cv, cut, scores = policy_state(system, window, n)
-    labelled = label_edits(system, tree, window, system.nodes, cv, cut, scores)
+    labelled = label_edits(system, tree, window, cv, cut, scores)
     policy = by_hand_nll(system, cv, cut, window)
     assert labelled.nll["lens"][0] == pytest.approx(policy, abs=1e-5)
     for j in (0, labelled.delta.numel() // 2, labelled.delta.numel() - 1):
@@ -96,7 +96,7 @@ def test_candidates_read_nothing_after_the_horizon_but_the_labels_do(system):
     n = T - H + 1
     rewritten = rewritten_after(window, torch.tensor([n - 1]), seed=5)
     states = [policy_state(system, w, n) for w in (window, rewritten)]
-    labels = [label_edits(system, tree, w, system.nodes, cv, cut, scores)
+    labels = [label_edits(system, tree, w, cv, cut, scores)
               for (tree, cv, cut, scores), w in zip(states, (window, rewritten), strict=True)]  # fmt: skip
     (_, _, cut_a, scores_a), (_, _, cut_b, scores_b) = states
     assert torch.equal(cut_a, cut_b) and torch.equal(scores_a, scores_b)

@@ -128,9 +128,9 @@ def train_on_traces(
     return sum(losses) / max(1, len(losses))
 
 
-def stage_system(ckpt: Checkpoint, device: torch.device) -> MegaContext:
-    """The run's system with a fresh LensNet on the match prior: its first policy is ``match``'s cut."""
-    cfg = with_match_prior(ckpt.cfg)
+def stage_system(ckpt: Checkpoint, cfg: RunConfig, device: torch.device) -> MegaContext:
+    """The run's system under ``cfg`` (its config with the match prior) with a fresh LensNet: its first policy is
+    ``match``'s cut."""
     torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
     system = MegaContext(cfg).to(device)
     system.load_state_dict(ckpt.state["model"])
@@ -143,8 +143,8 @@ class Stage:
 
     def __init__(self, ckpt: Checkpoint, corpus: Corpus, settings: StageSettings, device: torch.device):
         self.ckpt, self.settings, self.device = ckpt, settings, device
-        self.system = stage_system(ckpt, device)
         self.cfg = cfg = with_match_prior(ckpt.cfg)
+        self.system = stage_system(ckpt, cfg, device)
         self.protocol = Refocus(cfg.mc.refocus_every, cfg.mc.alloc.iterations, 1)
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
         self.sampler = training_sampler(cfg, corpus)
@@ -172,8 +172,8 @@ class Stage:
                                            derive_seed(seed, "lens_traces", r), bar)  # fmt: skip
         traced = time.perf_counter()
         path = run_dir / TRACES_DIR / f"round{r}.pt"
-        Traces.of(windows, trees, states, self.made_by, r).save(path)
-        self.traces.append(Traces.load(path, self.made_by))
+        self.traces.append(Traces.of(windows, trees, states, self.made_by, r))
+        self.traces[-1].save(path)
         with tqdm(total=settings.epochs, desc=f"lens round {r}: train", unit="epoch", file=sys.stderr) as bar:
             loss = train_on_traces(self.system, self.traces, settings, self.protocol,
                                    derive_seed(seed, "lens_stage", r), bar)  # fmt: skip

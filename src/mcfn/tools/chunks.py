@@ -21,6 +21,7 @@ from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
+from mcfn.core.variants import compressed_cuts, draw_variant_noise
 from mcfn.tools.attention import attention_scores
 
 
@@ -30,17 +31,40 @@ class ChunkView:
 
     view: StreamView
     nodes: NodeTable  # the view's table
+    window_nodes: NodeTable  # the window's, at the budget: what the chunk's predictions are scored under
     ids: Tensor  # [view_nodes]: each view node as a node id of the window's layout
     real: Tensor  # [view_nodes] bool: no phantom
     tree: Tree  # [g, view_nodes, D]
     window: Tensor  # [g, T_view + 1]
     n: int
     upto: int  # the chunk's last prediction reads up to token upto - 1
+    every: int  # R: the tokens read after the cut
 
     @property
     def horizon(self) -> Tensor:
         """``[g]``: the newest real token, the last one a cut of this chunk may read (I11)."""
         return torch.full((self.window.size(0),), self.view.real - 1, device=self.window.device)
+
+    def window_cut(self, view_cut: Tensor) -> Tensor:
+        """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries (no
+        phantom), then the tokens ``[n, upto)`` that generation would read after it at LOD0."""
+        shown = torch.zeros(*view_cut.shape[:-1], self.window_nodes.layout.n_nodes, dtype=torch.bool,
+                            device=view_cut.device)  # fmt: skip
+        shown[..., self.ids] = self.real & view_cut
+        shown[..., self.n : self.upto] = True  # LOD0 nodes are numbered first, by token
+        return shown
+
+    def recency(self, rows: int) -> Tensor:
+        """``[rows, 1, nodes]``: truncation, the newest ``W - R`` tokens before ``n``, then the tokens
+        ``[n, upto)``."""
+        node = torch.arange(self.window_nodes.layout.n_nodes, device=self.real.device)
+        first = max(0, self.n - (self.window_nodes.layout.W - self.every))
+        return ((node >= first) & (node < self.upto)).expand(rows, 1, -1)
+
+    def random(self, count: int, rows: int, generator: torch.Generator) -> Tensor:
+        """``[rows, count, view_nodes]``: random compressed cuts of the view."""
+        nodes = self.nodes.with_sizes(N=count)
+        return compressed_cuts(draw_variant_noise(nodes.layout, rows, generator, self.real.device), nodes)
 
 
 def chunk_view(tree: Tree, window: Tensor, nodes: NodeTable, n: int, every: int) -> ChunkView:
@@ -53,7 +77,8 @@ def chunk_view(tree: Tree, window: Tensor, nodes: NodeTable, n: int, every: int)
     view_tree = Tree(emb=tree.emb[:, ids], batch_size=[window.size(0)])
     view_window = window[:, view.origin : view.origin + view.layout.T + 1]
     upto = min(n + every - 1, layout.T)
-    return ChunkView(view, view_nodes, ids, view_nodes.start < view.real, view_tree, view_window, n, upto)
+    real = view_nodes.start < view.real
+    return ChunkView(view, view_nodes, nodes, ids, real, view_tree, view_window, n, upto, every)
 
 
 def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamView, reach: int):
@@ -63,22 +88,6 @@ def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamVie
     if name == "match":
         return match_scorer(window[:, : view.layout.T], view.layout.K, reach, view.layout.T)
     return None
-
-
-def full_cut(view_cut: Tensor, real: Tensor, ids: Tensor, nodes: NodeTable, n: int, upto: int) -> Tensor:
-    """A view's cut ``[..., view_nodes]`` as a cut of the window ``[..., nodes]``: its real entries (``real
-    [view_nodes]``: no phantom), then the tokens ``[n, upto)`` that generation would read after it at LOD0."""
-    real = real & view_cut
-    shown = torch.zeros(*view_cut.shape[:-1], nodes.layout.n_nodes, dtype=torch.bool, device=view_cut.device)
-    shown[..., ids] = real
-    shown[..., n:upto] = True  # LOD0 nodes are numbered first, by token
-    return shown
-
-
-def recency_of(nodes: NodeTable, n: int, upto: int, budget: int, rows: int) -> Tensor:
-    """``[rows, 1, nodes]``: the newest ``budget`` tokens before ``n``, then the tokens ``[n, upto)``."""
-    node = torch.arange(nodes.layout.n_nodes, device=nodes.lod.device)
-    return ((node >= max(0, n - budget)) & (node < upto)).expand(rows, 1, -1)
 
 
 def refocus_rows(
@@ -106,12 +115,14 @@ def refocus_rows(
 
 
 def chunk_predictions(
-    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, nodes: NodeTable, n: int, upto: int
+    system: MegaContext, tree: Tree, shown: Tensor, window: Tensor, cv: ChunkView
 ) -> tuple[Tensor, Tensor]:
-    """NLL and argmax hits ``[g, S, k]`` of the ``k = upto - n + 1`` predictions from position ``n - 1`` on, for the
-    ``S`` cuts ``shown [g, S, nodes]`` (each ending with the tokens ``[n - 1, upto)``)."""
-    base, k = system.base, upto - n + 1
-    wc = assemble(tree, shown, window, nodes)
+    """NLL and argmax hits ``[g, S, k]`` of the chunk's ``k = upto - n + 1`` predictions from position ``n - 1`` on,
+    for the ``S`` cuts ``shown [g, S, nodes]`` of the windows (``tree [g, n_nodes, D]``, ``window [g, T + 1]``),
+    each ending with the tokens ``[n - 1, upto)``."""
+    base, n, upto = system.base, cv.n, cv.upto
+    k = upto - n + 1
+    wc = assemble(tree, shown, window, cv.window_nodes)
     first = wc.valid.sum(-1) - k  # the last k valid entries are the tokens n - 1 .. upto - 1
     h = tail_entries(base.hidden(wc.emb, wc.position, wc.span.float()), first, k)
     targets = repeat(window[:, n : upto + 1], "g k -> (g s) k", s=shown.size(1))

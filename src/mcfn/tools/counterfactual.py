@@ -21,11 +21,9 @@ from torch import Tensor
 from mcfn.core.context import WorkingContext
 from mcfn.core.edits import Edits, edit_worth, single_edits
 from mcfn.core.focus import Refocus, focus_scores
-from mcfn.core.nodes import NodeTable
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.core.variants import compressed_cuts, draw_variant_noise
-from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, full_cut, recency_of, refocus_rows
+from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
 from mcfn.tools.eval_stats import spearman
 from mcfn.tools.one_cut import stacked
 
@@ -49,7 +47,6 @@ def label_edits(
     system: MegaContext,
     tree: Tree,
     window: Tensor,
-    nodes: NodeTable,
     cv: ChunkView,
     policy: Tensor,
     scores: Tensor,
@@ -60,9 +57,9 @@ def label_edits(
     [1, n_nodes, D]`` and ``window [1, T + 1]`` are the row's; ``cv`` its view at the chunk."""
     edits = single_edits(policy, scores, cv.nodes)
     views = torch.cat([policy[None], edits.shown])
-    cuts = full_cut(views, cv.real, cv.ids, nodes, cv.n, cv.upto)
+    cuts = cv.window_cut(views)
     shown, slots = stacked({"lens": cuts[None, :1], "edits": cuts[None, 1:], **(others or {})})
-    nll = chunk_predictions(system, tree, shown, window, nodes, cv.n, cv.upto)[0][0].mean(-1)  # [S]
+    nll = chunk_predictions(system, tree, shown, window, cv)[0][0].mean(-1)  # [S]
     by_slot = {name: nll[where] for name, where in slots.items()}
     return Labelled(edits, by_slot["lens"] - by_slot.pop("edits"), by_slot)
 
@@ -97,23 +94,20 @@ def trace_window(
     """Walk one window's tail (``tree [1, n_nodes, D]``, ``window [1, T + 1]``) under generation's protocol, LensNet
     and ``match`` each refocusing warm from its own previous context, and label every chunk's state."""
     layout, R = system.layout, protocol.every
-    nodes = system.nodes
     previous: dict[str, WorkingContext | None] = {"lens": None, "match": None}
     states = []
     for n in range(layout.T - layout.H + 1, layout.T + 1, R):
-        cv = chunk_view(tree, window, nodes, n, R)
+        cv = chunk_view(tree, window, system.nodes, n, R)
         cuts = {}
         for name in previous:
             view_cuts, contexts = refocus_rows(system, name, cv.tree, cv.window, cv.view, protocol, [previous[name]])
             previous[name], cuts[name] = contexts[0], view_cuts[0, 0]
         scores = lens_view_scores(system, cv)[0]
-        noise = draw_variant_noise(cv.nodes.with_sizes(N=random_cuts).layout, 1, generator, window.device)
         others = {
-            "match": full_cut(cuts["match"], cv.real, cv.ids, nodes, n, cv.upto)[None, None],
-            "recency": recency_of(nodes, n, cv.upto, nodes.layout.W - R, 1),
-            "random": full_cut(compressed_cuts(noise, cv.nodes.with_sizes(N=random_cuts)), cv.real, cv.ids, nodes,
-                               n, cv.upto),
-        }  # fmt: skip
-        labelled = label_edits(system, tree, window, nodes, cv, cuts["lens"], scores, others)
+            "match": cv.window_cut(cuts["match"])[None, None],
+            "recency": cv.recency(1),
+            "random": cv.window_cut(cv.random(random_cuts, 1, generator)),
+        }
+        labelled = label_edits(system, tree, window, cv, cuts["lens"], scores, others)
         states.append(State(index, n, labelled, utility_corr(labelled, scores)))
     return states

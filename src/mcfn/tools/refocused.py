@@ -34,8 +34,8 @@ from mcfn.core.nodes import NodeTable
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.core.variants import compressed_cuts, draw_variant_noise, recent_cut
-from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, full_cut, recency_of, refocus_rows
+from mcfn.core.variants import recent_cut
+from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
 from mcfn.tools.counterfactual import label_edits, lens_view_scores, utility_corr
 from mcfn.tools.eval_batch import EvalBatch
 from mcfn.tools.one_cut import Predictions, stacked
@@ -126,44 +126,41 @@ def predict_chunk(
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
     protocol, M = batch.settings.protocol, batch.settings.random_contexts
     cv = chunk_view(tree, window, nodes, n, protocol.every)
-    g, device, upto = rows.numel(), window.device, cv.upto
+    g = rows.numel()
     parts: dict[str, Tensor] = {
-        "recency": recency_of(nodes, n, upto, nodes.layout.W - protocol.every, g),
-        "recent": full_cut(recent_cut(cv.view.layout, device), cv.real, cv.ids, nodes, n, upto).expand(g, 1, -1),
+        "recency": cv.recency(g),
+        "recent": cv.window_cut(recent_cut(cv.view.layout, window.device)).expand(g, 1, -1),
     }
-    noise = draw_variant_noise(cv.nodes.with_sizes(N=M).layout, g, generator, device)
-    random_view = compressed_cuts(noise, cv.nodes.with_sizes(N=M))
-    parts["random"] = full_cut(random_view, cv.real, cv.ids, nodes, n, upto)
+    random_view = cv.random(M, g, generator)
+    parts["random"] = cv.window_cut(random_view)
     contexts: dict[str, list[WorkingContext]] = {}
     view_cuts: dict[str, Tensor] = {}
     for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
         view_cuts[name], contexts[name] = refocus_rows(
             system, name, cv.tree, cv.window, cv.view, protocol, carried[name]
         )
-        parts[name] = full_cut(view_cuts[name], cv.real, cv.ids, nodes, n, upto)
+        parts[name] = cv.window_cut(view_cuts[name])
     shown, slots = stacked(parts)
-    nll, hit = chunk_predictions(system, tree, shown, window, nodes, n, upto)
+    nll, hit = chunk_predictions(system, tree, shown, window, cv)
     preference, utility = None, None
     if system.lensnet is not None:
-        ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window, nodes, n, upto)
+        ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window, cv)
         slots["lens_nogist"] = slice(shown.size(1), shown.size(1) + 1)
         nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)
         preference = random_preferences(system, cv.tree, random_view, cv.window, cv.nodes, cv.view)
         if batch.utility:
-            utility = edit_correlations(system, tree, window, nodes, cv, view_cuts["lens"][:, 0])
+            utility = edit_correlations(system, tree, window, cv, view_cuts["lens"][:, 0])
     cuts = {name: parts[name][:, 0] for name in contexts}
     return Chunk(slots, nll, hit, preference, contexts, cuts, utility)
 
 
-def edit_correlations(
-    system: MegaContext, tree: Tree, window: Tensor, nodes: NodeTable, cv: ChunkView, policy: Tensor
-) -> Tensor:
+def edit_correlations(system: MegaContext, tree: Tree, window: Tensor, cv: ChunkView, policy: Tensor) -> Tensor:
     """``[g]``: per row, the Spearman correlation of LensNet's predicted worth of each edit of its cut ``policy
     [g, view_nodes]`` with the edit's measured ΔNLL (:func:`~mcfn.tools.counterfactual.utility_corr`)."""
     scores = lens_view_scores(system, cv)
     corr = []
     for i in range(policy.size(0)):
-        labelled = label_edits(system, tree[i : i + 1], window[i : i + 1], nodes, cv, policy[i], scores[i])
+        labelled = label_edits(system, tree[i : i + 1], window[i : i + 1], cv, policy[i], scores[i])
         corr.append(utility_corr(labelled, scores[i]))
     return torch.tensor(corr, dtype=torch.float64)
 
