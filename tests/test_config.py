@@ -10,14 +10,14 @@ from mcfn.profile import PROFILES_DIR, build_config, parse_override, resolve
 
 def test_every_shipped_profile_resolves():
     names = sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
-    assert {"cpu-tiny", "cpu-small", "gpu-h100"} <= set(names)
+    assert {"default", "cpu-small", "gpu-h100"} <= set(names)
     for name in names:
         assert isinstance(resolve(name, []), RunConfig)
 
 
 def test_overrides_apply_after_profile_in_order():
     cfg = resolve(
-        "cpu-tiny",
+        "cpu-long",
         [
             parse_override("train.steps=7"),
             parse_override("train.steps=9"),
@@ -51,7 +51,7 @@ def test_bad_config_is_rejected_naming_the_key(sections, message):
 
 
 def test_unknown_profile_lists_known_ones():
-    with pytest.raises(UserError, match="known: .*cpu-tiny"):
+    with pytest.raises(UserError, match="known: .*default"):
         resolve("no-such-profile", [])
 
 
@@ -70,7 +70,7 @@ def test_override_syntax():
 
 
 def test_nested_mc_tables_and_overrides():
-    cfg = resolve("cpu-tiny", [parse_override("mc.gist.recon_weight=2"), parse_override("mc.alloc.noise=0.5")])
+    cfg = resolve("cpu-long", [parse_override("mc.gist.recon_weight=2"), parse_override("mc.alloc.noise=0.5")])
     assert cfg.mc.gist.recon_weight == 2.0 and cfg.mc.alloc.noise == 0.5 and cfg.mc.gist.layers == 2
     assert cfg.flat()["mc.gist.recon_weight"] == 2.0
     off = build_config({"mc": {"lens": {"enabled": False}}})
@@ -100,7 +100,7 @@ def test_a_saved_config_loads_back_equal():
     from mcfn.profile import config_from_saved
 
     for overrides in ([], [parse_override("mc.lens.enabled=false"), parse_override("mc.gist.width=32")]):
-        cfg = resolve("cpu-tiny", overrides)
+        cfg = resolve("cpu-long", overrides)
         assert config_from_saved(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
@@ -109,7 +109,7 @@ def test_a_config_saved_with_a_retired_knob_loads_at_its_fixed_value_and_is_refu
     another value cannot be honoured and is refused, naming the knob. Fails with the retired keys not dropped."""
     from mcfn.profile import config_from_saved
 
-    cfg = resolve("cpu-tiny", [])
+    cfg = resolve("cpu-long", [])
     saved = json.loads(json.dumps(cfg.to_dict()))
     saved["model"]["softcap"] = 15.0
     saved["mc"]["lens"]["temperature"] = 0.5
@@ -132,7 +132,7 @@ def test_the_knobs_of_experiments_that_lost_load_at_their_default_and_are_refuse
     value is refused in one line naming it."""
     from mcfn.profile import config_from_saved
 
-    cfg = resolve("cpu-tiny", [])
+    cfg = resolve("cpu-long", [])
     saved = json.loads(json.dumps(cfg.to_dict()))
     table = saved["mc"] if section is None else saved["mc"][section]
     table[key] = default
@@ -151,12 +151,12 @@ def test_a_config_saved_before_test_splits_existed_loads_without_one_and_finds_i
     from mcfn.data.sources import open_source
     from mcfn.profile import config_from_saved
 
-    saved = json.loads(json.dumps(resolve("cpu-tiny", []).to_dict()))
+    saved = json.loads(json.dumps(resolve("cpu-long", []).to_dict()))
     del saved["data"]["test_fraction"]
     old = config_from_saved(saved)
-    assert old.data.test_fraction == 0.0 and resolve("cpu-tiny", []).data.test_fraction > 0
+    assert old.data.test_fraction == 0.0 and resolve("cpu-long", []).data.test_fraction > 0
     source = open_source(old.data.source)
-    assert corpus_key(source, old.data) != corpus_key(source, resolve("cpu-tiny", []).data)
+    assert corpus_key(source, old.data) != corpus_key(source, resolve("cpu-long", []).data)
 
 
 def test_a_profile_extends_another_and_says_only_what_differs(tmp_path):
@@ -171,14 +171,16 @@ def test_a_profile_extends_another_and_says_only_what_differs(tmp_path):
 
 
 def test_the_shipped_profiles_that_extend_differ_from_their_parent_in_a_few_keys():
-    """cpu-long is cpu-tiny trained longer; gpu-h200 is gpu-h100 over twice the history."""
-    long, tiny = resolve("cpu-long", []), resolve("cpu-tiny", [])
-    assert long.model == tiny.model and long.mc == tiny.mc and long.train.steps == 5 * tiny.train.steps
+    """cpu-longrange is the default trained longer, with the LensNet stage; gpu-h200 is gpu-h100 over twice the
+    history."""
+    longrange, default = resolve("cpu-longrange", []), resolve("default", [])
+    assert longrange.model == default.model and longrange.mc == default.mc and longrange.data.seq_len == 512
+    assert longrange.train.plain_steps > default.train.plain_steps and longrange.train.lens_rounds > 0
     h200, h100 = resolve("gpu-h200", []), resolve("gpu-h100", [])
     assert h200.model == h100.model and h200.data.seq_len == 2 * h100.data.seq_len
 
 
 def test_config_hash_follows_every_setting():
-    base = resolve("cpu-tiny", [])
-    assert base.digest() == resolve("cpu-tiny", []).digest()
-    assert base.digest() != resolve("cpu-tiny", [parse_override("mc.gist.recon_weight=2")]).digest()
+    base = resolve("cpu-long", [])
+    assert base.digest() == resolve("cpu-long", []).digest()
+    assert base.digest() != resolve("cpu-long", [parse_override("mc.gist.recon_weight=2")]).digest()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -89,6 +90,23 @@ def test_report_has_every_condition_and_the_headline(report):
     table = format_eval_table(report)
     assert table.count("\n| ") == 6 and "retained [95% CI]" in table  # two budgets, two protocols
     assert "refocused every R = 4" in table and "one cut (R = H = 8)" in table
+
+
+def test_a_brief_evaluation_scores_its_conditions_exactly_as_the_full_one(report):
+    """A run's final evaluation is brief: full, recency, match and lens at the headline budget under generation's
+    protocol, each scored exactly as the full evaluation scores it (the conditions it leaves out never feed them)."""
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
+    windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    token_bytes = torch.randint(1, 4, (VOCAB,))
+    settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",), refocus_every=4, brief=True)
+    brief = evaluate(system, windows, token_bytes, None, settings)
+    assert set(brief["bpb"]) == {"full", "recency", "match", "lens"} and brief["brief"] is True
+    assert "one_cut" not in brief and "one_cut" not in brief["tasks"]["corpus"] and "brief" not in report
+    for name, value in brief["bpb"].items():
+        assert value == pytest.approx(report["bpb"][name], rel=1e-6), name
+    assert brief["tasks"]["corpus"]["lens_gain"] == pytest.approx(report["tasks"]["corpus"]["lens_gain"])
+    table = format_eval_table(brief)
+    assert table.count("\n| ") == 2 and "one cut" not in table and "train.eval --ckpt DIR" in table
 
 
 def test_best_of_random_is_the_best_random_context(report):
@@ -189,13 +207,27 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     from train.eval import main as eval_main
     from train.run import main as run_main
 
-    bigger = {"data": {"seq_len": 256}, "mc": {"block_size": 4, "budget": 128, "tail": 96}, "train": {"steps": 3}}
+    bigger = {
+        "data": {"seq_len": 256},
+        "mc": {"block_size": 4, "budget": 128, "tail": 96, "refocus_every": 8},
+        "train": {"steps": 3, "final_eval_batches": 2},
+    }
     sections = tiny_sections(f"text:{text_dir}")
     for name, values in bigger.items():
         sections[name].update(values)
     profile = write_profile(tmp_path / "p.toml", sections)
     mc, plain, short = tmp_path / "mc", tmp_path / "plain", tmp_path / "short"
-    assert run_main(["--profile", str(profile), "--out", str(mc), "--set", "train.final_eval=false"]) == 0
+    assert run_main(["--profile", str(profile), "--out", str(mc)]) == 0
+    # The run's own evaluation is brief, and its report opens with the five summary lines (mcfn.shell.headline).
+    final = json.loads((mc / "eval.json").read_text())
+    assert final["brief"] and list(final["tasks"]) == ["corpus", "passkey"] and final["W"] == 128
+    assert set(final["tasks"]["passkey"]["accuracy"]) == {"full", "recency", "match", "lens"}
+    opening = (mc / "report.md").read_text().split("\n\n")[1].splitlines()
+    heads = ["Trained", "Pass key", "Corpus bpb", "A pass-key window as LensNet cuts it", "Generated"]
+    assert [line.split("**")[1] for line in opening] == heads, opening
+    assert "LensNet refocusing every 8 tokens (4 refocuses)" in opening[4], "32 tokens generated, R = 8"
+    assert re.search(r"`[0-9·]*\[[0-9·]+\][0-9·]*`$", opening[3]), opening[3]
+    assert json.loads((mc / "summary.json").read_text())["final_eval_s"] > 0
     # The pass key, read with the whole window, is tracked at every validation: it shows when retrieval forms.
     records = [json.loads(line) for line in (mc / "metrics.jsonl").read_text().splitlines()]
     tracked = [r["probe/passkey_full"] for r in records if "probe/passkey_full" in r]

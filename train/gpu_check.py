@@ -66,17 +66,17 @@ def steps(dry: bool, work: Path) -> list[Step]:
         tiny = ["--set", "train.batch_size=1", "--set", "data.vocab_size=512"]
         data = ["--data", f"text:{REPO / 'src'}", "--set", "data.min_doc_chars=200"]
         return [
-            Step("bench", 90, py + ["-m", "train.bench", "--profile", "cpu-tiny", "--eager", "--steps", "1",
+            Step("bench", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--steps", "1",
                                     "--warmup", "1", "--lens-entries", "512", "--json", str(work / "bench.json"),
                                     *tiny]),
-            Step("run", 120, py + ["-m", "train.run", "--profile", "cpu-tiny", "--steps", "3", "--out", str(run_dir),
+            Step("run", 120, py + ["-m", "train.run", "--profile", "cpu-long", "--steps", "3", "--out", str(run_dir),
                                   *data, *tiny, "--set", "train.log_every=1", *run_settings(1)], logs,
                   fresh=run_dir),
             Step("decode", 90, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                      "--eager", "--lengths", "256,512", "--new-tokens", "4", "--repeats", "1",
                                      "--json", str(work / "decode.json")]),
             Step("tests", 120, py + cuda_tests),
-            Step("sweep", 90, py + ["-m", "train.bench", "--profile", "cpu-tiny", "--eager", "--sweep-T", "1024",
+            Step("sweep", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--sweep-T", "1024",
                                     "--conditions", "plain,mc", "--steps", "1", "--warmup", "1", "--out",
                                     str(work / "sweep"), *tiny], min_s=10),
         ]  # fmt: skip

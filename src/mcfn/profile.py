@@ -4,7 +4,7 @@ A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[tr
 its own ``[mc.gist]``, ``[mc.lens]`` and ``[mc.alloc]`` tables). Unknown sections or keys, values of the wrong
 type and out-of-range values are rejected with a one-line :class:`~mcfn.errors.UserError` that names the key.
 
-A profile may start from another: ``extends = "cpu-tiny"`` at its top takes that profile's tables, and its own
+A profile may start from another: ``extends = "default"`` at its top takes that profile's tables, and its own
 tables then override them key by key, so it says only what differs.
 """
 
@@ -20,7 +20,7 @@ from mcfn.config import DataConfig, MCConfig, ModelConfig, OptimConfig, RunConfi
 from mcfn.errors import UserError
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
-DEFAULT_PROFILE = "cpu-tiny"
+DEFAULT_PROFILE = "default"
 
 _SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "mc": MCConfig}
 

@@ -18,13 +18,13 @@ from typing import Any
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
-from mcfn.data.probes import PROBES
+from mcfn.shell.headline import summary_lines
 from mcfn.shell.lens_stage import StageSettings, run_stage
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.evaluation import default_budgets, evaluate
+from mcfn.tools.evaluation import evaluate
 from mcfn.tools.report import write_report
 
 SUMMARY_NAME = "summary.json"
@@ -44,26 +44,34 @@ def git_commit(repo: Path = REPO_DIR) -> str:
         return "unknown"
 
 
-FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that also carry each long-range probe
+FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that also carry the pass key
+FINAL_EVAL_TASKS = ("corpus", "passkey")  # natural text, and the retrieval truncation cannot do
 
 
-def final_evaluation(s: Session) -> dict | None:
-    """An MC run's end-of-run table (full / recency / match / lens / best-of) on the test split, which nothing else
-    reads: ``train.final_eval_batches · batch_size`` windows from as many documents as it has."""
+def final_evaluation(s: Session) -> tuple[dict, list[str]] | None:
+    """An MC run's end-of-run table on the test split, which nothing else reads: brief (full, recency, match and
+    lens at the run's own W, under generation's protocol, on the corpus and the pass key), on
+    ``train.final_eval_batches · batch_size`` windows from as many documents as it has; ``train.eval`` scores
+    everything else. With it, the report's summary lines (:mod:`mcfn.shell.headline`), or none without LensNet or
+    where the pass key does not fit."""
     if not (s.cfg.train.final_eval and isinstance(s.model, MegaContext)):
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     name, split = held_out(s.corpus, "test")
     windows, docs = evaluation_windows(split, window, cfg.final_eval_batches * cfg.batch_size, cfg.batch_size)
     settings = EvalSettings(
-        default_budgets(s.model.layout),
-        tasks=PROBES,
+        (s.model.layout.W,),
+        tasks=FINAL_EVAL_TASKS,
         probe_batches=FINAL_EVAL_PROBE_BATCHES,
         refocus_every=s.cfg.mc.refocus_every,
+        brief=True,
     )
     report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings, docs=docs, split=name)
     report["checkpoint_step"] = cfg.steps
-    return report
+    if s.model.lensnet is None or "skipped" in report["tasks"]["passkey"]:
+        return report, []
+    example = windows[0][0].to(s.device)
+    return report, summary_lines(s.model, example, s.corpus.tokenizer, s.cfg.mc.refocus_every, report)
 
 
 def lens_stage(s: Session, say: Callable[[str], None]) -> dict | None:
@@ -107,16 +115,30 @@ def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict |
     }
 
 
+def trained_line(s: Session, summary: dict[str, Any]) -> str:
+    """The report's first line: what was trained on what, for how long."""
+    cfg, plain = s.cfg, s.cfg.train.plain_steps
+    steps = f"{plain} plain + {cfg.train.steps - plain} MegaContext" if plain else f"{cfg.train.steps} MegaContext"
+    return (
+        f"**Trained** on `{cfg.data.source}` ({summary['params']:,} parameters): {steps} steps of "
+        f"{cfg.train.batch_size} × {cfg.data.seq_len} tokens, {summary['wall_s'] / 60:.1f} min on {summary['device']} "
+        f"with the final evaluation, which took {summary['final_eval_s'] / 60:.1f} min."
+    )
+
+
 def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], None]) -> dict[str, Any]:
     """Evaluate (unless stopped early), write ``summary.json`` and the report; returns the summary."""
     if not s.world.is_main:
         return {"steps": s.cfg.train.steps, "rank": s.world.rank, "stopped_at": progress.stopped_at}
     stage = None if progress.stopped_at is not None else lens_stage(s, say)
-    final_eval = None if progress.stopped_at is not None else final_evaluation(s)
+    t_eval = time.perf_counter()
+    evaluated = None if progress.stopped_at is not None else final_evaluation(s)
+    final_eval, headline = evaluated or (None, [])
     if final_eval is not None:
         say(f"\n{write_eval_outputs(final_eval, s.out_dir)}")
     summary = summarise(s, progress, t_start, final_eval)
     summary["lens_stage"] = stage
+    summary["final_eval_s"] = time.perf_counter() - t_eval if final_eval is not None else None
     tmp = s.out_dir / f"{SUMMARY_NAME}.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     os.replace(tmp, s.out_dir / SUMMARY_NAME)
@@ -130,7 +152,9 @@ def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], 
     last_maps = maps_path.read_text().split("step ")[-1] if maps_path.exists() else None
     tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
     maps = last_maps and f"step {last_maps}"
-    report = write_report(s.out_dir, read_metrics(s.out_dir), summary, tokens_per_step, final_eval, maps)
+    if headline:
+        headline = [trained_line(s, summary), *headline]
+    report = write_report(s.out_dir, read_metrics(s.out_dir), summary, tokens_per_step, final_eval, maps, headline)
     say(f"[run] report: {report}")
     say(
         f"[run] done: val bpb {progress.first_bpb:.4f} -> {progress.last_bpb:.4f}, "

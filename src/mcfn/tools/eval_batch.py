@@ -19,6 +19,8 @@ from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.probes import PROBES
 
+PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
+
 
 @dataclass(frozen=True)
 class EvalSettings:
@@ -29,6 +31,14 @@ class EvalSettings:
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
     refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens
     warm_steps: int = 1  # allocator steps of every refocus after a window's first, from the previous context
+    # Only what a reader needs first (a run's final evaluation): full, recency, match and lens under generation's
+    # protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
+    brief: bool = False
+
+    @property
+    def protocols(self) -> tuple[str, ...]:
+        """Generation's (the headline), and unless ``brief`` one cut for the whole tail (``R = H``)."""
+        return PROTOCOLS[:1] if self.brief else PROTOCOLS
 
     @property
     def protocol(self) -> Refocus:

@@ -45,8 +45,12 @@ def format_eval_table(report: dict) -> str:
         what = "answer accuracy / answer bpb" if "accuracy" in result else "tail bpb"
         lines += ["", f"**{task}** ({what}), refocused every R = {report['refocus_every']}:", ""]
         lines += protocol_table(result, report["W"])
-        lines += ["", f"**{task}**, one cut (R = H = {report['H']}):", ""]
-        lines += protocol_table(result["one_cut"], report["W"])
+        if "one_cut" in result:
+            lines += ["", f"**{task}**, one cut (R = H = {report['H']}):", ""]
+            lines += protocol_table(result["one_cut"], report["W"])
+    if report.get("brief"):
+        lines += ["", "A brief evaluation: the conditions and tasks that show the point. "
+                  "`python -m train.eval --ckpt DIR` scores every condition, task and budget."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

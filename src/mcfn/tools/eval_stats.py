@@ -176,6 +176,19 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
     for name in ("recency", "recent", "attn", "match", "lens", "lens_nogist"):
         if name in pred.slots:
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
+    out.nbytes.append(scored.sum(-1).double().cpu())
+    out.depth.append(depth.double().cpu())
+    utility = getattr(pred, "utility", None)
+    if utility is not None:
+        out.utility.append(utility[utility.isfinite()])
+    if "random" in pred.slots:  # not in a brief evaluation
+        add_random(out, pred, nats, correct, mask, scored)
+    return out
+
+
+def add_random(out: Scores, pred: Predictions, nats: Tensor, correct: Tensor, mask: Tensor, scored: Tensor) -> None:
+    """The random cuts' scores, the best-of conditions over them (and over all cuts), and LensNet's rank pairs:
+    ``nats, correct [B, S]`` per context, ``mask, scored [B, H]`` the scored targets and their bytes."""
     random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
     out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
     candidates = candidate_slots(pred)  # the random cuts first
@@ -185,11 +198,6 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
     out.add("best_of_random", *best_of(chunk_nats, chunk_wrong))
     out.add("best_of_all", *best_of(all_nats, all_wrong))
     out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
-    out.nbytes.append(scored.sum(-1).double().cpu())
-    out.depth.append(depth.double().cpu())
-    utility = getattr(pred, "utility", None)
-    if utility is not None:
-        out.utility.append(utility[utility.isfinite()])
     if pred.preference is not None:
         B, M, C = chunk_nats.shape
         i, j = pair_slots(M, B, random_nats.device)
@@ -198,4 +206,3 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
         scored_chunk = repeat(chunk_bytes > 0, "b c -> b c p", p=i.size(1))
         out.predicted.append(pred.preference[scored_chunk].cpu())
         out.measured.append(measured[scored_chunk].cpu())  # > 0: i better
-    return out

@@ -106,7 +106,6 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
     return float(torch.cat(answered).float().mean())
 
 
-PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
 PARTS = ("all", "longrange")  # what a task's scores cover: every scored target, and (corpus) the long-range ones
 
 
@@ -142,16 +141,17 @@ def score_batch(
     targets = split_window(window)[1][:, layout.T - layout.H :]
     scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
     horizon = probe.answer.long().argmax(-1)  # the first scored prediction's position: what a cut may be chosen from
-    batch = EvalBatch.of(system, settings, window, horizon, utility=with_longrange and system.lensnet is not None)
+    utility = with_longrange and system.lensnet is not None and not settings.brief
+    batch = EvalBatch.of(system, settings, window, horizon, utility=utility)
     references = {"full": full_predictions(system.base, window, layout.H)}
     if reference is not None:
         references["full_plain"] = full_predictions(reference, window, layout.H)
     generator = torch.Generator(device=window.device)
     parts = PARTS if with_longrange else PARTS[:1]
-    out: dict[str, dict[str, dict[int, Scores]]] = {part: {name: {} for name in PROTOCOLS} for part in parts}
+    out: dict[str, dict[str, dict[int, Scores]]] = {part: {p: {} for p in settings.protocols} for part in parts}
     near = settings.budgets[0] - settings.refocus_every  # what truncation keeps at a refocus, at the headline W
     long_range = scored * far_context_tokens(window, layout.H, near) if with_longrange else None
-    for name in PROTOCOLS:
+    for name in settings.protocols:
         predict = predict_budget if name == "one_cut" else predict_chunked
         for budget in protocol_budgets(settings, layout, name):
             generator.manual_seed(derive_seed(budget, "eval_contexts", index))
@@ -210,7 +210,7 @@ def score_tasks(
         if reason is not None:  # a question longer than the scored tail: reported, not scored
             tasks[task] = {"skipped": reason}
             continue
-        scores = {part: {p: {w: Scores() for w in settings.budgets} for p in PROTOCOLS} for part in PARTS}
+        scores = {part: {p: {w: Scores() for w in settings.budgets} for p in settings.protocols} for part in PARTS}
         batches = windows if task == "corpus" else windows[: settings.probe_batches]
         for index, batch in enumerate(batches):
             probe = make_probe(task, batch, tokenizer, layout.H, derive_seed(PROBES.index(task), "eval_probes", index))
@@ -229,9 +229,9 @@ def score_tasks(
                 settings, layout, task, scores["all"][p], None if longrange is None else longrange[p], p,
                 system.lensnet is not None,
             )
-            for p in PROTOCOLS
+            for p in settings.protocols
         }  # fmt: skip
-        tasks[task] = {**per_protocol["refocus"], "one_cut": per_protocol["one_cut"]}
+        tasks[task] = {**per_protocol.pop("refocus"), **per_protocol}
     system.train(was_training)
     return tasks
 
@@ -289,10 +289,10 @@ def evaluate(
         "refocus": settings.refocus,
         "refocus_every": settings.refocus_every,
         "warm_steps": settings.warm_steps,
-        "one_cut": {
-            "bpb": head["one_cut"]["bpb"],
-            "retained_fraction": head["one_cut"]["retained_fraction"],
-            "lens_rank_corr": head["one_cut"].get("lens_rank_corr"),
+        **{
+            p: {key: head[p].get(key) for key in ("bpb", "retained_fraction", "lens_rank_corr")}
+            for p in settings.protocols[1:]
         },
+        **({"brief": True} if settings.brief else {}),  # a full evaluation's file is as it always was
         "tasks": tasks,
     }

@@ -106,7 +106,7 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
                 for i, row in enumerate(rows.tolist()):
                     previous[name][row] = contexts[i]
                     cuts[name][row].append(part.cuts[name][i])
-    with_lens = system.lensnet is not None
+    with_lens = system.lensnet is not None and not batch.settings.brief  # the random cuts' preferences
     return ChunkedPredictions(
         nll, hit, slots, chunk, preference if with_lens else None, cuts, utility if batch.utility else None
     )
@@ -124,18 +124,18 @@ def predict_chunk(
     the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold).
     With ``batch.utility``, each row's LensNet cut is also labelled edit by edit (:mod:`mcfn.tools.counterfactual`)."""
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
-    protocol, M = batch.settings.protocol, batch.settings.random_contexts
+    protocol, M, brief = batch.settings.protocol, batch.settings.random_contexts, batch.settings.brief
     cv = chunk_view(tree, window, nodes, n, protocol.every)
     g = rows.numel()
-    parts: dict[str, Tensor] = {
-        "recency": cv.recency(g),
-        "recent": cv.window_cut(recent_cut(cv.view.layout, window.device)).expand(g, 1, -1),
-    }
-    random_view = cv.random(M, g, generator)
-    parts["random"] = cv.window_cut(random_view)
+    parts: dict[str, Tensor] = {"recency": cv.recency(g)}
+    if not brief:
+        parts["recent"] = cv.window_cut(recent_cut(cv.view.layout, window.device)).expand(g, 1, -1)
+        random_view = cv.random(M, g, generator)
+        parts["random"] = cv.window_cut(random_view)
     contexts: dict[str, list[WorkingContext]] = {}
     view_cuts: dict[str, Tensor] = {}
-    for name in FOCUSES if system.lensnet is not None else FOCUSES[:-1]:
+    focuses = [name for name in FOCUSES if not (brief and name == "attn")]
+    for name in focuses if system.lensnet is not None else focuses[:-1]:
         view_cuts[name], contexts[name] = refocus_rows(
             system, name, cv.tree, cv.window, cv.view, protocol, carried[name]
         )
@@ -143,7 +143,7 @@ def predict_chunk(
     shown, slots = stacked(parts)
     nll, hit = chunk_predictions(system, tree, shown, window, cv)
     preference, utility = None, None
-    if system.lensnet is not None:
+    if system.lensnet is not None and not brief:
         ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window, cv)
         slots["lens_nogist"] = slice(shown.size(1), shown.size(1) + 1)
         nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)

@@ -65,13 +65,15 @@ def write_report(
     tokens_per_step: int,
     eval_report: dict | None,
     lod_maps: str | None,
+    headline: list[str] | None = None,
 ) -> Path:
     """Plots of the run's metric ``records`` (``metrics.jsonl``), with the summary, evaluation and latest LOD
-    maps, as Markdown."""
+    maps, as Markdown; it opens with the ``headline`` lines (:mod:`mcfn.shell.headline`), where given."""
     plot_loss_and_timings(out_dir, records, float(tokens_per_step))
-    sections = [
-        f"# Run report: {out_dir.name}",
-        "",
+    sections = [f"# Run report: {out_dir.name}", ""]
+    if headline:
+        sections += [*(f"- {line}" for line in headline), "", "## Run", ""]
+    sections += [
         f"{summary['mode']} mode on {summary['device']}, {summary['params']:,} parameters, "
         f"{summary['steps']} steps{' (compiled)' if summary['compiled'] else ''}. Median step "
         f"{summary['step_ms_median']:.0f} ms, {summary['tokens_per_s'] or 0:,.0f} tokens/s, compile "

@@ -1,0 +1,90 @@
+"""The five lines a run's report opens with: what was trained, the pass key and the corpus under the conditions a
+reader needs, one pass-key window as LensNet's cut shows it, and a continuation generated with LensNet refocusing.
+
+The two examples run generation itself (:func:`~mcfn.inference.generation.generate_mc`, greedy) on the first
+window of the test split, so what the report shows is what ``train.generate`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mcfn.core.system import MegaContext
+from mcfn.data.probes import PROBES, make_probe
+from mcfn.data.tokenizer import Tokenizer
+from mcfn.inference.generation import generate_mc
+from mcfn.seeding import derive_seed
+
+CONDITIONS = ("full", "recency", "match", "lens")  # what the summary compares, in this order
+CONTINUATION = 32  # tokens generated after the held-out prompt
+SHOWN_CHARS = 80  # of the prompt's end and of the continuation, in the summary line
+
+
+@dataclass(frozen=True)
+class Example:
+    """Generation on one held-out window: the LOD map of each refocus and the text on either side."""
+
+    maps: list[str]  # one character per block of K tokens at each refocus (mcfn.inference.render)
+    prompt: str
+    generated: str
+    expected: str  # what the window holds after the prompt
+
+
+def _one_line(text: str, keep: int, tail: bool) -> str:
+    text = text.replace("\n", "⏎").replace("`", "'")
+    return text[-keep:] if tail else text[:keep]
+
+
+def generate_example(system: MegaContext, prompt: Tensor, expected: Tensor, tokenizer: Tokenizer, every: int):
+    """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with LensNet refocusing every ``every``
+    tokens, as ``train.generate`` does."""
+    maps: list[str] = []
+    tokens, _ = generate_mc(system, prompt, expected.numel(), every, on_refocus=lambda _, text: maps.append(text))
+    decode = tokenizer.decode
+    return Example(maps, decode(prompt.tolist()), decode(tokens.tolist()), decode(expected.tolist()))
+
+
+def passkey_example(system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int) -> tuple[Example, str]:
+    """The pass key written into ``window [T + 1]`` as the evaluation writes its first one, generation's answer,
+    and the LOD map of the refocus that answered it with the blocks holding the key in brackets."""
+    layout = system.layout
+    seed = derive_seed(PROBES.index("passkey"), "eval_probes", 0)
+    probe = make_probe("passkey", window[None].cpu(), tokenizer, layout.H, seed)
+    answer = probe.answer[0].nonzero().flatten() + 1  # the key's tokens' positions in the window
+    tokens = probe.window[0].to(window.device)
+    example = generate_example(system, tokens[: int(answer[0])], tokens[answer], tokenizer, every)
+    key, lod = tokens[answer].tolist(), example.maps[-1]
+    at = next((i for i in range(int(answer[0])) if tokens[i : i + len(key)].tolist() == key), None)
+    if at is None:  # the key tokenised differently inside the fact: the map without brackets
+        return example, lod
+    first, last = at // layout.K, (at + len(key) - 1) // layout.K
+    return example, f"{lod[:first]}[{lod[first : last + 1]}]{lod[last + 1 :]}"
+
+
+@torch.no_grad()
+def summary_lines(system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int, report: dict) -> list[str]:
+    """The report's opening lines after what was trained: the pass key and corpus figures of the final evaluation's
+    ``report`` (``eval.json``), and the two examples generated on the held-out ``window [T + 1]``."""
+    W, T, K = report["W"], report["T"], system.layout.K
+    passkey, corpus = report["tasks"]["passkey"], report["tasks"]["corpus"]
+    accuracy = ", ".join(f"{c} {passkey['accuracy'][c]:.2f}" for c in CONDITIONS if c in passkey["accuracy"])
+    bpb = ", ".join(f"{c} {corpus['bpb'][c]:.4f}" for c in CONDITIONS if c in corpus["bpb"])
+    gain = corpus.get("lens_gain")
+    error = f"; lens − recency {-gain['bpb']:+.4f} ± {gain['se']:.4f}" if gain else ""
+    key, lod = passkey_example(system, window, tokenizer, every)
+    answered = "answers" if key.generated == key.expected else "misses"
+    cut = window.numel() - 1 - CONTINUATION
+    text = generate_example(system, window[:cut], window[cut : cut + CONTINUATION], tokenizer, every)
+    return [
+        f"**Pass key** at W = {W} = T/{T // W}, share of {report['n_windows_per_probe']} test windows answered: "
+        f"{accuracy}.",
+        f"**Corpus bpb** at W = {W}, last {report['H']} tokens of {report['windows']} test windows from "
+        f"{report['documents']} documents: {bpb}{error} (bootstrap standard error over documents).",
+        f"**A pass-key window as LensNet cuts it** (a character per {K} tokens: 0 tokens, k a level-k gist, · left "
+        f"out; the key in brackets), where generation {answered} `{key.generated.strip()}`: `{lod}`",
+        f"**Generated** with LensNet refocusing every {every} tokens ({len(text.maps)} refocuses): "
+        f"`…{_one_line(text.prompt, SHOWN_CHARS, True)}` → `{_one_line(text.generated, SHOWN_CHARS, False)}`",
+    ]
