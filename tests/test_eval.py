@@ -82,6 +82,7 @@ def test_report_has_every_condition_and_the_headline(report):
     corpus = report["tasks"]["corpus"]
     assert -1 <= report["utility_corr"] <= 1 and report["utility_corr"] == corpus["utility_corr"]
     assert corpus["utility_states"] == 6 * (H // 4), "one state per window and chunk of R = 4"
+    assert "utility_corr" not in corpus["longrange"], "a per-state figure, not one of the long-range tokens"
     best = {"focus": "lens", "match": "match", "recency": "recency"}[report["best_context"]]
     assert report["bpb"][best] == min(report["bpb"][c] for c in ("lens", "match", "recency"))
     assert -1.0 <= report["lens_rank_corr"] <= 1.0

@@ -163,10 +163,17 @@ def accuracy_by_depth(scores: Scores, condition: str, bins: int = 5) -> list[flo
     return [float(correct[which == b].mean()) if (which == b).any() else None for b in range(bins)]
 
 
-def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scored: Tensor, depth: Tensor) -> Scores:
+def record(
+    pred: Predictions,
+    references: dict[str, tuple[Tensor, Tensor]],
+    scored: Tensor,
+    depth: Tensor,
+    per_state: bool = True,
+) -> Scores:
     """One batch's per-window scores: ``scored [B, H]`` holds the bytes of each tail target that counts (0: not
     scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The best-of conditions pick
-    per chunk (:mod:`mcfn.tools.headroom`), and the rank pairs are compared chunk by chunk."""
+    per chunk (:mod:`mcfn.tools.headroom`), and the rank pairs are compared chunk by chunk. ``per_state``: also the
+    per-state figures (``utility_corr``), which belong to a batch, not to a subset of its tokens."""
     out = Scores()
     mask = scored > 0
     for name, (nll, hit) in references.items():
@@ -178,9 +185,8 @@ def record(pred: Predictions, references: dict[str, tuple[Tensor, Tensor]], scor
             out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
-    utility = getattr(pred, "utility", None)
-    if utility is not None:
-        out.utility.append(utility[utility.isfinite()])
+    if per_state and pred.utility is not None:
+        out.utility.append(pred.utility[pred.utility.isfinite()])
     if "random" in pred.slots:  # not in a brief evaluation
         add_random(out, pred, nats, correct, mask, scored)
     return out

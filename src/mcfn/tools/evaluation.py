@@ -158,7 +158,7 @@ def score_batch(
             pred = predict(batch, budget, generator)
             out["all"][name][budget] = record(pred, references, scored, probe.depth)
             if long_range is not None:
-                out["longrange"][name][budget] = record(pred, references, long_range, probe.depth)
+                out["longrange"][name][budget] = record(pred, references, long_range, probe.depth, per_state=False)
     return out
 
 

@@ -108,6 +108,7 @@ class Predictions:
     slots: dict[str, slice]  # each condition's contexts among the S
     chunk: Tensor  # [B, H] int64: the chunk of each tail column (-1: before the horizon, never scored)
     preference: Tensor | None  # [B, C, P]: LensNet's preference between every pair of a chunk's random contexts
+    utility: Tensor | None = None  # [B, C] float64: each chunk's utility_corr (NaN: not measured; None: not asked)
 
 
 def predict_budget(batch: EvalBatch, budget: int, generator: torch.Generator) -> Predictions:

@@ -22,7 +22,7 @@ Nothing that chooses a chunk's cut reads anything after its horizon (I11, per ch
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from einops import rearrange, repeat
@@ -47,8 +47,7 @@ FOCUSES = ("attn", "match", "lens")  # the conditions that refocus with focus_cu
 class ChunkedPredictions(Predictions):
     """The tail predictions of one batch at one budget, each chunk of ``R`` from its own cuts, and those cuts."""
 
-    cuts: dict[str, list[list[Tensor]]]  # per focus condition, per row, each chunk's full-window cut [nodes]
-    utility: Tensor | None = None  # [B, C] float64: each chunk's utility_corr (NaN: not measured)
+    cuts: dict[str, list[list[Tensor]]] = field(kw_only=True)  # per focus condition, per row, each chunk's cut [nodes]
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
                     cuts[name][row].append(part.cuts[name][i])
     with_lens = system.lensnet is not None and not batch.settings.brief  # the random cuts' preferences
     return ChunkedPredictions(
-        nll, hit, slots, chunk, preference if with_lens else None, cuts, utility if batch.utility else None
+        nll, hit, slots, chunk, preference if with_lens else None, utility if batch.utility else None, cuts=cuts
     )
 
 
