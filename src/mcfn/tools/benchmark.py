@@ -22,59 +22,26 @@ can differ from ``mc_step_ms``; ``glue_frac`` = (variants + assemble + losses) /
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 import torch._dynamo
-from tensordict import TensorDictBase, is_tensorclass
 from torch import Tensor
 
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
-from mcfn.core.stages import recording
-from mcfn.core.step import compile_step
 from mcfn.core.system import MegaContext, build_contexts, process_batch
-from mcfn.core.variants import draw_variant_noise
-from mcfn.core.weights import LossWeights
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.evaluation import default_budgets, score_tasks
 from mcfn.tools.flops import peak_flops, step_flops
 from mcfn.tools.lens_bench import lens_forward_ms
+from mcfn.tools.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 from mcfn.typecheck import checks
-
-
-class Timer:
-    """Milliseconds of a callable, synchronised properly for the device."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[..., Any], *args: Any) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn(*args)
-        return (time.perf_counter() - t0) * 1e3
-
-
-def graph_breaks_seen() -> int:
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
-
-
-def compiled_frames() -> int:
-    return torch._dynamo.utils.counters["frames"]["ok"]
 
 
 def run_benchmark(
@@ -91,43 +58,20 @@ def run_benchmark(
     """Measure as described in the module docstring; ``compile_mode=None`` runs eagerly. ``progress`` gets each
     figure as ``key=value`` pairs as soon as it is known (the step times, then LensNet's forward over
     ``lens_entries`` entries when that is not 0, then each phase), so a run cut short still leaves them."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    torch.manual_seed(cfg.train.seed)
-    system = MegaContext(cfg).to(device)
+    rig = Rig.of(cfg, vocab, device, compile_mode)
+    cfg, system, autocast, compile_fn, weights = rig.cfg, rig.system, rig.autocast, rig.compile_fn, rig.weights
     set_activation_checkpointing(system, cfg.train.activation_checkpointing)
-    layout, B = system.layout, cfg.train.batch_size
-    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    compile_fn = partial(compile_step, mode=compile_mode) if compile_mode else (lambda f: f)
-
-    def mc_inputs():
-        window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
-        return window, draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
+    layout, B, mc_inputs = system.layout, cfg.train.batch_size, rig.mc_inputs
 
     with torch.no_grad():
         supervised = build_contexts(system, *mc_inputs())[0].valid  # [B·V, W]: the positions the MC step trains on
 
     def plain_inputs():
-        tokens = torch.randint(0, vocab, (B * layout.V, layout.W + 1), device=device, generator=gen)
+        tokens = torch.randint(0, vocab, (B * layout.V, layout.W + 1), device=device, generator=rig.generator)
         return tokens[:, :-1], torch.where(supervised, tokens[:, 1:], -1)  # -1: no target
 
-    plain_fn = compile_fn(plain_entries_step)
-    weights = LossWeights.of(cfg.mc, device)
-    mc_fn = partial(compile_fn(process_batch), weights=weights)
-
-    def mc_step(inputs):
-        with autocast:
-            out = mc_fn(system, *inputs)
-        out.total().backward()
-        system.zero_grad(set_to_none=True)
-
-    def plain_step_(inputs):
-        with autocast:
-            out = plain_fn(system.base, *inputs)
-        out.total().backward()
-        system.zero_grad(set_to_none=True)
+    mc_step = rig.training_call(partial(compile_fn(process_batch), system, weights=weights))
+    plain_step_ = rig.training_call(partial(compile_fn(plain_entries_step), system.base))
 
     with autocast:  # one eager step: what autograd keeps for the backward
         saved_mb = saved_activation_bytes(partial(process_batch, system, *mc_inputs(), weights))[0] / 2**20
@@ -253,76 +197,6 @@ def plain_entries_step(model: GPT, tokens: Tensor, targets: Tensor) -> StepOutpu
     return StepOutput({"loss_lm": nll.sum() / (targets >= 0).sum()}, {}, {})
 
 
-class StageRecorder:
-    """Installed with :func:`mcfn.core.stages.recording`: calls each stage and records its name, function and inputs."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Callable, tuple]] = []
-
-    def __call__(self, name: str, fn: Callable, *args: Any) -> Any:
-        self.calls.append((name, fn, args))
-        return fn(*args)
-
-
-def _leaf(x: Any) -> Any:
-    """An input cut off from the step that made it; what carried a gradient there carries one here."""
-    if isinstance(x, Tensor):
-        return x.detach().requires_grad_(x.requires_grad)
-    if is_tensorclass(x) or isinstance(x, TensorDictBase):
-        return x.apply(lambda t: t.detach().requires_grad_(t.requires_grad))
-    return x
-
-
-def _backward_scalar(out: Any) -> Tensor | None:
-    """A scalar to backpropagate from a stage's output: the loss of a StepOutput, the mean square of any
-    tensor that carries a gradient; None when nothing does (the variants)."""
-    if isinstance(out, StepOutput):
-        return out.total()
-    if isinstance(out, tuple):
-        parts = [p for p in map(_backward_scalar, out) if p is not None]
-        return sum(parts) if parts else None
-    if is_tensorclass(out) or isinstance(out, TensorDictBase):
-        return _backward_scalar(tuple(out.to_tensordict().values()))
-    if isinstance(out, Tensor) and out.requires_grad:
-        return out.float().square().mean()
-    return None
-
-
-def time_phases(
-    step: Callable,
-    system: MegaContext,
-    compile_fn,
-    timer: Timer,
-    autocast,
-    warmup: int,
-    steps: int,
-    progress: Callable[[str], None] = lambda line: None,
-) -> dict[str, float]:
-    """Median forward + backward milliseconds of each stage of ``step`` (a step with its inputs bound), each
-    passed to ``progress`` as ``NAME_ms=VALUE`` as soon as it is timed."""
-    recorder = StageRecorder()
-    with autocast, recording(recorder):
-        step()
-    system.zero_grad(set_to_none=True)
-    phases = {}
-    for name, fn, args in recorder.calls:
-        compiled, leaves = compile_fn(fn), tuple(_leaf(a) for a in args)
-
-        def run_stage(compiled=compiled, leaves=leaves):
-            with autocast:
-                out = compiled(*leaves)
-            loss = _backward_scalar(out)
-            if loss is not None:
-                loss.backward()
-
-        for _ in range(warmup):
-            run_stage()
-        phases[f"{name}_ms"] = statistics.median(timer(run_stage) for _ in range(steps))
-        progress(f"{name}_ms={phases[f'{name}_ms']:.3f}")
-        system.zero_grad(set_to_none=True)
-    return phases
-
-
 def _seconds(value: float | None) -> str:
     return "n/a (eager)" if value is None else f"{value:.1f} s"
 
@@ -360,20 +234,11 @@ def format_table(result: dict[str, Any]) -> str:
 def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int) -> dict[str, float]:
     """What the eager runtime shape checks cost: an eager training step (forward + backward, LensNet live) and
     the held-out evaluation of one batch, each timed with the checks on and off in turn, medians of ``steps``."""
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    torch.manual_seed(cfg.train.seed)
-    system = MegaContext(cfg).to(device)
-    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    layout, B = system.layout, cfg.train.batch_size
-    window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
-    noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
-    weights = LossWeights.of(cfg.mc, device)
+    rig = Rig.of(cfg, vocab, device, None)
+    system, (window, noise) = rig.system, rig.mc_inputs()
     token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
-    settings = EvalSettings(default_budgets(layout), tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
-
-    def step() -> None:
-        process_batch(system, window, noise, weights).total().backward()
-        system.zero_grad(set_to_none=True)
+    settings = EvalSettings(default_budgets(system.layout), tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
+    step = partial(rig.training_call(process_batch), (system, window, noise, rig.weights))
 
     def evaluation() -> None:
         score_tasks(system, [window], token_bytes, None, settings)

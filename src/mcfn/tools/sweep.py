@@ -40,13 +40,11 @@ from typing import Any
 import torch
 
 from mcfn.config import RunConfig
-from mcfn.core.step import compile_step, plain_step
+from mcfn.core.step import plain_step
 from mcfn.core.system import MegaContext, process_batch
-from mcfn.core.variants import draw_variant_noise
-from mcfn.core.weights import LossWeights
 from mcfn.errors import UserError
 from mcfn.geometry import coarsest_cover_size
-from mcfn.tools.benchmark import Timer, compiled_frames, graph_breaks_seen, time_phases
+from mcfn.tools.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 
 CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded", "mc_sparse")
 SHARES = {"tree": ("tree_ms",), "lens": ("lens_fwd_ms", "lens_loss_ms"), "teacher": ("teacher_ms",)}
@@ -85,31 +83,14 @@ def measure_point(
     cfg: RunConfig, condition: str, vocab: int, device: torch.device, steps: int, warmup: int, mode: str | None
 ) -> dict[str, Any]:
     """One point, measured in this process (the sweep runs each in a process of its own)."""
-    torch._dynamo.reset()
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
-    torch.manual_seed(cfg.train.seed)
-    system = MegaContext(cfg).to(device)
-    layout, B = system.layout, cfg.train.batch_size
-    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
-    compile_fn: Callable = partial(compile_step, mode=mode) if mode else (lambda f: f)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    weights = LossWeights.of(cfg.mc, device)
+    rig = Rig.of(cfg, vocab, device, mode)
+    cfg, system, compile_fn = rig.cfg, rig.system, rig.compile_fn
+    layout, B, autocast = system.layout, cfg.train.batch_size, rig.autocast
 
     def inputs() -> tuple:
-        window = torch.randint(0, vocab, (B, layout.T + 1), device=device, generator=gen)
-        if condition == "plain":
-            return (system.base, window)
-        noise = draw_variant_noise(layout, B, gen, device, cfg.mc.alloc.iterations)
-        return (system, window, noise, weights)
+        return (system.base, rig.windows()) if condition == "plain" else (system, *rig.mc_inputs(), rig.weights)
 
-    fn = compile_fn(plain_step if condition == "plain" else process_batch)
-
-    def step(args: tuple) -> None:
-        with autocast:
-            out = fn(*args)
-        out.total().backward()
-        system.zero_grad(set_to_none=True)
-
+    step = rig.training_call(compile_fn(plain_step if condition == "plain" else process_batch))
     timer = Timer(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
