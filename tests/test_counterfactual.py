@@ -207,7 +207,8 @@ def test_the_stage_trains_lensnet_on_a_run_and_writes_it_back(decoding_run, tmp_
 
 def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
     """``train.lens_rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
-    then scores the stage's LensNet (``utility_corr`` beside the bpb) and says which context to generate with."""
+    then scores the stage's LensNet and says which context to generate with. The final evaluation is brief: its
+    edits are not labelled (``train.eval`` labels them, ``test_report_has_every_condition_and_the_headline``)."""
     from train.run import main as run_main
 
     out = tmp_path / "run"
@@ -219,5 +220,6 @@ def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tm
         1,
     )
     report = json.loads((out / "eval.json").read_text())
-    assert -1 <= report["utility_corr"] <= 1 and report["best_context"] in ("focus", "match", "recency")
+    assert report["brief"] and report["utility_corr"] is None and "lens" in report["bpb"]
+    assert report["best_context"] in ("focus", "match", "recency")
     assert f"Generate with `--context {report['best_context']}`" in (out / "eval.md").read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -93,19 +94,21 @@ def test_report_has_every_condition_and_the_headline(report):
     assert "refocused every R = 4" in table and "one cut (R = H = 8)" in table
 
 
-def test_a_brief_evaluation_scores_its_conditions_exactly_as_the_full_one(report):
+def test_a_brief_evaluation_scores_its_conditions_exactly_as_the_full_one():
     """A run's final evaluation is brief: full, recency, match and lens at the headline budget under generation's
-    protocol, each scored exactly as the full evaluation scores it (the conditions it leaves out never feed them)."""
-    system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
+    protocol, each scored exactly as the full evaluation scores it (the conditions it leaves out never feed them;
+    a LensNet with spread scores, so that a cold refocus and a warm one cut differently)."""
+    system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
-    settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",), refocus_every=4, brief=True)
-    brief = evaluate(system, windows, token_bytes, None, settings)
+    settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",), refocus_every=4)
+    full = evaluate(system, windows, token_bytes, None, settings)
+    brief = evaluate(system, windows, token_bytes, None, dataclasses.replace(settings, brief=True))
     assert set(brief["bpb"]) == {"full", "recency", "match", "lens"} and brief["brief"] is True
-    assert "one_cut" not in brief and "one_cut" not in brief["tasks"]["corpus"] and "brief" not in report
+    assert "one_cut" not in brief and "one_cut" not in brief["tasks"]["corpus"] and "brief" not in full
     for name, value in brief["bpb"].items():
-        assert value == pytest.approx(report["bpb"][name], rel=1e-6), name
-    assert brief["tasks"]["corpus"]["lens_gain"] == pytest.approx(report["tasks"]["corpus"]["lens_gain"])
+        assert value == pytest.approx(full["bpb"][name], rel=1e-6), name
+    assert brief["tasks"]["corpus"]["lens_gain"] == pytest.approx(full["tasks"]["corpus"]["lens_gain"])
     table = format_eval_table(brief)
     assert table.count("\n| ") == 2 and "one cut" not in table and "train.eval --ckpt DIR" in table
 

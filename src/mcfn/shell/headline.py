@@ -1,5 +1,6 @@
-"""The five lines a run's report opens with: what was trained, the pass key and the corpus under the conditions a
-reader needs, one pass-key window as LensNet's cut shows it, and a continuation generated with LensNet refocusing.
+"""Four of the five lines a run's report opens with, after what was trained (:func:`mcfn.shell.outcome.trained_line`):
+the pass key and the corpus under the conditions a reader needs, one pass-key window as LensNet's cut shows it, and a
+continuation generated with LensNet refocusing.
 
 The two examples run generation itself (:func:`~mcfn.inference.generation.generate_mc`, greedy) on the first
 window of the test split, so what the report shows is what ``train.generate`` does.
@@ -38,7 +39,9 @@ def _one_line(text: str, keep: int, tail: bool) -> str:
     return text[-keep:] if tail else text[:keep]
 
 
-def generate_example(system: MegaContext, prompt: Tensor, expected: Tensor, tokenizer: Tokenizer, every: int):
+def generate_example(
+    system: MegaContext, prompt: Tensor, expected: Tensor, tokenizer: Tokenizer, every: int
+) -> Example:
     """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with LensNet refocusing every ``every``
     tokens, as ``train.generate`` does."""
     maps: list[str] = []
