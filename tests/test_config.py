@@ -43,6 +43,7 @@ def test_overrides_apply_after_profile_in_order():
         ({"data": {"val_fraction": 1.5}}, "data.val_fraction"),
         ({"train": {"compile_mode": "fast"}}, "train.compile_mode"),
         ({"optim": {"warmdown_frac": 1.5}}, "optim.warmdown_frac"),
+        ({"train": {"steps": 10, "plain_steps": 10}}, "train.plain_steps: .* also --set train.plain_steps=N"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(sections, message):

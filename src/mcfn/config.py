@@ -258,7 +258,11 @@ class TrainConfig:
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
         _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
         _require(self.lens_rounds >= 0, "train.lens_rounds", "must be >= 0")
-        _require(0 <= self.plain_steps < self.steps, "train.plain_steps", "must lie in [0, train.steps)")
+        _require(
+            0 <= self.plain_steps < self.steps,
+            "train.plain_steps",
+            f"must lie in [0, train.steps = {self.steps}) (with --steps, also --set train.plain_steps=N)",
+        )
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")
         _require(
