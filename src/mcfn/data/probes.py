@@ -28,6 +28,7 @@ from torch import Tensor
 
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
+from mcfn.seeding import derive_seed
 
 PROBES = ("corpus", "passkey", "kv-recall", "copy")
 PAIRS, QUERIES = 6, 3  # kv-recall: facts in the window, and how many of them the tail asks for
@@ -142,3 +143,9 @@ def make_probe(name: str, windows: Tensor, tok: Tokenizer | None, tail: int, see
         answers.append(answer)
         depths.append(depth)
     return ProbeBatch(torch.tensor(rows), torch.tensor(answers), torch.tensor(depths))
+
+
+def evaluation_probe(name: str, windows: Tensor, tok: Tokenizer | None, tail: int, index: int) -> ProbeBatch:
+    """The probe ``name`` as the evaluation writes it into its ``index``-th batch of held-out ``windows``: on a
+    stream of its own, so every evaluation of the same windows asks the same questions."""
+    return make_probe(name, windows, tok, tail, derive_seed(PROBES.index(name), "eval_probes", index))

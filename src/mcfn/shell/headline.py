@@ -14,10 +14,9 @@ import torch
 from torch import Tensor
 
 from mcfn.core.system import MegaContext
-from mcfn.data.probes import PROBES, make_probe
+from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.inference.generation import generate_mc
-from mcfn.seeding import derive_seed
 
 CONDITIONS = ("full", "recency", "match", "lens")  # what the summary compares, in this order
 CONTINUATION = 32  # tokens generated after the held-out prompt
@@ -54,8 +53,7 @@ def passkey_example(system: MegaContext, window: Tensor, tokenizer: Tokenizer, e
     """The pass key written into ``window [T + 1]`` as the evaluation writes its first one, generation's answer,
     and the LOD map of the refocus that answered it with the blocks holding the key in brackets."""
     layout = system.layout
-    seed = derive_seed(PROBES.index("passkey"), "eval_probes", 0)
-    probe = make_probe("passkey", window[None].cpu(), tokenizer, layout.H, seed)
+    probe = evaluation_probe("passkey", window[None].cpu(), tokenizer, layout.H, 0)
     answer = probe.answer[0].nonzero().flatten() + 1  # the key's tokens' positions in the window
     tokens = probe.window[0].to(window.device)
     example = generate_example(system, tokens[: int(answer[0])], tokens[answer], tokenizer, every)

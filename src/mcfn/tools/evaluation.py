@@ -61,7 +61,7 @@ from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
-from mcfn.data.probes import PROBES, ProbeBatch, make_probe, misfit
+from mcfn.data.probes import ProbeBatch, evaluation_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.geometry import most_refocus_every
 from mcfn.seeding import derive_seed
@@ -99,7 +99,7 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
         return None
     answered, device = [], base.wte.weight.device  # held-out windows stay on the CPU; the model may not
     for index, batch in enumerate(windows):
-        probe = make_probe(task, batch.cpu(), tokenizer, tail, derive_seed(PROBES.index(task), "eval_probes", index))
+        probe = evaluation_probe(task, batch.cpu(), tokenizer, tail, index)
         hit = full_predictions(base, probe.window.to(device), tail)[1]
         answer = probe.answer[:, T - tail :].to(device)
         answered.append((hit | ~answer).all(-1))
@@ -213,7 +213,7 @@ def score_tasks(
         scores = {part: {p: {w: Scores() for w in settings.budgets} for p in settings.protocols} for part in PARTS}
         batches = windows if task == "corpus" else windows[: settings.probe_batches]
         for index, batch in enumerate(batches):
-            probe = make_probe(task, batch, tokenizer, layout.H, derive_seed(PROBES.index(task), "eval_probes", index))
+            probe = evaluation_probe(task, batch, tokenizer, layout.H, index)
             probe = ProbeBatch(probe.window.to(device), probe.answer.to(device), probe.depth)
             scored = score_batch(system, probe, token_bytes, settings, index, reference, task == "corpus")
             for part, by_protocol in scored.items():
