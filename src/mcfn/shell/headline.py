@@ -1,6 +1,6 @@
-"""Four of the five lines a run's report opens with, after what was trained (:func:`mcfn.shell.outcome.trained_line`):
-the pass key and the corpus under the conditions a reader needs, one pass-key window as LensNet's cut shows it, and a
-continuation generated with LensNet refocusing.
+"""The five lines a run's report opens with: what was trained and for how long (:func:`trained_line`), then
+(:func:`summary_lines`) the pass key and the corpus under the conditions a reader needs, one pass-key window as
+LensNet's cut shows it, and a continuation generated with LensNet refocusing.
 
 The two examples run generation itself (:func:`~mcfn.inference.generation.generate_mc`, greedy) on the first
 window of the test split, so what the report shows is what ``train.generate`` does.
@@ -9,10 +9,12 @@ window of the test split, so what the report shows is what ``train.generate`` do
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from mcfn.config import RunConfig
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
@@ -67,7 +69,7 @@ def passkey_example(system: MegaContext, window: Tensor, tokenizer: Tokenizer, e
 
 @torch.no_grad()
 def summary_lines(system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int, report: dict) -> list[str]:
-    """The report's opening lines after what was trained: the pass key and corpus figures of the final evaluation's
+    """The report's opening lines after :func:`trained_line`: the pass key and corpus figures of the final evaluation's
     ``report`` (``eval.json``), and the two examples generated on the held-out ``window [T + 1]``."""
     W, T, K = report["W"], report["T"], system.layout.K
     passkey, corpus = report["tasks"]["passkey"], report["tasks"]["corpus"]
@@ -89,3 +91,14 @@ def summary_lines(system: MegaContext, window: Tensor, tokenizer: Tokenizer, eve
         f"**Generated** with LensNet refocusing every {every} tokens ({len(text.maps)} refocuses): "
         f"`…{_one_line(text.prompt, SHOWN_CHARS, True)}` → `{_one_line(text.generated, SHOWN_CHARS, False)}`",
     ]
+
+
+def trained_line(cfg: RunConfig, summary: dict[str, Any]) -> str:
+    """The first line: what was trained on what, for how long (``summary``: the run's ``summary.json``)."""
+    plain = cfg.train.plain_steps
+    steps = f"{plain} plain + {cfg.train.steps - plain} MegaContext" if plain else f"{cfg.train.steps} MegaContext"
+    return (
+        f"**Trained** on `{cfg.data.source}` ({summary['params']:,} parameters): {steps} steps of "
+        f"{cfg.train.batch_size} × {cfg.data.seq_len} tokens, {summary['wall_s'] / 60:.1f} min on {summary['device']} "
+        f"with the final evaluation, which took {summary['final_eval_s'] / 60:.1f} min."
+    )

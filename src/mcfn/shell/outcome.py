@@ -18,7 +18,7 @@ from typing import Any
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
-from mcfn.shell.headline import summary_lines
+from mcfn.shell.headline import summary_lines, trained_line
 from mcfn.shell.lens_stage import StageSettings, run_stage
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
@@ -115,17 +115,6 @@ def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict |
     }
 
 
-def trained_line(s: Session, summary: dict[str, Any]) -> str:
-    """The report's first line: what was trained on what, for how long."""
-    cfg, plain = s.cfg, s.cfg.train.plain_steps
-    steps = f"{plain} plain + {cfg.train.steps - plain} MegaContext" if plain else f"{cfg.train.steps} MegaContext"
-    return (
-        f"**Trained** on `{cfg.data.source}` ({summary['params']:,} parameters): {steps} steps of "
-        f"{cfg.train.batch_size} × {cfg.data.seq_len} tokens, {summary['wall_s'] / 60:.1f} min on {summary['device']} "
-        f"with the final evaluation, which took {summary['final_eval_s'] / 60:.1f} min."
-    )
-
-
 def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], None]) -> dict[str, Any]:
     """Evaluate (unless stopped early), write ``summary.json`` and the report; returns the summary."""
     if not s.world.is_main:
@@ -153,7 +142,7 @@ def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], 
     tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
     maps = last_maps and f"step {last_maps}"
     if headline:
-        headline = [trained_line(s, summary), *headline]
+        headline = [trained_line(s.cfg, summary), *headline]
     report = write_report(s.out_dir, read_metrics(s.out_dir), summary, tokens_per_step, final_eval, maps, headline)
     say(f"[run] report: {report}")
     say(
