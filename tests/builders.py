@@ -45,7 +45,7 @@ def make_system(
     H: int,
     N: int,
     seed: int = 0,
-    lens_width: int = 8,
+    n_embd: int = 16,
     teacher: dict | None = None,
     lens: dict | None = None,
     gist: dict | None = None,
@@ -53,7 +53,7 @@ def make_system(
 ) -> MegaContext:
     cfg = build_config(
         {
-            "model": {"n_layer": 1, "n_head": 2, "n_embd": 16},
+            "model": {"n_layer": 1, "n_head": 2, "n_embd": n_embd},  # GistNet and LensNet: half of it wide
             "data": {"seq_len": T},
             "mc": {
                 "block_size": K,
@@ -62,8 +62,8 @@ def make_system(
                 "tail": H,
                 "variants": N,
                 "refocus_every": refocus_every,
-                "gist": {"layers": 1, "width": 8, "heads": 2, **(gist or {})},
-                "lens": {"width": lens_width, **(lens or {})},
+                "gist": gist or {},
+                "lens": lens or {},
                 "teacher": teacher or {},
             },
         }
@@ -253,7 +253,6 @@ def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
             "eval_every": 10,
             "eval_batches": 2,
             "log_every": 1,
-            "ckpt_every": 10,
             "wandb": "disabled",
         },
         "mc": {"block_size": 4, "lod_max": 2, "budget": 16, "tail": 8, "variants": 2, "refocus_every": 2},

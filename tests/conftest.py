@@ -79,7 +79,7 @@ def decoding_run(tmp_path_factory, text_dir) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("decoding")
     sections = tiny_sections(
-        f"text:{text_dir}", data={"vocab_size": 300}, train={"final_eval": False}, mc={"budget": 24}
+        f"text:{text_dir}", data={"vocab_size": 300}, train={"final_eval_batches": 0}, mc={"budget": 24}
     )
     profile = write_profile(root / "p.toml", sections)
     assert run_main(["--profile", str(profile), "--out", str(root / "run"), "--steps", "2"]) == 0

@@ -1,9 +1,11 @@
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from mcfn.config import RunConfig
+from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
 from mcfn.profile import PROFILES_DIR, build_config, parse_override, resolve
 
@@ -72,7 +74,7 @@ def test_override_syntax():
 
 def test_nested_mc_tables_and_overrides():
     cfg = resolve("cpu-long", [parse_override("mc.gist.recon_weight=2"), parse_override("mc.alloc.noise=0.5")])
-    assert cfg.mc.gist.recon_weight == 2.0 and cfg.mc.alloc.noise == 0.5 and cfg.mc.gist.layers == 2
+    assert cfg.mc.gist.recon_weight == 2.0 and cfg.mc.alloc.noise == 0.5
     assert cfg.flat()["mc.gist.recon_weight"] == 2.0
     off = build_config({"mc": {"lens": {"enabled": False}}})
     assert not off.mc.lens.enabled and off.mc.alloc_variants == 0
@@ -89,7 +91,7 @@ def test_nested_mc_tables_and_overrides():
         ({"mc": {"gist": 2}}, r"mc.gist in config must be a table"),
         ({"mc": {"lens": {"attention_weight": -1}}}, "mc.lens.attention_weight: must be >= 0"),
         ({"mc": {"lens": {"temperature": 0.5}}}, "unknown key mc.lens.temperature"),
-        ({"mc": {"variants": 1, "alloc": {"variants": 2}}}, "mc.alloc.variants"),
+        ({"mc": {"alloc": {"variants": 2}}}, "unknown key mc.alloc.variants"),
     ],
 )
 def test_a_bad_mc_table_is_refused_naming_its_key(sections, message):
@@ -100,7 +102,7 @@ def test_a_bad_mc_table_is_refused_naming_its_key(sections, message):
 def test_a_saved_config_loads_back_equal():
     from mcfn.profile import config_from_saved
 
-    for overrides in ([], [parse_override("mc.lens.enabled=false"), parse_override("mc.gist.width=32")]):
+    for overrides in ([], [parse_override("mc.lens.enabled=false"), parse_override("mc.gist.recon_weight=0.5")]):
         cfg = resolve("cpu-long", overrides)
         assert config_from_saved(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
@@ -115,6 +117,8 @@ def test_a_config_saved_with_a_retired_knob_loads_at_its_fixed_value_and_is_refu
     saved["model"]["softcap"] = 15.0
     saved["mc"]["lens"]["temperature"] = 0.5
     saved["train"]["wandb_project"] = "anything"
+    saved["train"].update(ckpt_every=123, lod_map_every=0, final_eval=False)  # where files went and what was shown
+    saved["optim"]["grad_clip"] = 1.0
     assert config_from_saved(saved) == cfg
     saved["mc"]["lens"]["temperature"] = 2.0
     with pytest.raises(UserError, match="mc.lens.temperature=2.0"):
@@ -124,13 +128,14 @@ def test_a_config_saved_with_a_retired_knob_loads_at_its_fixed_value_and_is_refu
 @pytest.mark.parametrize(
     "section, key, default, other",
     [("lens", "match_feature", False, True), ("lens", "horizons", "tail", "chunks"), ("teacher", "stretch", 0, 256),
-     ("lens", "pair_weight", 0.0, 1.0), (None, "leave_out", "top", "gist")],
+     ("lens", "pair_weight", 0.0, 1.0), (None, "leave_out", "top", "gist"), ("gist", "width", 0, 32),
+     ("gist", "heads", 2, 4), ("lens", "layers", 2, 3), ("gist", "recon_tokens", 512, 0), ("alloc", "variants", 1, 2)],
 )  # fmt: skip
 def test_the_knobs_of_experiments_that_lost_load_at_their_default_and_are_refused_at_another(
     section, key, default, other
 ):
-    """House part 3: the knobs whose A/B lost are gone; a run saved at their default loads, one saved at another
-    value is refused in one line naming it."""
+    """House part 3: the knobs whose A/B lost, and those nothing set, are gone; a run saved at their default loads,
+    one saved at another value is refused in one line naming it."""
     from mcfn.profile import config_from_saved
 
     cfg = resolve("cpu-long", [])
@@ -162,10 +167,12 @@ def test_a_config_saved_before_test_splits_existed_loads_without_one_and_finds_i
 
 def test_a_profile_extends_another_and_says_only_what_differs(tmp_path):
     (tmp_path / "base.toml").write_text("[train]\nsteps = 7\nbatch_size = 2\n[mc.gist]\nrecon_weight = 0.5\n")
-    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[train]\nsteps = 9\n[mc.lens]\nlayers = 3\n')
+    (tmp_path / "child.toml").write_text(
+        'extends = "base.toml"\n[train]\nsteps = 9\n[mc.lens]\nattention_weight = 3\n[mc.teacher]\nfull_weight = 1\n'
+    )
     cfg = resolve(str(tmp_path / "child.toml"), [])
     assert (cfg.train.steps, cfg.train.batch_size) == (9, 2)
-    assert (cfg.mc.gist.recon_weight, cfg.mc.lens.layers) == (0.5, 3)
+    assert (cfg.mc.gist.recon_weight, cfg.mc.lens.attention_weight) == (0.5, 3)
     (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
     with pytest.raises(UserError, match="extends itself"):
         resolve(str(tmp_path / "loop.toml"), [])
@@ -185,3 +192,18 @@ def test_config_hash_follows_every_setting():
     base = resolve("cpu-long", [])
     assert base.digest() == resolve("cpu-long", []).digest()
     assert base.digest() != resolve("cpu-long", [parse_override("mc.gist.recon_weight=2")]).digest()
+
+
+@pytest.mark.parametrize(("n_embd", "n_head", "heads"), [(32, 2, 2), (128, 2, 2), (256, 4, 2), (768, 6, 6)])
+def test_gistnet_and_lensnet_run_at_half_the_models_width_in_heads_of_64_at_least_two(n_embd, n_head, heads):
+    """Their shape follows the model's: the widths of 64 and 128 keep the two heads every CPU profile trained with,
+    and the GPU profile's 768 gets the 6 heads it set by hand before."""
+    cfg = build_config({"model": {"n_embd": n_embd, "n_head": n_head}})
+    assert (cfg.aux_width, cfg.aux_heads) == (n_embd // 2, heads)
+    system = MegaContext(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=64)))
+    assert system.gistnet.blocks[0].attn.n_head == heads and system.lensnet.blocks[0].attn.n_head == heads
+
+
+def test_a_model_width_gistnet_and_lensnet_cannot_split_is_refused_naming_it():
+    with pytest.raises(UserError, match="model.n_embd: GistNet and LensNet split half of it, 450, into 7 heads"):
+        build_config({"model": {"n_embd": 900, "n_head": 6}})

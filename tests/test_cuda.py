@@ -103,7 +103,7 @@ def test_a_run_on_cuda_trains_tracks_the_pass_key_and_reports_its_mfu(tmp_path, 
     argv = ["--profile", str(profile), "--out", str(out), "--steps", "4"]
     sets = [
         "train.device=cuda",
-        "train.final_eval=false",
+        "train.final_eval_batches=0",
         "train.micro_batch_size=0",
         "train.eval_every=2",
         "data.seq_len=256",

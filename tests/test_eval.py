@@ -14,8 +14,9 @@ from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
+from mcfn.tools.eval_result import EvalReport, ProtocolResult
 from mcfn.tools.eval_stats import Clusters, paired_gain, retained_with_interval, spearman
-from mcfn.tools.evaluation import CONDITIONS, default_budgets, evaluate
+from mcfn.tools.evaluation import CONDITIONS, HeldOut, default_budgets, evaluate
 from mcfn.tools.one_cut import predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8
@@ -49,8 +50,8 @@ def test_errors_count_documents_not_windows():
     docs = torch.arange(8).repeat(2)
     by_document = paired_gain(twice, nbytes.repeat(2), "recency", "lens", Clusters(docs))
     by_window = paired_gain(twice, nbytes.repeat(2), "recency", "lens", Clusters(torch.arange(16)))
-    assert by_document["bpb"] == pytest.approx(alone["bpb"]) and by_document["se"] == pytest.approx(alone["se"])
-    assert by_window["se"] < 0.85 * by_document["se"]
+    assert by_document.bpb == pytest.approx(alone.bpb) and by_document.se == pytest.approx(alone.se)
+    assert by_window.se < 0.85 * by_document.se
 
 
 def test_default_budgets_start_with_the_runs_own():
@@ -66,29 +67,29 @@ def report():
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
     settings = EvalSettings(budgets=(W, T), random_contexts=4, refocus=2, tasks=("corpus",), refocus_every=4)
-    return evaluate(system, windows, token_bytes, None, settings)
+    return evaluate(system, HeldOut(windows, token_bytes), settings)
+
+
+def corpus_result(report: EvalReport, protocol: str = "refocus") -> ProtocolResult:
+    return report.tasks["corpus"].protocols[protocol]
 
 
 def test_report_has_every_condition_and_the_headline(report):
-    assert (
-        report["T"] == T
-        and report["W"] == W
-        and report["windows"] == 6
-        and report["se"] == "window"
-        and report["documents"] is None
-    )
-    assert set(report["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in report["bpb"].values())
-    assert set(report["one_cut"]["bpb"]) == set(CONDITIONS) and report["refocus_every"] == 4
-    assert [row["W"] for row in report["sweep"]] == [W, T]
-    corpus = report["tasks"]["corpus"]
-    assert -1 <= report["utility_corr"] <= 1 and report["utility_corr"] == corpus["utility_corr"]
+    """Read as ``eval.json`` holds it: the headline keys, and the corpus task's under them."""
+    js = json.loads(json.dumps(report.to_json()))
+    assert js["T"] == T and js["W"] == W and js["windows"] == 6 and js["se"] == "window" and js["documents"] is None
+    assert set(js["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in js["bpb"].values())
+    assert set(js["one_cut"]["bpb"]) == set(CONDITIONS) and js["refocus_every"] == 4
+    assert [row["W"] for row in js["sweep"]] == [W, T]
+    corpus = js["tasks"]["corpus"]
+    assert -1 <= js["utility_corr"] <= 1 and js["utility_corr"] == corpus["utility_corr"]
     assert corpus["utility_states"] == 6 * (H // 4), "one state per window and chunk of R = 4"
     assert "utility_corr" not in corpus["longrange"], "a per-state figure, not one of the long-range tokens"
-    best = {"focus": "lens", "match": "match", "recency": "recency"}[report["best_context"]]
-    assert report["bpb"][best] == min(report["bpb"][c] for c in ("lens", "match", "recency"))
-    assert -1.0 <= report["lens_rank_corr"] <= 1.0
-    assert report["tasks"]["corpus"]["bpb"] == report["bpb"] and "longrange" in report["tasks"]["corpus"]
-    json.dumps(report)  # the CLI writes it as JSON
+    best = {"focus": "lens", "match": "match", "recency": "recency"}[js["best_context"]]
+    assert js["bpb"][best] == min(js["bpb"][c] for c in ("lens", "match", "recency"))
+    assert -1.0 <= js["lens_rank_corr"] <= 1.0
+    assert corpus["bpb"] == js["bpb"] and "longrange" in corpus and corpus["one_cut"]["sweep"][0]["W"] == W
+    assert list(js)[-2:] == ["one_cut", "tasks"] and "brief" not in js
     table = format_eval_table(report)
     assert table.count("\n| ") == 6 and "retained [95% CI]" in table  # two budgets, two protocols
     assert "refocused every R = 4" in table and "one cut (R = H = 8)" in table
@@ -102,26 +103,27 @@ def test_a_brief_evaluation_scores_its_conditions_exactly_as_the_full_one():
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
     settings = EvalSettings(budgets=(W,), random_contexts=4, refocus=2, tasks=("corpus",), refocus_every=4)
-    full = evaluate(system, windows, token_bytes, None, settings)
-    brief = evaluate(system, windows, token_bytes, None, dataclasses.replace(settings, brief=True))
-    assert set(brief["bpb"]) == {"full", "recency", "match", "lens"} and brief["brief"] is True
-    assert "one_cut" not in brief and "one_cut" not in brief["tasks"]["corpus"] and "brief" not in full
-    for name, value in brief["bpb"].items():
-        assert value == pytest.approx(full["bpb"][name], rel=1e-6), name
-    assert brief["tasks"]["corpus"]["lens_gain"] == pytest.approx(full["tasks"]["corpus"]["lens_gain"])
+    full = evaluate(system, HeldOut(windows, token_bytes), settings)
+    brief = evaluate(system, HeldOut(windows, token_bytes), dataclasses.replace(settings, brief=True))
+    js = brief.to_json()
+    assert set(js["bpb"]) == {"full", "recency", "match", "lens"} and js["brief"] is True
+    assert "one_cut" not in js and "one_cut" not in js["tasks"]["corpus"]
+    for name, value in js["bpb"].items():
+        assert value == pytest.approx(full.head.head.bpb[name], rel=1e-6), name
+    brief_gain, full_gain = brief.head.head.gains["lens_gain"], full.head.head.gains["lens_gain"]
+    assert (brief_gain.bpb, brief_gain.se) == pytest.approx((full_gain.bpb, full_gain.se))
     table = format_eval_table(brief)
     assert table.count("\n| ") == 2 and "one cut" not in table and "train.eval --ckpt DIR" in table
 
 
 def test_best_of_random_is_the_best_random_context(report):
-    corpus = report["tasks"]["corpus"]
-    for row in corpus["sweep"] + corpus["one_cut"]["sweep"]:
-        assert row["bpb"]["best_of_random"] <= row["bpb"]["random"] + 1e-9
+    for row in corpus_result(report).sweep + corpus_result(report, "one_cut").sweep:
+        assert row.bpb["best_of_random"] <= row.bpb["random"] + 1e-9
 
 
 def test_recency_with_the_whole_window_is_full_context(report):
     """At W = T the one-cut recency context holds every token at LOD0: exactly the full condition."""
-    row = next(r for r in report["tasks"]["corpus"]["one_cut"]["sweep"] if r["W"] == T)["bpb"]
+    row = next(r for r in corpus_result(report, "one_cut").sweep if r.W == T).bpb
     assert row["recency"] == pytest.approx(row["full"], rel=1e-5)
     assert row["lens"] == pytest.approx(row["full"], rel=1e-5)  # the allocator expands everything it can
     assert row["lens_nogist"] == pytest.approx(row["lens"], rel=1e-5), "no gist there to zero"
@@ -130,12 +132,12 @@ def test_recency_with_the_whole_window_is_full_context(report):
 def test_the_gist_ablation_and_the_paired_gains(report):
     """Where the lens context holds gists, zeroing them changes its predictions; each gain is the difference of
     its two columns, with a standard error above zero (the windows differ)."""
-    corpus = report["tasks"]["corpus"]
-    assert corpus["bpb"]["lens_nogist"] != pytest.approx(corpus["bpb"]["lens"], rel=1e-4)
+    head = corpus_result(report).head
+    assert head.bpb["lens_nogist"] != pytest.approx(head.bpb["lens"], rel=1e-4)
     for name, (worse, better) in (("lens_gain", ("recency", "lens")), ("gist_worth", ("lens_nogist", "lens"))):
-        gain = corpus[name]
-        assert gain["bpb"] == pytest.approx(corpus["bpb"][worse] - corpus["bpb"][better], abs=1e-9)
-        assert gain["se"] > 0
+        gain = head.gains[name]
+        assert gain.bpb == pytest.approx(head.bpb[worse] - head.bpb[better], abs=1e-9)
+        assert gain.se > 0
     assert "gist_worth" in format_eval_table(report)
 
 

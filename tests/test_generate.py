@@ -26,7 +26,7 @@ REFOCUS = 4
 
 
 def decisive_system():
-    return decisive(make_system(T, K, L, W, H, N=2, seed=3, lens_width=8))
+    return decisive(make_system(T, K, L, W, H, N=2, seed=3))
 
 
 def test_kv_cache_extend_matches_full_forward():
@@ -80,7 +80,7 @@ def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo
 def test_streaming_tree_gists_equal_the_batch_tree():
     """Gists built as tokens trickle in (in chunks that straddle blocks and top-level blocks) equal the ones the
     training path builds for the same text."""
-    system = decisive(make_system(T, K, L, W, H, N=2, seed=3, lens_width=8))
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=3))
     with torch.no_grad():  # a GistNet that reads its features: its output projection starts at zero
         torch.nn.init.normal_(system.gistnet.out_proj.weight, std=0.5)
     tokens = torch.randint(0, VOCAB, (T,), generator=torch.Generator().manual_seed(1))

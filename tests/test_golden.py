@@ -49,7 +49,7 @@ RUNS = {
 def test_first_ten_steps_match_the_golden_losses(tmp_path, text_dir, name):
     golden_file, mc, extra_keys = RUNS[name]
     keys = KEYS + extra_keys
-    sections = tiny_sections(f"text:{text_dir}", train={"final_eval": False, "lod_map_every": 0})
+    sections = tiny_sections(f"text:{text_dir}", train={"final_eval_batches": 0})
     sections["mc"].update(mc)
     profile = write_profile(tmp_path / "golden.toml", sections)
     assert main(["--profile", str(profile), "--out", str(tmp_path / "run"), "--steps", str(STEPS)]) == 0

@@ -6,7 +6,7 @@ import torch
 from builders import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.evaluation import evaluate, record
+from mcfn.tools.evaluation import HeldOut, evaluate, record
 from mcfn.tools.headroom import candidate_slots, halves, per_chunk
 from mcfn.tools.long_range import far_context_tokens
 from mcfn.tools.one_cut import Predictions
@@ -77,6 +77,6 @@ def test_the_long_range_tokens_depend_on_the_tokens_not_on_any_model():
     counts = []
     for seed in (1, 2):
         system = decisive(make_system(T, K, L, W, H, N=2, seed=seed))
-        report = evaluate(system, windows, torch.ones(VOCAB, dtype=torch.int64), None, settings)
-        counts.append(report["tasks"]["corpus"]["longrange"]["tokens"])
+        report = evaluate(system, HeldOut(windows, torch.ones(VOCAB, dtype=torch.int64)), settings)
+        counts.append(report.head.longrange.tokens)
     assert counts[0] == counts[1] > 0

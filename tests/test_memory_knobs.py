@@ -30,7 +30,7 @@ def saved_bytes_and_grads(system, window, noise, step=process_batch) -> tuple[in
 
 
 def test_activation_checkpointing_keeps_less_and_gives_the_same_gradients():
-    system = decisive(make_system(T=64, K=4, L=2, W=32, H=8, N=2, lens_width=16)).train()
+    system = decisive(make_system(T=64, K=4, L=2, W=32, H=8, N=2, n_embd=32)).train()
     window, noise = step_inputs(system)
     stored, grads = saved_bytes_and_grads(system, window, noise)
     set_activation_checkpointing(system, True)

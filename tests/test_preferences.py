@@ -140,7 +140,7 @@ def test_lensnet_learns_where_detail_pays():
     """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
     (tokens 20..23), and nothing else matters. After 800 steps on the entry-wise preference term alone, LensNet
     scores the coarsest context's entry that covers that block first, far above chance."""
-    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, lens_width=32)
+    system = make_system(T=64, K=4, L=2, W=32, H=8, N=3, n_embd=64)
     layout, table = system.layout, system.nodes
     lens = system.lensnet
     opt = torch.optim.Adam(lens.parameters(), lr=3e-3)

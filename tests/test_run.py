@@ -66,7 +66,7 @@ def test_megacontext_run_logs_its_metrics(tmp_path, profile):
         assert key in step, key
     assert not any(k.startswith("train/mc/") or k.startswith("train/train/") for k in step)
     assert step["mc/variants_per_sample"] == 3 and step["mc/tokens_covered_mean"] > 16
-    assert {"val/bpb", "val/bpb_recency"} <= records[0].keys()
+    assert {"val/bpb", "val/bpb_recency", "time/val_s"} <= records[0].keys()
     assert json.loads((out / "summary.json").read_text())["mode"] == "mc"
     assert {"time/data_ms", "time/fwd_bwd_ms", "time/optim_ms", "train/lr/matrix", "train/lr/embedding"} <= step.keys()
     # The LOD map of step 0: recency (the last W=16 tokens: 4 blocks of K=4), then full-coverage cuts.
@@ -84,7 +84,7 @@ def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path, text_dir)
     # 12-step run train identically, so the resumed run must reproduce the straight one bit for bit.
     profile = write_profile(
         tmp_path / "p.toml",
-        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"ckpt_every": 12, "eval_every": 12}),
+        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 12}),
     )
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert main(["--profile", str(profile), "--out", str(straight), "--steps", "24"]) == 0

@@ -31,9 +31,7 @@ def _train_records(out: Path) -> list[dict]:
 def test_a_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, text_dir, sig):
     profile = write_profile(
         tmp_path / "p.toml",
-        tiny_sections(
-            f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"ckpt_every": 100000, "eval_every": 100000}
-        ),
+        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 100000}),
     )
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     proc = subprocess.Popen(
@@ -109,7 +107,7 @@ def test_non_finite_losses_in_a_row_stop_with_a_checkpoint(tmp_path, profile, mo
 def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint_exactly(tmp_path, text_dir):
     profile = write_profile(
         tmp_path / "p.toml",
-        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"ckpt_every": 3, "eval_every": 100000}),
+        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 3}),
     )
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     proc = subprocess.Popen(

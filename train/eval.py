@@ -8,7 +8,6 @@ at the checkpoint's budget and a sweep of budgets (see ``mcfn.tools.evaluation``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -54,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from mcfn.shell.evaluate import EvalRequest, evaluate_checkpoint
+    from mcfn.tools.eval_report import eval_json
 
     flags = vars(args).copy()
     flags.pop("json")
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> None:
     print(table)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        args.json.write_text(eval_json(report))
 
 
 def main(argv: list[str] | None = None) -> int:

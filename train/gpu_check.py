@@ -104,8 +104,8 @@ def steps(dry: bool, work: Path) -> list[Step]:
 
 def run_settings(eval_batches: int) -> list[str]:
     """A throughput run: no wandb, no final evaluation, validation at the start and the end only."""
-    sets = ["train.wandb=disabled", "train.final_eval=false", "train.lod_map_every=0", "train.eval_every=1000",
-            f"train.eval_batches={eval_batches}", "train.ckpt_every=1000"]  # fmt: skip
+    sets = ["train.wandb=disabled", "train.final_eval_batches=0", "train.eval_every=1000",
+            f"train.eval_batches={eval_batches}"]  # fmt: skip
     return [a for s in sets for a in ("--set", s)]
 
 

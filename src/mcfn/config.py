@@ -22,6 +22,9 @@ def _require(ok: bool, key: str, why: str) -> None:
         raise UserError(f"invalid value for {key}: {why}")
 
 
+AUX_LAYERS = 2  # GistNet's and LensNet's transformer layers (their width and heads: RunConfig.aux_*)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     n_layer: int = 4
@@ -81,45 +84,31 @@ class OptimConfig:
     embedding_lr: float = 0.3  # AdamW, token embedding
     unembedding_lr: float = 0.008  # AdamW, output head
     warmdown_frac: float = 0.3  # share of steps at the end with a linear decay (to 5 % of the rate)
-    grad_clip: float = 1.0  # 0 disables clipping
 
     def __post_init__(self) -> None:
         for name in ("matrix_lr", "embedding_lr", "unembedding_lr"):
             _require(getattr(self, name) > 0, f"optim.{name}", "must be > 0")
         _require(0 <= self.warmdown_frac <= 1, "optim.warmdown_frac", "must be in [0, 1]")
-        _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0")
 
 
 @dataclass(frozen=True)
 class GistConfig:
-    layers: int = 2
-    width: int = 0  # GistNet's internal width; 0 means half the model width
-    heads: int = 2
-    # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off).
+    # Weight of loss_recon: every gist read back into the tokens it covers by a small decoder (0: off). It reads
+    # at most RECON_TOKENS tokens a level and sequence (mcfn.core.reconstruction), so its cost stops growing with T.
     recon_weight: float = 0.0
-    # Tokens read back per level and sequence a step: a uniform sample of (gist, offset) pairs, so the
-    # reconstruction's cost stops growing with T (0: every token). At T = 512 every gist fits, as before.
-    recon_tokens: int = 512
     # Blocks per level and sequence through which GistNet's gradient flows (0: every block, the exact backward).
     # The tree's values are computed without a gradient and GistNet reruns with one on the blocks the working
     # contexts read first (mcfn.core.tree), so its backward stops growing with T. Off by default.
     grad_blocks: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.layers >= 1, "mc.gist.layers", "must be >= 1")
-        _require(self.width >= 0, "mc.gist.width", "must be >= 0")
-        _require(self.heads >= 1, "mc.gist.heads", "must be >= 1")
         _require(self.recon_weight >= 0, "mc.gist.recon_weight", "must be >= 0")
-        _require(self.recon_tokens >= 0, "mc.gist.recon_tokens", "must be >= 0 (0: every gist)")
         _require(self.grad_blocks >= 0, "mc.gist.grad_blocks", "must be >= 0 (0: every block)")
 
 
 @dataclass(frozen=True)
 class LensConfig:
-    enabled: bool = True  # LensNet, its preference loss and the allocator-built variants
-    layers: int = 2
-    width: int = 0  # LensNet's internal width; 0 means half the model width
-    heads: int = 2
+    enabled: bool = True  # LensNet, its preference loss and the allocator-built variant
     # Auxiliary target: rank entries by the tail's attention mass in the full-window teacher's forward
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
@@ -128,20 +117,18 @@ class LensConfig:
     match_prior: bool = False
 
     def __post_init__(self) -> None:
-        _require(self.layers >= 1, "mc.lens.layers", "must be >= 1")
-        _require(self.width >= 0, "mc.lens.width", "must be >= 0")
-        _require(self.heads >= 1, "mc.lens.heads", "must be >= 1")
         _require(self.attention_weight >= 0, "mc.lens.attention_weight", "must be >= 0")
 
 
 @dataclass(frozen=True)
 class AllocConfig:
-    variants: int = 1  # of the N compressed variants, how many the allocator builds from LensNet scores
-    iterations: int = 1  # allocator steps per allocator-built variant, each with its own exploration noise
-    noise: float = 1.0  # std of the exploration noise added to LensNet scores for those variants
+    """The allocator-built variant: with LensNet, the last of the N compressed variants is the allocator's cut from
+    LensNet's scores, so that LensNet learns on the contexts it creates; the rest are random."""
+
+    iterations: int = 1  # allocator steps for that variant, each with its own exploration noise
+    noise: float = 1.0  # std of the exploration noise added to LensNet's scores for it
 
     def __post_init__(self) -> None:
-        _require(self.variants >= 0, "mc.alloc.variants", "must be >= 0")
         _require(self.iterations >= 1, "mc.alloc.iterations", "must be >= 1")
         _require(self.noise >= 0, "mc.alloc.noise", "must be >= 0")
 
@@ -192,7 +179,6 @@ class MCConfig:
         # Its upper bound (mcfn.geometry.most_refocus_every) binds only where a cut is refocused: generation
         # and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
-        _require(self.alloc.variants <= self.variants, "mc.alloc.variants", "must be between 0 and mc.variants")
         _require(
             self.lens.attention_weight == 0 or self.teacher.enabled,
             "mc.lens.attention_weight",
@@ -201,8 +187,8 @@ class MCConfig:
 
     @property
     def alloc_variants(self) -> int:
-        """Allocator-built variants per sample: none without LensNet."""
-        return self.alloc.variants if self.lens.enabled else 0
+        """Allocator-built variants per sample: one with LensNet, none without."""
+        return int(self.lens.enabled)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -216,18 +202,19 @@ class TrainConfig:
     # Rows per forward/backward, gradients accumulated over the rest; 0: the whole batch on CPU, the largest
     # that fits on a GPU (found by trying, halving on out-of-memory).
     micro_batch_size: int = 0
-    eval_every: int = 50  # validation bpb every this many steps (and at step 0 and the end)
+    # Validation bpb, sample 0's working contexts (printed and appended to lod_maps.txt), then a checkpoint, every
+    # this many steps and at the end (at step 0 no checkpoint).
+    eval_every: int = 50
     eval_batches: int = 8  # validation batches of batch_size windows each
     log_every: int = 1  # read the loss back and write metrics every this many steps
-    ckpt_every: int = 100  # checkpoint every this many steps (and at the end)
     seed: int = 1337
     compile: bool = False
     compile_mode: str = "max-autotune"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     wandb: str = "offline"
-    lod_map_every: int = 50  # print (and append to lod_maps.txt) sample 0's working contexts; 0: never
-    final_eval: bool = True  # MC runs end with train.eval's table (full/recency/match/lens/best-of) and plot
-    final_eval_batches: int = 32  # validation batches for it: more than eval_batches, the differences are small
+    # MC runs end with a brief evaluation on this many test batches (more than eval_batches: the differences are
+    # small) and the report's opening lines; 0: none.
+    final_eval_batches: int = 32
     # A run directory (or checkpoint) whose trained base model this run starts from (two-stage training); the
     # rest (GistNet, LensNet, optimizers, step) starts afresh. Empty: from scratch.
     init_from: str = ""
@@ -250,13 +237,11 @@ class TrainConfig:
             "batch_size",
             "eval_every",
             "eval_batches",
-            "final_eval_batches",
             "log_every",
-            "ckpt_every",
         ):
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
+        _require(self.final_eval_batches >= 0, "train.final_eval_batches", "must be >= 0 (0: no final evaluation)")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
-        _require(self.lod_map_every >= 0, "train.lod_map_every", "must be >= 0")
         _require(self.lens_rounds >= 0, "train.lens_rounds", "must be >= 0")
         _require(
             0 <= self.plain_steps < self.steps,
@@ -291,20 +276,22 @@ class RunConfig:
         _require(mc.budget >= need, "mc.budget", f"must be >= {need}, the coarsest working context that covers T")
         window = mc.teacher.window
         _require(window == 0 or seq_len % window == 0, "mc.teacher.window", "must be 0 or divide data.seq_len")
-        for name, width, heads in (("gist", self.gist_width, mc.gist.heads), ("lens", self.lens_width, mc.lens.heads)):
-            _require(
-                width % heads == 0 and (width // heads) % 2 == 0,
-                f"mc.{name}.width",
-                f"must split into mc.{name}.heads heads of even width",
-            )
+        width, heads = self.aux_width, self.aux_heads
+        _require(
+            width % heads == 0 and (width // heads) % 2 == 0,
+            "model.n_embd",
+            f"GistNet and LensNet split half of it, {width}, into {heads} heads: each must be of even width",
+        )
 
     @property
-    def gist_width(self) -> int:
-        return self.mc.gist.width or self.model.n_embd // 2
+    def aux_width(self) -> int:
+        """GistNet's and LensNet's internal width: half the model's."""
+        return self.model.n_embd // 2
 
     @property
-    def lens_width(self) -> int:
-        return self.mc.lens.width or self.model.n_embd // 2
+    def aux_heads(self) -> int:
+        """GistNet's and LensNet's heads: 64 wide where the width allows, at least two."""
+        return max(2, self.aux_width // 64)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

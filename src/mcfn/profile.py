@@ -103,6 +103,20 @@ RETIRED: dict[str, Any] = {
     "mc.teacher.stretch": 0,
     "mc.lens.pair_weight": 0.0,
     "mc.leave_out": "top",
+    # Knobs no profile or flag set (issue 57); rerun at commit 8f932ca. GistNet's and LensNet's shape now follows
+    # the model's width (RunConfig.aux_width, aux_heads): the same as these defaults below a width of 384.
+    "mc.gist.layers": 2,
+    "mc.gist.width": 0,
+    "mc.gist.heads": 2,
+    "mc.lens.layers": 2,
+    "mc.lens.width": 0,
+    "mc.lens.heads": 2,
+    "mc.gist.recon_tokens": 512,
+    "mc.alloc.variants": 1,
+    "optim.grad_clip": 1.0,
+    "train.final_eval": ANY_VALUE,  # now train.final_eval_batches = 0
+    "train.ckpt_every": ANY_VALUE,  # a checkpoint now follows every validation
+    "train.lod_map_every": ANY_VALUE,  # the LOD maps now come with every validation
 }
 
 

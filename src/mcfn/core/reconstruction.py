@@ -14,7 +14,7 @@ about the base model's targets).
 
 Reading every gist back costs the base's output head on every token of every level, ``L·T`` predictions a
 sequence: at T = 16384 that was 16.9 s of a 19.1 s step on the CPU. So each level reads back at most
-``max_tokens`` tokens a sequence (``mc.gist.recon_tokens``): a uniform sample of (gist, offset) pairs, drawn
+``max_tokens`` tokens a sequence (:data:`RECON_TOKENS` in training): a uniform sample of (gist, offset) pairs, drawn
 afresh each step, whose mean NLL is an unbiased estimate of the level's mean. Sampling tokens rather than whole
 gists keeps the bound at every level: a LOD4 gist spans 4096 tokens, more than the bound on its own. Where the
 level holds no more than that, every gist is read whole, in order, as before.
@@ -32,6 +32,8 @@ from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
 from mcfn.core.tree import Tree
 from mcfn.typecheck import typechecked
+
+RECON_TOKENS = 512  # tokens read back a level and sequence in training: at T = 512 every gist is read whole
 
 
 class GistDecoder(nn.Module):

@@ -22,7 +22,7 @@ from einops import repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
-from mcfn.config import RunConfig
+from mcfn.config import AUX_LAYERS, RunConfig
 from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import refocus, tail_horizon
@@ -33,7 +33,7 @@ from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lens_losses
-from mcfn.core.reconstruction import GistDecoder, reconstruction_loss
+from mcfn.core.reconstruction import RECON_TOKENS, GistDecoder, reconstruction_loss
 from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses
@@ -51,26 +51,17 @@ class MegaContext(nn.Module):
         mc = cfg.mc
         self.layout = Layout.from_config(cfg)
         self.base = GPT(cfg.model)
-        self.gistnet = GistNet(
-            cfg.model.n_embd,
-            cfg.gist_width,
-            mc.gist.layers,
-            mc.gist.heads,
-            mc.block_size,
-            mc.lod_max,
-        )
+        width, heads = cfg.aux_width, cfg.aux_heads
+        self.gistnet = GistNet(cfg.model.n_embd, width, AUX_LAYERS, heads, mc.block_size, mc.lod_max)
         self.use_recon = mc.gist.recon_weight > 0
-        self.recon_tokens = mc.gist.recon_tokens
         self.grad_blocks = mc.gist.grad_blocks if sparse_gradient_bites(self.layout, mc.gist.grad_blocks) else 0
-        self.gist_decoder = (
-            GistDecoder(cfg.model.n_embd, cfg.gist_width, mc.block_size, mc.lod_max) if self.use_recon else None
-        )
+        self.gist_decoder = GistDecoder(cfg.model.n_embd, width, mc.block_size, mc.lod_max) if self.use_recon else None
         self.lensnet = (
             LensNet(
                 cfg.model.n_embd,
-                cfg.lens_width,
-                mc.lens.layers,
-                mc.lens.heads,
+                width,
+                AUX_LAYERS,
+                heads,
                 self.layout,
                 match_reach=mc.refocus_every,
                 match_prior=mc.lens.match_prior,
@@ -211,7 +202,7 @@ def recon_stage(system: MegaContext, tree: Tree, window: Tensor, weights: LossWe
     """``loss_recon`` (:mod:`mcfn.core.reconstruction`); the step calls it only when ``mc.gist.recon_weight`` > 0."""
     tokens = window[:, : system.layout.T]
     return reconstruction_loss(
-        system.gist_decoder, system.base, tree, tokens, system.layout, weights.recon, system.recon_tokens
+        system.gist_decoder, system.base, tree, tokens, system.layout, weights.recon, RECON_TOKENS
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.evaluation import check_settings, default_budgets, evaluate
+from mcfn.tools.eval_result import EvalReport, Provenance
+from mcfn.tools.evaluation import HeldOut, default_budgets, evaluate
 
 
 def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
@@ -75,7 +77,7 @@ class EvalRequest:
     split: str = "test"
 
 
-def evaluate_checkpoint(request: EvalRequest) -> tuple[dict, str]:
+def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
     """``train.eval``: load, evaluate, write the outputs; returns the report and its table."""
     ckpt, data, tasks, reference = request.ckpt, request.data, request.tasks, request.reference
     random_contexts, refocus, refocus_every = request.random_contexts, request.refocus, request.refocus_every
@@ -108,10 +110,8 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[dict, str]:
         chosen,
         refocus_every=cfg.mc.refocus_every if refocus_every is None else refocus_every,
     )
-    check_settings(settings, layout)  # an R the headline budget cannot refocus with: one line naming the range
-    report = evaluate(trained.model, windows, trained.token_bytes, tok, settings, plain, docs, name)
-    report["checkpoint_step"] = trained.step
-    report["data"] = data or f"{cfg.data.source} ({name} split)"
-    report["reference"] = None if reference is None else str(reference)
+    report = evaluate(trained.model, HeldOut(windows, trained.token_bytes, tok, docs, name), settings, plain)
+    provenance = Provenance(data or f"{cfg.data.source} ({name} split)", None if reference is None else str(reference))
+    report = dataclasses.replace(report, checkpoint_step=trained.step, provenance=provenance)
     table = write_eval_outputs(report, request.out or (ckpt if ckpt.is_dir() else ckpt.parent))
     return report, table

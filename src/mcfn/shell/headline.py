@@ -19,6 +19,7 @@ from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.inference.generation import generate_mc
+from mcfn.tools.eval_result import EvalReport, TaskResult
 
 CONDITIONS = ("full", "recency", "match", "lens")  # what the summary compares, in this order
 CONTINUATION = 32  # tokens generated after the held-out prompt
@@ -68,24 +69,27 @@ def passkey_example(system: MegaContext, window: Tensor, tokenizer: Tokenizer, e
 
 
 @torch.no_grad()
-def summary_lines(system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int, report: dict) -> list[str]:
+def summary_lines(
+    system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int, report: EvalReport
+) -> list[str]:
     """The report's opening lines after :func:`trained_line`: the pass key and corpus figures of the final evaluation's
-    ``report`` (``eval.json``), and the two examples generated on the held-out ``window [T + 1]``."""
-    W, T, K = report["W"], report["T"], system.layout.K
-    passkey, corpus = report["tasks"]["passkey"], report["tasks"]["corpus"]
-    accuracy = ", ".join(f"{c} {passkey['accuracy'][c]:.2f}" for c in CONDITIONS if c in passkey["accuracy"])
-    bpb = ", ".join(f"{c} {corpus['bpb'][c]:.4f}" for c in CONDITIONS if c in corpus["bpb"])
-    gain = corpus.get("lens_gain")
-    error = f"; lens − recency {-gain['bpb']:+.4f} ± {gain['se']:.4f}" if gain else ""
+    ``report`` (which scored the pass key), and the two examples generated on the held-out ``window [T + 1]``."""
+    W, T, K = report.W, report.T, system.layout.K
+    passkey, corpus = report.tasks["passkey"], report.head.head
+    assert isinstance(passkey, TaskResult), "the caller checks that the pass key was scored"
+    answered_share = passkey.refocus.head.accuracy or {}
+    accuracy = ", ".join(f"{c} {answered_share[c]:.2f}" for c in CONDITIONS if c in answered_share)
+    bpb = ", ".join(f"{c} {corpus.bpb[c]:.4f}" for c in CONDITIONS if c in corpus.bpb)
+    gain = corpus.gains["lens_gain"]
+    error = f"; lens − recency {-gain.bpb:+.4f} ± {gain.se:.4f}" if gain else ""
     key, lod = passkey_example(system, window, tokenizer, every)
     answered = "answers" if key.generated == key.expected else "misses"
     cut = window.numel() - 1 - CONTINUATION
     text = generate_example(system, window[:cut], window[cut : cut + CONTINUATION], tokenizer, every)
     return [
-        f"**Pass key** at W = {W} = T/{T // W}, share of {report['n_windows_per_probe']} test windows answered: "
-        f"{accuracy}.",
-        f"**Corpus bpb** at W = {W}, last {report['H']} tokens of {report['windows']} test windows from "
-        f"{report['documents']} documents: {bpb}{error} (bootstrap standard error over documents).",
+        f"**Pass key** at W = {W} = T/{T // W}, share of {report.windows_per_probe} test windows answered: {accuracy}.",
+        f"**Corpus bpb** at W = {W}, last {report.H} tokens of {report.windows} test windows from "
+        f"{report.documents} documents: {bpb}{error} (bootstrap standard error over documents).",
         f"**A pass-key window as LensNet cuts it** (a character per {K} tokens: 0 tokens, k a level-k gist, · left "
         f"out; the key in brackets), where generation {answered} `{key.generated.strip()}`: `{lod}`",
         f"**Generated** with LensNet refocusing every {every} tokens ({len(text.maps)} refocuses): "

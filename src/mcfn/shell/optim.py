@@ -121,7 +121,10 @@ def set_lr_multiplier(optimizers: list[torch.optim.Optimizer], mult: float) -> N
             group["lr"].fill_(group["base_lr"] * mult)
 
 
-def clip_gradients(model: nn.Module, clip: float) -> tuple[Tensor, Tensor]:
+GRAD_CLIP = 1.0  # the largest gradient norm of LensNet's parameters, and of the rest's
+
+
+def clip_gradients(model: nn.Module, clip: float = GRAD_CLIP) -> tuple[Tensor, Tensor]:
     """Clip LensNet's gradient and the rest's (base model, GistNet, decoder) to ``clip`` each, and return the
     joint norm and LensNet's, both before clipping. One joint clip would couple them: LensNet's loss is a policy
     objective of its own, and a gradient spike there (its pair-level term sums over whole contexts, norms of

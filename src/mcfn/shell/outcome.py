@@ -6,6 +6,7 @@ checkout) and a hash of the resolved config, so two run directories can be told 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -24,7 +25,8 @@ from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.evaluation import evaluate
+from mcfn.tools.eval_result import EvalReport
+from mcfn.tools.evaluation import HeldOut, evaluate
 from mcfn.tools.report import write_report
 
 SUMMARY_NAME = "summary.json"
@@ -48,13 +50,13 @@ FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that al
 FINAL_EVAL_TASKS = ("corpus", "passkey")  # natural text, and the retrieval truncation cannot do
 
 
-def final_evaluation(s: Session) -> tuple[dict, list[str]] | None:
+def final_evaluation(s: Session) -> tuple[EvalReport, list[str]] | None:
     """An MC run's end-of-run table on the test split, which nothing else reads: brief (full, recency, match and
     lens at the run's own W, under generation's protocol, on the corpus and the pass key), on
     ``train.final_eval_batches · batch_size`` windows from as many documents as it has; ``train.eval`` scores
     everything else. With it, the report's summary lines (:mod:`mcfn.shell.headline`), or none without LensNet or
     where the pass key does not fit."""
-    if not (s.cfg.train.final_eval and isinstance(s.model, MegaContext)):
+    if not (s.cfg.train.final_eval_batches and isinstance(s.model, MegaContext)):
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     name, split = held_out(s.corpus, "test")
@@ -66,9 +68,9 @@ def final_evaluation(s: Session) -> tuple[dict, list[str]] | None:
         refocus_every=s.cfg.mc.refocus_every,
         brief=True,
     )
-    report = evaluate(s.model, windows, s.token_bytes, s.corpus.tokenizer, settings, docs=docs, split=name)
-    report["checkpoint_step"] = cfg.steps
-    if s.model.lensnet is None or "skipped" in report["tasks"]["passkey"]:
+    held = HeldOut(windows, s.token_bytes, s.corpus.tokenizer, docs, name)
+    report = dataclasses.replace(evaluate(s.model, held, settings), checkpoint_step=cfg.steps)
+    if s.model.lensnet is None or report.scored("passkey") is None:
         return report, []
     example = windows[0][0].to(s.device)
     return report, summary_lines(s.model, example, s.corpus.tokenizer, s.cfg.mc.refocus_every, report)
@@ -84,7 +86,7 @@ def lens_stage(s: Session, say: Callable[[str], None]) -> dict | None:
     return figures
 
 
-def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict | None) -> dict[str, Any]:
+def summarise(s: Session, progress: Progress, t_start: float, final_eval: EvalReport | None) -> dict[str, Any]:
     median_ms = statistics.median(progress.step_ms) if progress.step_ms else progress.first_step_ms or 0.0
     tokens_per_step = s.cfg.train.batch_size * s.cfg.data.seq_len
     return {
@@ -109,10 +111,15 @@ def summarise(s: Session, progress: Progress, t_start: float, final_eval: dict |
         "compile_s": max(0.0, ((progress.first_step_ms or 0.0) - median_ms) / 1e3),
         "eval_s_total": sum(progress.eval_s),
         "wall_s": time.perf_counter() - t_start,
-        "eval": None
-        if final_eval is None
-        else {k: final_eval[k] for k in ("W", "bpb", "retained_fraction", "lens_rank_corr")},
+        "eval": None if final_eval is None else headline_figures(final_eval),
     }
+
+
+def headline_figures(report: EvalReport) -> dict[str, Any]:
+    """``summary.json``'s ``eval``: the final evaluation's corpus figures at the run's W."""
+    head = report.head.head
+    return {"W": report.W, "bpb": head.bpb, "retained_fraction": head.retained_fraction,
+            "lens_rank_corr": head.lens_rank_corr}  # fmt: skip
 
 
 def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], None]) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """What the training loop trains: the plain GPT or MegaContext, behind one small interface.
 
-A task owns its model and its (optionally compiled) step and evaluation functions. ``train_step``
-returns the step's :class:`~mcfn.core.outputs.StepOutput`; ``validate`` returns the held-out figures for the log.
+A task owns its model and its (optionally compiled) training steps. ``train_step`` returns the step's
+:class:`~mcfn.core.outputs.StepOutput`; ``validate`` returns the held-out figures for the log. Validation runs
+eagerly: compiling its graph costs more than it saves over a run's validations (a tiny compiled run on a fresh CPU
+machine: 184 s with it compiled, 132 s without, the same bpb; gpu-h100's model on an H200: 48 s to compile it,
+then 0.4 s a validation of 8 batches against 0.6 s eager; LABLOG, nineteenth session).
 Anything random in a step is drawn from a generator seeded by ``(seed, step)``, so a step depends
 only on the run's seed and its index: resuming replays exactly.
 """
@@ -54,10 +57,9 @@ class PlainTask:
         self.model: nn.Module = GPT(cfg.model).to(device)
         self.token_bytes, self.device = token_bytes, device
         self._step: Callable = plain_step
-        self._eval: Callable = nll_and_bytes
 
     def compile(self, mode: str) -> None:
-        self._step, self._eval = compile_step(self._step, mode), compile_step(self._eval, mode)
+        self._step = compile_step(self._step, mode)
 
     def train_step(self, window: Tensor, step: int, rows: slice | None = None) -> StepOutput:
         return self._step(self.model, window)
@@ -67,7 +69,7 @@ class PlainTask:
         return 1
 
     def validate(self, batches: list[Tensor]) -> dict[str, float]:
-        bpb = validation_bpb(lambda i, w: self._eval(self.model, w, self.token_bytes), batches, self.device)
+        bpb = validation_bpb(lambda i, w: nll_and_bytes(self.model, w, self.token_bytes), batches, self.device)
         return {"val/bpb": float(bpb)}
 
 
@@ -95,10 +97,9 @@ class MCTask:
         self.plain_steps = cfg.train.plain_steps
         self._plain: Callable = plain_step
         self._step: Callable = process_batch
-        self._eval: Callable = validation_sums
 
     def compile(self, mode: str) -> None:
-        self._plain, self._step, self._eval = (compile_step(f, mode) for f in (self._plain, self._step, self._eval))
+        self._plain, self._step = compile_step(self._plain, mode), compile_step(self._step, mode)
 
     def noise(self, batch: int, seed: int):
         self.generator.manual_seed(seed)
@@ -135,7 +136,7 @@ class MCTask:
 
     def validate(self, batches: list[Tensor]) -> dict[str, float]:
         def sums(i: int, window: Tensor) -> tuple[Tensor, Tensor]:
-            return self._eval(
+            return validation_sums(
                 self.model, window, self.noise(window.size(0), derive_seed(VAL_SEED, "val_noise", i)), self.token_bytes
             )
 

@@ -76,8 +76,8 @@ def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]
 class StepResult:
     loss: Tensor
     out: StepOutput
-    grad_norm: Tensor | None
-    grad_norm_lens: Tensor | None
+    grad_norm: Tensor
+    grad_norm_lens: Tensor
     stop_requested: bool  # by a signal, on any rank
     window: Tensor  # this process's rows of the batch
     lr_mult: float
@@ -110,7 +110,7 @@ class Trainer:
                 last = step == cfg.steps
                 if (step % cfg.eval_every == 0 or last) and s.world.is_main:
                     record.update(self.validate(step))
-                if step > s.start_step and (step % cfg.ckpt_every == 0 or last):
+                if step > s.start_step and (step % cfg.eval_every == 0 or last):
                     save_state(s, step)
                 if last:
                     s.log.log(record)
@@ -119,7 +119,7 @@ class Trainer:
                 result = self.optimizer_step(step, logged)
                 if logged:
                     record.update(self.step_record(result, step))
-                if s.world.is_main and cfg.lod_map_every and step % cfg.lod_map_every == 0:
+                if s.world.is_main and step % cfg.eval_every == 0:
                     self.write_lod_maps(result.window, step)
                 self.bar.update(1)
                 if self.compile_cache is not None and s.world.is_main:
@@ -187,10 +187,9 @@ class Trainer:
         signalled = self.stop.signum is not None
         loss, stop_requested = average_gradients(list(s.model.parameters()), loss, signalled, s.world)
         times.append(clock(s, logged))
-        clip = s.cfg.optim.grad_clip
-        grad_norm, lens_norm = clip_gradients(s.model, clip) if clip > 0 else (None, None)
+        grad_norm, lens_norm = clip_gradients(s.model)
         # One host sync per step: a non-finite loss or gradient must not reach the weights.
-        if bool(torch.isfinite(loss if grad_norm is None else loss + grad_norm)):
+        if bool(torch.isfinite(loss + grad_norm)):
             for opt in s.optimizers:
                 opt.step()
             self.progress.bad_in_a_row = 0
@@ -216,15 +215,16 @@ class Trainer:
         raise RunAborted(
             f"the loss was non-finite {bad} steps in a row (steps {step - bad + 1}-{step}); the last good "
             f"parameters are checkpointed in {s.ckpt_path} (step {step + 1}). Lower the learning rates "
-            f"(optim.*_lr), set optim.grad_clip, or check the data"
+            f"(optim.*_lr) or check the data"
         )
 
     def validate(self, step: int) -> dict[str, float]:
-        """Validation bits per byte of the current parameters, shown on the bar and returned for the record."""
+        """Validation bits per byte of the current parameters, shown on the bar and returned for the record with
+        the time it took."""
         s, progress = self.s, self.progress
         s.model.eval()
         t0 = time.perf_counter()
-        with s.autocast():
+        with s.autocast(), torch.no_grad():
             result = s.task.validate(s.val_batches)
             base = s.model.base if isinstance(s.model, MegaContext) else s.model
             passkey = probe_accuracy(base, s.val_batches, s.corpus.tokenizer, s.cfg.mc.tail)
@@ -236,16 +236,14 @@ class Trainer:
         progress.first_bpb = progress.last_bpb if progress.first_bpb is None else progress.first_bpb
         shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in result.items())
         self.bar.write(f"step {step:5d} | {shown}", file=sys.stderr)
-        return result
+        return {**result, "time/val_s": progress.eval_s[-1]}
 
     def step_record(self, result: StepResult, step: int) -> dict[str, Any]:
         """A logged step's record: phase times, learning rates, throughput, and every loss term and metric, read
         back from the device in one transfer."""
         s, progress = self.s, self.progress
         t0, t_data, t_fwd_bwd, t_optim = result.clock
-        norm = {}
-        if result.grad_norm is not None:
-            norm = {"grad_norm": result.grad_norm, "grad_norm_lens": result.grad_norm_lens}
+        norm = {"grad_norm": result.grad_norm, "grad_norm_lens": result.grad_norm_lens}
         scalars = {"loss": result.loss, **result.out.losses, **result.out.metrics, **norm}
         values = dict(zip(scalars, torch.stack([t.detach().float() for t in scalars.values()]).tolist(), strict=True))
         now = time.perf_counter()

@@ -37,7 +37,7 @@ from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext, build_contexts, process_batch
 from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.evaluation import default_budgets, score_tasks
+from mcfn.tools.evaluation import HeldOut, default_budgets, score_tasks
 from mcfn.tools.flops import peak_flops, step_flops
 from mcfn.tools.lens_bench import lens_forward_ms
 from mcfn.tools.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
@@ -90,7 +90,7 @@ def run_benchmark(
     phases = time_phases(bound, system, compile_fn, timer, autocast, warmup, phase_steps, progress)
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
-              "gist_width": cfg.gist_width}  # fmt: skip
+              "gist_width": cfg.aux_width}  # fmt: skip
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
     checkpointing = cfg.train.activation_checkpointing
     return (
@@ -236,12 +236,12 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     the held-out evaluation of one batch, each timed with the checks on and off in turn, medians of ``steps``."""
     rig = Rig.of(cfg, vocab, device, None)
     system, (window, noise) = rig.system, rig.mc_inputs()
-    token_bytes = torch.ones(vocab, dtype=torch.int64, device=device)
+    held_out = HeldOut([window], torch.ones(vocab, dtype=torch.int64, device=device))
     settings = EvalSettings(default_budgets(system.layout), tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
     step = partial(rig.training_call(process_batch), (system, window, noise, rig.weights))
 
     def evaluation() -> None:
-        score_tasks(system, [window], token_bytes, None, settings)
+        score_tasks(system, held_out, settings)
 
     timer, out = Timer(device), {}
     for name, fn in (("step", step), ("eval", evaluation)):

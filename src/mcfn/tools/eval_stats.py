@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mcfn.core.preferences import pair_slots
 from mcfn.core.step import bits_per_byte
+from mcfn.tools.eval_result import Gain, Row, Utility
 from mcfn.tools.headroom import best_of, candidate_slots, cross_fitted, per_chunk
 from mcfn.tools.one_cut import Predictions
 
@@ -111,14 +112,12 @@ def retained_with_interval(
     return point, [float(fraction.quantile(0.025)), float(fraction.quantile(0.975))]
 
 
-def paired_gain(
-    nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str, clusters: Clusters
-) -> dict[str, float] | None:
+def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str, clusters: Clusters) -> Gain | None:
     """``bpb(worse) − bpb(better)`` on the same windows, and its standard error by bootstrap over documents."""
     if worse not in nats or better not in nats or nbytes.sum() <= 0:
         return None
     resampled = clusters.resampled_bpb(nats[worse] - nats[better], nbytes)
-    return {"bpb": float(pooled_bpb(nats[worse] - nats[better], nbytes)), "se": float(resampled.std())}
+    return Gain(float(pooled_bpb(nats[worse] - nats[better], nbytes)), float(resampled.std()))
 
 
 # Paired differences every sweep row reports: LensNet's and the n-gram match's gains over truncation, LensNet's over
@@ -131,29 +130,28 @@ GAINS = {
 }
 
 
-def summarise(scores: Scores, task: str, budget: int, T: int) -> dict:
-    """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the rank correlation."""
+def summarise(scores: Scores, task: str, budget: int, T: int) -> Row:
+    """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the gains, the rank and
+    utility correlations where measured."""
     nats = {name: torch.cat(parts) for name, parts in scores.nats.items()}
     nbytes = torch.cat(scores.nbytes)
     clusters = Clusters(torch.cat(scores.docs) if scores.docs else torch.arange(nbytes.numel()))
     retained, interval = retained_with_interval(nats, nbytes, clusters)
-    row = {
-        "W": budget,
-        "compression": T / budget,
-        "bpb": {name: float(pooled_bpb(value, nbytes)) for name, value in nats.items()},
-        "retained_fraction": retained,
-        "retained_ci": interval,
-        **{name: paired_gain(nats, nbytes, *pair, clusters) for name, pair in GAINS.items()},
-    }
-    if task != "corpus":
-        row["accuracy"] = {name: float(torch.cat(parts).mean()) for name, parts in scores.correct.items()}
-    if scores.predicted:
-        row["lens_rank_corr"] = spearman(torch.cat(scores.predicted), torch.cat(scores.measured))
+    utility = None
     if scores.utility and (per_state := torch.cat(scores.utility)).numel():
-        row["utility_corr"] = float(per_state.mean())
-        row["utility_corr_se"] = float(per_state.std() / per_state.numel() ** 0.5) if per_state.numel() > 1 else None
-        row["utility_states"] = per_state.numel()
-    return row
+        n = per_state.numel()
+        utility = Utility(float(per_state.mean()), float(per_state.std() / n**0.5) if n > 1 else None, n)
+    return Row(
+        W=budget,
+        compression=T / budget,
+        bpb={name: float(pooled_bpb(value, nbytes)) for name, value in nats.items()},
+        retained_fraction=retained,
+        retained_ci=interval,
+        gains={name: paired_gain(nats, nbytes, *pair, clusters) for name, pair in GAINS.items()},
+        accuracy=None if task == "corpus" else {n: float(torch.cat(c).mean()) for n, c in scores.correct.items()},
+        lens_rank_corr=spearman(torch.cat(scores.predicted), torch.cat(scores.measured)) if scores.predicted else None,
+        utility=utility,
+    )
 
 
 def accuracy_by_depth(scores: Scores, condition: str, bins: int = 5) -> list[float | None]:

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -66,6 +68,7 @@ from mcfn.data.tokenizer import Tokenizer
 from mcfn.geometry import most_refocus_every
 from mcfn.seeding import derive_seed
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
+from mcfn.tools.eval_result import DepthAccuracy, EvalReport, LongRange, ProtocolResult, Skipped, TaskResult
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, record, summarise
 from mcfn.tools.long_range import far_context_tokens
 from mcfn.tools.one_cut import predict_budget, tail_predictions
@@ -106,9 +109,6 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
     return float(torch.cat(answered).float().mean())
 
 
-PARTS = ("all", "longrange")  # what a task's scores cover: every scored target, and (corpus) the long-range ones
-
-
 def protocol_budgets(settings: EvalSettings, layout: Layout, protocol: str) -> tuple[int, ...]:
     """The budgets a protocol is scored at: every one for ``one_cut``; for ``refocus``, those whose ``W - R`` holds
     a refocused cut (the run's own always does: :func:`check_settings`)."""
@@ -123,176 +123,159 @@ def check_settings(settings: EvalSettings, layout: Layout) -> None:
     refocus_budget(dataclasses.replace(layout, W=settings.budgets[0]), settings.refocus_every)
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out windows an evaluation scores, batch by batch, and what it needs to score them."""
+
+    windows: list[Tensor]  # batches of windows [B, T + 1]
+    token_bytes: Tensor  # [vocab] UTF-8 bytes of each token: bits per byte
+    tokenizer: Tokenizer | None = None  # the probes write their questions with it (corpus alone needs none)
+    docs: list[Tensor] | None = None  # each window's document, batch by batch: errors by document
+    split: str | None = None  # where the windows came from
+
+
+@dataclass(frozen=True)
+class TaskBatch:
+    """One batch of a task as it is scored: what both protocols read, the bytes of the targets that count, and the
+    no-budget references' predictions."""
+
+    contexts: EvalBatch
+    index: int  # the batch's position: it seeds the random contexts, the same for every checkpoint
+    scored: Tensor  # [B, H] bytes of each scored target (0: not scored)
+    longrange: Tensor | None  # [B, H] the same on the long-range tokens only (corpus), None elsewhere
+    depth: Tensor  # [B] the probe's depth
+    references: dict[str, tuple[Tensor, Tensor]]  # full (and full_plain): tail NLL and argmax hits [B, H]
+    doc: Tensor | None  # [B] each window's document, where known
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, system: MegaContext, probe: ProbeBatch, held_out: HeldOut, settings: EvalSettings, index: int,
+           reference: GPT | None, corpus: bool) -> TaskBatch:  # fmt: skip
+        """The cut of each window is chosen up to its first scored prediction (I11); ``corpus`` also scores its
+        long-range tokens (defined by the tokens at the headline budget) and, with LensNet, ``utility_corr``."""
+        layout, window = system.layout, probe.window
+        targets = split_window(window)[1][:, layout.T - layout.H :]
+        scored = held_out.token_bytes[targets] * probe.answer[:, layout.T - layout.H :]
+        horizon = probe.answer.long().argmax(-1)
+        utility = corpus and system.lensnet is not None and not settings.brief
+        references = {"full": full_predictions(system.base, window, layout.H)}
+        if reference is not None:
+            references["full_plain"] = full_predictions(reference, window, layout.H)
+        near = settings.budgets[0] - settings.refocus_every  # what truncation keeps at a refocus, at the headline W
+        longrange = scored * far_context_tokens(window, layout.H, near) if corpus else None
+        doc = None if held_out.docs is None else held_out.docs[index]
+        contexts = EvalBatch.of(system, settings, window, horizon, utility=utility)
+        return cls(contexts, index, scored, longrange, probe.depth, references, doc)
+
+
+@dataclass
+class TaskScores:
+    """One task's per-window scores, batch after batch: per ``(protocol, budget)`` on every scored target and, for
+    ``corpus``, on its long-range tokens."""
+
+    all: dict[tuple[str, int], Scores] = field(default_factory=dict)
+    longrange: dict[tuple[str, int], Scores] = field(default_factory=dict)
+
+    def extend(self, other: TaskScores) -> None:
+        """Append ``other``'s windows (a later batch) to these."""
+        for mine, theirs in ((self.all, other.all), (self.longrange, other.longrange)):
+            for key, scores in theirs.items():
+                mine.setdefault(key, Scores()).extend(scores)
+
+
 @torch.no_grad()
-def score_batch(
-    system: MegaContext,
-    probe: ProbeBatch,
-    token_bytes: Tensor,
-    settings: EvalSettings,
-    index: int,
-    reference: GPT | None = None,
-    with_longrange: bool = False,
-) -> dict[str, dict[str, dict[int, Scores]]]:
-    """One batch of a task scored at every budget under both protocols: ``{"all": {protocol: {budget: Scores}}}``,
-    and ``with_longrange`` (``corpus``) ``"longrange"`` the same on the long-range tokens (defined by the tokens at the
-    headline budget, :func:`~mcfn.tools.long_range.far_context_tokens`). The same random contexts for every checkpoint
-    on these windows."""
-    layout, window = system.layout, probe.window
-    targets = split_window(window)[1][:, layout.T - layout.H :]
-    scored = token_bytes[targets] * probe.answer[:, layout.T - layout.H :]  # [B, H] bytes of the scored targets
-    horizon = probe.answer.long().argmax(-1)  # the first scored prediction's position: what a cut may be chosen from
-    utility = with_longrange and system.lensnet is not None and not settings.brief
-    batch = EvalBatch.of(system, settings, window, horizon, utility=utility)
-    references = {"full": full_predictions(system.base, window, layout.H)}
-    if reference is not None:
-        references["full_plain"] = full_predictions(reference, window, layout.H)
-    generator = torch.Generator(device=window.device)
-    parts = PARTS if with_longrange else PARTS[:1]
-    out: dict[str, dict[str, dict[int, Scores]]] = {part: {p: {} for p in settings.protocols} for part in parts}
-    near = settings.budgets[0] - settings.refocus_every  # what truncation keeps at a refocus, at the headline W
-    long_range = scored * far_context_tokens(window, layout.H, near) if with_longrange else None
+def score_batch(batch: TaskBatch) -> TaskScores:
+    """One batch of a task scored at every budget under every protocol of its settings."""
+    settings, layout = batch.contexts.settings, batch.contexts.system.layout
+    generator = torch.Generator(device=batch.scored.device)
+    out = TaskScores()
     for name in settings.protocols:
         predict = predict_budget if name == "one_cut" else predict_chunked
         for budget in protocol_budgets(settings, layout, name):
-            generator.manual_seed(derive_seed(budget, "eval_contexts", index))
-            pred = predict(batch, budget, generator)
-            out["all"][name][budget] = record(pred, references, scored, probe.depth)
-            if long_range is not None:
-                out["longrange"][name][budget] = record(pred, references, long_range, probe.depth, per_state=False)
+            generator.manual_seed(derive_seed(budget, "eval_contexts", batch.index))
+            pred = predict(batch.contexts, budget, generator)
+            out.all[name, budget] = record(pred, batch.references, batch.scored, batch.depth)
+            if batch.longrange is not None:
+                longrange = record(pred, batch.references, batch.longrange, batch.depth, per_state=False)
+                out.longrange[name, budget] = longrange
+    for scores in (*out.all.values(), *out.longrange.values()):
+        scores.docs.extend([] if batch.doc is None else [batch.doc])
     return out
 
 
-def summarise_task(
-    settings: EvalSettings, layout: Layout, task: str, scores: dict[int, Scores], longrange, protocol: str, lens: bool
-) -> dict:
-    """One protocol's report of a task: the headline budget's figures, the sweep, long-range tokens, depths."""
-    budgets = protocol_budgets(settings, layout, protocol)
-    rows = [summarise(scores[w], task, w, layout.T) for w in budgets]
-    result = {**rows[0], "sweep": rows}
-    if longrange is not None:
-        head = longrange[budgets[0]]
-        result["longrange"] = {
-            "definition": f"trigram context seen only beyond the last W - R = {budgets[0] - settings.refocus_every} "
-            "tokens",
-            "tokens": int(sum(int((b > 0).sum()) for b in head.nbytes)),
-            **summarise(head, task, budgets[0], layout.T),
-        }
-    if task != "corpus":
-        condition = "lens" if lens else "attn"
-        result["depth_accuracy"] = {
-            "condition": condition,
-            "by_budget": {str(w): accuracy_by_depth(scores[w], condition) for w in budgets},
-        }
-    return result
+def summarise_task(scores: TaskScores, task: str, settings: EvalSettings, layout: Layout, lens: bool) -> TaskResult:
+    """A task's report per protocol: the headline budget's figures and the sweep, the long-range tokens (corpus),
+    the accuracy by depth (probes; ``lens``'s, or without LensNet ``attn``'s)."""
+    protocols = {}
+    for name in settings.protocols:
+        budgets = protocol_budgets(settings, layout, name)
+        rows = tuple(summarise(scores.all[name, w], task, w, layout.T) for w in budgets)
+        longrange = depth = None
+        if (name, budgets[0]) in scores.longrange:
+            head = scores.longrange[name, budgets[0]]
+            longrange = LongRange(
+                f"trigram context seen only beyond the last W - R = {budgets[0] - settings.refocus_every} tokens",
+                int(sum(int((b > 0).sum()) for b in head.nbytes)),
+                summarise(head, task, budgets[0], layout.T),
+            )
+        if task != "corpus":
+            condition = "lens" if lens else "attn"
+            depth = DepthAccuracy(condition, {w: accuracy_by_depth(scores.all[name, w], condition) for w in budgets})
+        protocols[name] = ProtocolResult(rows, longrange, depth)
+    return TaskResult(protocols)
 
 
 def score_tasks(
     system: MegaContext,
-    windows: list[Tensor],
-    token_bytes: Tensor,
-    tokenizer: Tokenizer | None,
+    held_out: HeldOut,
     settings: EvalSettings,
     reference: torch.nn.Module | None = None,
-    progress=None,
-    docs: list[Tensor] | None = None,
-) -> dict:
-    """Score every task of ``settings`` on the held-out ``windows`` (each task writes its probe into them;
-    ``corpus`` alone needs no tokenizer). Each task's figures are generation's protocol's, with the one-cut
-    protocol's under ``one_cut``. ``docs``: each window's document, batch by batch, for errors by document (without
-    them each window counts as its own)."""
+    progress: Callable[[], None] | None = None,
+) -> dict[str, TaskResult | Skipped]:
+    """Score every task of ``settings`` on the ``held_out`` windows (each task writes its probe into them)."""
     was_training = system.training
     system.eval()
-    layout, device = system.layout, token_bytes.device
-    check_settings(settings, layout)
-    tasks: dict[str, dict] = {}
+    layout, device = system.layout, held_out.token_bytes.device
+    tasks: dict[str, TaskResult | Skipped] = {}
     for task in settings.tasks:
-        reason = misfit(task, tokenizer, layout.T, layout.H)
+        reason = misfit(task, held_out.tokenizer, layout.T, layout.H)
         if reason is not None:  # a question longer than the scored tail: reported, not scored
-            tasks[task] = {"skipped": reason}
+            tasks[task] = Skipped(reason)
             continue
-        scores = {part: {p: {w: Scores() for w in settings.budgets} for p in settings.protocols} for part in PARTS}
-        batches = windows if task == "corpus" else windows[: settings.probe_batches]
-        for index, batch in enumerate(batches):
-            probe = evaluation_probe(task, batch, tokenizer, layout.H, index)
+        scores = TaskScores()
+        batches = held_out.windows if task == "corpus" else held_out.windows[: settings.probe_batches]
+        for index, windows in enumerate(batches):
+            probe = evaluation_probe(task, windows, held_out.tokenizer, layout.H, index)
             probe = ProbeBatch(probe.window.to(device), probe.answer.to(device), probe.depth)
-            scored = score_batch(system, probe, token_bytes, settings, index, reference, task == "corpus")
-            for part, by_protocol in scored.items():
-                for p, by_budget in by_protocol.items():
-                    for w, one_batch in by_budget.items():
-                        one_batch.docs.extend([] if docs is None else [docs[index]])
-                        scores[part][p][w].extend(one_batch)
+            batch = TaskBatch.of(system, probe, held_out, settings, index, reference, task == "corpus")
+            scores.extend(score_batch(batch))
             if progress is not None:
                 progress()
-        longrange = scores["longrange"] if task == "corpus" else None
-        per_protocol = {
-            p: summarise_task(
-                settings, layout, task, scores["all"][p], None if longrange is None else longrange[p], p,
-                system.lensnet is not None,
-            )
-            for p in settings.protocols
-        }  # fmt: skip
-        tasks[task] = {**per_protocol.pop("refocus"), **per_protocol}
+        tasks[task] = summarise_task(scores, task, settings, layout, system.lensnet is not None)
     system.train(was_training)
     return tasks
 
 
-def sweep_row(row: dict) -> dict:
-    """One budget of the headline task as ``eval.json``'s top-level ``sweep`` lists it: bpb per condition, flat."""
-    return {"W": row["W"], "compression": row["compression"], **row["bpb"],
-            "retained_fraction": row["retained_fraction"], "lens_rank_corr": row.get("lens_rank_corr")}  # fmt: skip
-
-
-GENERATION_CONTEXTS = {"lens": "focus", "match": "match", "recency": "recency"}  # condition: train.generate --context
-
-
-def best_context(bpb: dict[str, float]) -> str:
-    """The ``train.generate --context`` whose condition scored the lowest bpb: the policy to generate with."""
-    return GENERATION_CONTEXTS[min((c for c in GENERATION_CONTEXTS if c in bpb), key=bpb.__getitem__)]
-
-
 def evaluate(
-    system: MegaContext,
-    windows: list[Tensor],
-    token_bytes: Tensor,
-    tokenizer: Tokenizer,
-    settings: EvalSettings,
-    reference: torch.nn.Module | None = None,
-    docs: list[Tensor] | None = None,
-    split: str | None = None,
-) -> dict:
+    system: MegaContext, held_out: HeldOut, settings: EvalSettings, reference: torch.nn.Module | None = None
+) -> EvalReport:
     """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`score_tasks`
-    on the held-out ``windows`` with a progress bar on stderr. The headline keys come from ``corpus`` at the
-    first budget, and ``tasks`` holds every task; :mod:`mcfn.tools.eval_report` formats it. ``docs`` (each
-    window's document) makes every error a bootstrap over documents; ``split`` names where the windows came from."""
+    on the ``held_out`` windows with a progress bar on stderr (an ``R`` the headline budget cannot refocus with is
+    refused first). The headline figures come from ``corpus`` at the first budget;
+    :mod:`mcfn.tools.eval_report` formats the report."""
+    check_settings(settings, system.layout)
+    windows = held_out.windows
     probes = len(windows[: settings.probe_batches])
     total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted
     with tqdm(total=total, desc="eval", unit="batch", file=sys.stderr, dynamic_ncols=True) as bar:
-        tasks = score_tasks(system, windows, token_bytes, tokenizer, settings, reference, lambda: bar.update(1), docs)
-    head = tasks[settings.tasks[0]]
-    layout = system.layout
-    return {
-        "split": split,
-        "windows": sum(b.size(0) for b in windows),
-        "documents": None if docs is None else int(torch.cat(docs).unique().numel()),
-        "se": "document" if docs is not None else "window",
-        "T": layout.T,
-        "W": settings.budgets[0],
-        "H": layout.H,
-        "bpb": head["bpb"],
-        "retained_fraction": head["retained_fraction"],
-        "lens_rank_corr": head.get("lens_rank_corr"),
-        "utility_corr": head.get("utility_corr"),
-        "best_context": best_context(head["bpb"]),
-        "sweep": [sweep_row(r) for r in head["sweep"]],
-        "n_windows_per_probe": sum(b.size(0) for b in windows[: settings.probe_batches]),
-        "random_contexts": settings.random_contexts,
-        "refocus": settings.refocus,
-        "refocus_every": settings.refocus_every,
-        "warm_steps": settings.warm_steps,
-        **{
-            p: {key: head[p].get(key) for key in ("bpb", "retained_fraction", "lens_rank_corr")}
-            for p in settings.protocols[1:]
-        },
-        **({"brief": True} if settings.brief else {}),  # a full evaluation's file is as it always was
-        "tasks": tasks,
-    }
+        tasks = score_tasks(system, held_out, settings, reference, lambda: bar.update(1))
+    return EvalReport(
+        settings,
+        T=system.layout.T,
+        H=system.layout.H,
+        split=held_out.split,
+        windows=sum(b.size(0) for b in windows),
+        documents=None if held_out.docs is None else int(torch.cat(held_out.docs).unique().numel()),
+        windows_per_probe=sum(b.size(0) for b in windows[: settings.probe_batches]),
+        tasks=tasks,
+    )

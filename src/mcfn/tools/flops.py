@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mcfn.config import RunConfig
+from mcfn.config import AUX_LAYERS, RunConfig
 from mcfn.core.lensnet import unit_capacity
 from mcfn.core.nodes import Layout
 
@@ -34,13 +34,12 @@ def step_flops(cfg: RunConfig, model: nn.Module) -> float:
         return _transformer(_matmul_params(model), m.n_layer, m.n_embd, B, T, causal=True)
     layout = Layout.from_config(cfg)
     flops = _transformer(_matmul_params(model.base), m.n_layer, m.n_embd, B * layout.V, layout.W, causal=True)
-    gist = model.gistnet
     blocks = sum(layout.eligible_counts[k] for k in range(1, layout.L + 1))
-    flops += _transformer(_matmul_params(gist), cfg.mc.gist.layers, gist.width, B * blocks, layout.K, causal=False)
+    flops += _transformer(_matmul_params(model.gistnet), AUX_LAYERS, cfg.aux_width, B * blocks, layout.K, causal=False)
     if model.lensnet is not None:
         read = unit_capacity(layout.W, layout)
         flops += _transformer(
-            _matmul_params(model.lensnet), cfg.mc.lens.layers, cfg.lens_width, B * layout.V, read, causal=False
+            _matmul_params(model.lensnet), AUX_LAYERS, cfg.aux_width, B * layout.V, read, causal=False
         )
     return flops
 

@@ -9,22 +9,24 @@ import matplotlib
 matplotlib.use("Agg")  # files only: never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from mcfn.tools.eval_result import DepthAccuracy, EvalReport  # noqa: E402
 
-def plot_budget_sweep(report: dict, path: Path) -> None:
-    """Tail bpb against compression ratio ``T / W``, one line per condition."""
-    rows = sorted(report["sweep"], key=lambda r: r["compression"])
-    x = [r["compression"] for r in rows]
+
+def plot_budget_sweep(report: EvalReport, path: Path) -> None:
+    """The headline task's tail bpb against compression ratio ``T / W``, one line per condition."""
+    rows = sorted(report.head.sweep, key=lambda r: r.compression)
+    x = [r.compression for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     styles = {"full": "k--", "full_plain": "k:", "recency": "o-", "random": "s-", "attn": "d-", "lens": "^-",
               "best_of_all_oos": "v:"}  # fmt: skip
     for name, style in styles.items():
-        if all(name in r for r in rows):  # only the conditions that were measured
-            ax.plot(x, [r[name] for r in rows], style, label=name)
+        if all(name in r.bpb for r in rows):  # only the conditions that were measured
+            ax.plot(x, [r.bpb[name] for r in rows], style, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{v:g}" for v in x])
     ax.set_xlabel("compression T / W")
-    ax.set_ylabel(f"tail bits per byte (last {report['H']} tokens)")
-    ax.set_title(f"Budget sweep, T={report['T']}, {report['windows']} held-out windows")
+    ax.set_ylabel(f"tail bits per byte (last {report.H} tokens)")
+    ax.set_title(f"Budget sweep, T={report.T}, {report.windows} held-out windows")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -32,11 +34,11 @@ def plot_budget_sweep(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_depth_heatmap(task: str, depth_accuracy: dict, path: Path) -> None:
+def plot_depth_heatmap(task: str, depth_accuracy: DepthAccuracy, path: Path) -> None:
     """A probe's answer accuracy by the depth of its fact (columns) and the budget (rows): the
     needle-in-a-haystack picture."""
-    budgets = list(depth_accuracy["by_budget"])
-    grid = [[float("nan") if v is None else v for v in depth_accuracy["by_budget"][w]] for w in budgets]
+    budgets = list(depth_accuracy.by_budget)
+    grid = [[float("nan") if v is None else v for v in depth_accuracy.by_budget[w]] for w in budgets]
     bins = len(grid[0])
     fig, ax = plt.subplots(figsize=(6, 0.6 * len(budgets) + 1.8), dpi=120)
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -47,7 +49,7 @@ def plot_depth_heatmap(task: str, depth_accuracy: dict, path: Path) -> None:
     ax.set_xticks(range(bins), [f"{j / bins:.1f}-{(j + 1) / bins:.1f}" for j in range(bins)])
     ax.set_yticks(range(len(budgets)), [f"W={w}" for w in budgets])
     ax.set_xlabel("depth of the fact (fraction of T)")
-    ax.set_title(f"{task}: answer accuracy ({depth_accuracy['condition']})")
+    ax.set_title(f"{task}: answer accuracy ({depth_accuracy.condition})")
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
     fig.savefig(path)

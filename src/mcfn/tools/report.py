@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mcfn.tools.eval_report import EVAL_PNG, format_eval_table
+from mcfn.tools.eval_report import EVAL_PNG, depth_accuracies, format_eval_table
+from mcfn.tools.eval_result import EvalReport
 from mcfn.tools.plots import Series, plot_panels
 
 REPORT_NAME = "report.md"
@@ -63,7 +64,7 @@ def write_report(
     records: list[dict[str, Any]],
     summary: dict[str, Any],
     tokens_per_step: int,
-    eval_report: dict | None,
+    eval_report: EvalReport | None,
     lod_maps: str | None,
     headline: list[str] | None = None,
 ) -> Path:
@@ -94,9 +95,7 @@ def write_report(
     if eval_report is not None:
         sections += ["", "## Evaluation", "", format_eval_table(eval_report), f"![budget sweep]({EVAL_PNG})"]
         sections += [
-            f"![{task}: accuracy by depth and budget](eval_depth_{task}.png)"
-            for task, result in eval_report["tasks"].items()
-            if "depth_accuracy" in result
+            f"![{task}: accuracy by depth and budget](eval_depth_{task}.png)" for task in depth_accuracies(eval_report)
         ]
     if lod_maps:
         sections += ["", "## Working contexts at the last map", "", "```", lod_maps.rstrip(), "```"]

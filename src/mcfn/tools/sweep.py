@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from mcfn.config import RunConfig
+from mcfn.core.reconstruction import RECON_TOKENS
 from mcfn.core.step import plain_step
 from mcfn.core.system import MegaContext, process_batch
 from mcfn.errors import UserError
@@ -115,8 +116,8 @@ def point_shape(cfg: RunConfig, system: MegaContext, condition: str) -> dict[str
         "n_nodes": system.layout.n_nodes,
         "teacher_tokens": system.layout.T if mc.teacher.enabled else 0,
         "teacher_window": mc.teacher.window,
-        # None: no reconstruction (the plain step never has one); 0: every gist read back, the knob's own meaning
-        "recon_tokens": mc.gist.recon_tokens if mc.gist.recon_weight > 0 and not plain else None,
+        # None: no reconstruction (the plain step never has one)
+        "recon_tokens": RECON_TOKENS if mc.gist.recon_weight > 0 and not plain else None,
         "grad_blocks": None if plain else system.grad_blocks,  # 0: the exact backward (or no bite)
     }
 
