@@ -135,10 +135,10 @@ def contexts(
         return system, window, build_contexts(system, window, noise)[0]
 
 
-def random_batches(system: MegaContext, n: int, batch: int = 2):
+def random_batches(system: MegaContext, n: int, batch: int = 2, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(1)
     for _ in range(n):
-        window = torch.randint(0, VOCAB, (batch, system.layout.T + 1), generator=g)
+        window = torch.randint(0, vocab, (batch, system.layout.T + 1), generator=g)
         yield window, draw_variant_noise(system.layout, batch, g, torch.device("cpu"))
 
 
@@ -239,6 +239,9 @@ def make_document(rng: random.Random, sentences: int) -> str:
 def make_documents(n: int, seed: int = 0, sentences: int = 40) -> list[str]:
     rng = random.Random(seed)
     return [make_document(rng, sentences) for _ in range(n)]
+
+
+TINY_VOCAB = 320  # the tiny profile's model vocabulary: its 320 BPE tokens, a multiple of 64
 
 
 def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:

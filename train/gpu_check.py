@@ -63,7 +63,8 @@ def steps(dry: bool, work: Path) -> list[Step]:
     cuda_tests = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", str(REPO / "tests" / "test_cuda.py")]
     logs = {"TORCH_LOGS": "graph_breaks,recompiles"}
     if dry:
-        tiny = ["--set", "train.batch_size=1", "--set", "data.vocab_size=512"]
+        tiny = ["--set", "train.batch_size=1", "--set", "data.vocab_size=512", "--set", "data.seq_len=256",
+                "--set", "mc.budget=128"]  # fmt: skip
         data = ["--data", f"text:{REPO / 'src'}", "--set", "data.min_doc_chars=200"]
         return [
             Step("bench", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--steps", "1",
@@ -76,7 +77,7 @@ def steps(dry: bool, work: Path) -> list[Step]:
                                      "--eager", "--lengths", "256,512", "--new-tokens", "4", "--repeats", "1",
                                      "--json", str(work / "decode.json")]),
             Step("tests", 120, py + cuda_tests),
-            Step("sweep", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--sweep-T", "1024",
+            Step("sweep", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--sweep-T", "256",
                                     "--conditions", "plain,mc", "--steps", "1", "--warmup", "1", "--out",
                                     str(work / "sweep"), *tiny], min_s=10),
         ]  # fmt: skip
