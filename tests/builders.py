@@ -244,6 +244,16 @@ def make_documents(n: int, seed: int = 0, sentences: int = 40) -> list[str]:
 TINY_VOCAB = 320  # the tiny profile's model vocabulary: its 320 BPE tokens, a multiple of 64
 
 
+def tiny_profile_system() -> tuple[MegaContext, int]:
+    """The system of the tiny profile's runs and its batch size. Tests that compile the MC step with inductor use
+    it, at that batch: inductor's cache then serves every such compile after the first in a test session (the
+    compile-cache run's too), where each shape of its own cost a minute and a half on 2 cores."""
+    cfg = build_config(tiny_sections("stdlib"))
+    torch.manual_seed(0)
+    system = MegaContext(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=TINY_VOCAB)))
+    return system, cfg.train.batch_size
+
+
 def tiny_sections(source: str, **extra: dict) -> dict[str, dict]:
     """Config sections for a model and corpus small enough for a test to train in seconds."""
     sections = {

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch._dynamo
-from builders import STEP_WEIGHTS, TINY_VOCAB, VOCAB, cases, contexts, flat, make_system, random_batches, tiny_sections
+from builders import (
+    STEP_WEIGHTS,
+    TINY_VOCAB,
+    VOCAB,
+    cases,
+    contexts,
+    flat,
+    make_system,
+    random_batches,
+    tiny_profile_system,
+)
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 
 from mcfn.config import MCConfig, OptimConfig
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import MegaContext, build_contexts, process_batch
+from mcfn.core.system import build_contexts, process_batch
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.core.weights import LossWeights
-from mcfn.profile import build_config
 from mcfn.shell.optim import build_optimizers
 
 
@@ -179,11 +186,9 @@ def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
 
 def test_compiled_mc_step_equals_eager(fresh_dynamo):
     """The full step (tree, random and allocator variants, base model, LensNet and every loss) compiled by
-    inductor gives the eager losses, metrics and gradients. The system and batch have the shapes of the tiny
-    profile's compiled run (``test_run``'s compile-cache test), so that inductor's cache serves whichever of the two
-    compiles second: one cold compile of this step in the suite, not two."""
-    cfg = build_config(tiny_sections("stdlib"))
-    system = MegaContext(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=TINY_VOCAB)))
+    inductor gives the eager losses, metrics and gradients, on the tiny profile's system and batch (inductor's
+    cache then serves the suite's other compiles of this step)."""
+    system, B = tiny_profile_system()
     # A model that tells variants apart: at init every variant scores the same to 1e-6, and which of two
     # equal losses is "better" (so where the LensNet targets go) is then decided by rounding.
     with torch.no_grad():
@@ -191,8 +196,7 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
         for block in system.base.blocks:
             torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
-    weights = LossWeights.of(cfg.mc, torch.device("cpu"))
-    B = cfg.train.batch_size
+    weights = LossWeights.of(MCConfig(), torch.device("cpu"))
     batches = [(system, window, noise, weights) for window, noise in random_batches(system, 3, B, TINY_VOCAB)]
     assert_one_graph_equals_eager(
         process_batch, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 import torch._dynamo
-from builders import VOCAB, decisive, expanded, layouts, make_system
+from builders import TINY_VOCAB, VOCAB, decisive, expanded, layouts, make_system, tiny_profile_system
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 from hypothesis import strategies as st
@@ -177,15 +177,16 @@ def test_lensnet_learns_where_detail_pays():
 
 
 def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):
-    """Compiled for real (inductor, the backend training uses), on one fixed shape, against eager. The model
-    tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick the pairs'
-    winners, so the targets, differently in each backend."""
-    system = decisive(make_system(T=32, K=4, L=2, W=16, H=8, N=2))
+    """Compiled for real (inductor, the backend training uses), on the tiny profile's system and batch, against
+    eager. The model tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick
+    the pairs' winners, so the targets, differently in each backend."""
+    system, B = tiny_profile_system()
+    system = decisive(system)
     g = torch.Generator().manual_seed(3)
     batches = []
     for _ in range(21):
-        window = torch.randint(0, VOCAB, (2, 33), generator=g)
-        batches.append((system, window, draw_variant_noise(system.layout, 2, g, torch.device("cpu")), WEIGHTS))
+        window = torch.randint(0, TINY_VOCAB, (B, system.layout.T + 1), generator=g)
+        batches.append((system, window, draw_variant_noise(system.layout, B, g, torch.device("cpu")), WEIGHTS))
     assert_one_graph_equals_eager(process_batch, batches, backend="inductor", loss=lambda out: out.total())
 
 
