@@ -19,7 +19,7 @@ from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.inference.generation import generate_mc
-from mcfn.tools.eval_result import EvalReport, TaskResult
+from mcfn.tools.eval_result import EvalReport
 
 CONDITIONS = ("full", "recency", "match", "lens")  # what the summary compares, in this order
 CONTINUATION = 32  # tokens generated after the held-out prompt
@@ -75,10 +75,10 @@ def summary_lines(
     """The report's opening lines after :func:`trained_line`: the pass key and corpus figures of the final evaluation's
     ``report`` (which scored the pass key), and the two examples generated on the held-out ``window [T + 1]``."""
     W, T, K = report.W, report.T, system.layout.K
-    passkey, corpus = report.tasks["passkey"], report.head.head
-    assert isinstance(passkey, TaskResult), "the caller checks that the pass key was scored"
-    answered_share = passkey.refocus.head.accuracy or {}
-    accuracy = ", ".join(f"{c} {answered_share[c]:.2f}" for c in CONDITIONS if c in answered_share)
+    passkey, corpus = report.scored("passkey"), report.head.head
+    assert passkey is not None and passkey.refocus.head.accuracy is not None, "the caller checks it was scored"
+    answered = passkey.refocus.head.accuracy
+    accuracy = ", ".join(f"{c} {answered[c]:.2f}" for c in CONDITIONS if c in answered)
     bpb = ", ".join(f"{c} {corpus.bpb[c]:.4f}" for c in CONDITIONS if c in corpus.bpb)
     gain = corpus.gains["lens_gain"]
     error = f"; lens − recency {-gain.bpb:+.4f} ± {gain.se:.4f}" if gain else ""
