@@ -69,14 +69,15 @@ def test_megacontext_run_logs_its_metrics(tmp_path, profile):
     assert {"val/bpb", "val/bpb_recency", "time/val_s"} <= records[0].keys()
     assert json.loads((out / "summary.json").read_text())["mode"] == "mc"
     assert {"time/data_ms", "time/fwd_bwd_ms", "time/optim_ms", "train/lr/matrix", "train/lr/embedding"} <= step.keys()
-    # The LOD map of step 0: recency (the last W=16 tokens: 4 blocks of K=4), then full-coverage cuts.
+    # The LOD maps of step 0 and of the last step: recency (the last W=16 tokens: 4 blocks of K=4), then
+    # full-coverage cuts.
     maps = (out / "lod_maps.txt").read_text().splitlines()
-    assert maps[0].startswith("step 0:") and len(maps) == 4
-    assert maps[1].split()[-1] == "····0000" and all(set(line.split()[-1]) <= set("012") for line in maps[2:])
+    assert maps[0].startswith("step 0:") and maps[4].startswith("step 9:") and len(maps) == 8
+    assert maps[1].split()[-1] == "····0000" and all(set(line.split()[-1]) <= set("012") for line in maps[2:4])
     report = (out / "report.md").read_text()
     for name in ("loss.png", "timings.png", "lensnet.png", "eval_sweep.png"):
         assert f"]({name})" in report and (out / name).stat().st_size > 1000, name
-    assert "| 16 |" in report and "step 0:" in report  # the evaluation table and the LOD maps
+    assert "| 16 |" in report and "step 9:" in report  # the evaluation table and the last step's LOD maps
 
 
 def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path, text_dir):

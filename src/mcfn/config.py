@@ -203,7 +203,7 @@ class TrainConfig:
     # that fits on a GPU (found by trying, halving on out-of-memory).
     micro_batch_size: int = 0
     # Validation bpb, sample 0's working contexts (printed and appended to lod_maps.txt), then a checkpoint, every
-    # this many steps and at the end (at step 0 no checkpoint).
+    # this many steps and at the end (at step 0 no checkpoint; the last maps are the last step's).
     eval_every: int = 50
     eval_batches: int = 8  # validation batches of batch_size windows each
     log_every: int = 1  # read the loss back and write metrics every this many steps

@@ -119,8 +119,8 @@ class Trainer:
                 result = self.optimizer_step(step, logged)
                 if logged:
                     record.update(self.step_record(result, step))
-                if s.world.is_main and step % cfg.eval_every == 0:
-                    self.write_lod_maps(result.window, step)
+                if s.world.is_main and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+                    self.write_lod_maps(result.window, step)  # and after the last step: the report shows it
                 self.bar.update(1)
                 if self.compile_cache is not None and s.world.is_main:
                     self.compile_cache.save_if_new()
