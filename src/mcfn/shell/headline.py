@@ -77,8 +77,8 @@ def summary_lines(
     W, T, K = report.W, report.T, system.layout.K
     passkey, corpus = report.scored("passkey"), report.head.head
     assert passkey is not None and passkey.refocus.head.accuracy is not None, "the caller checks it was scored"
-    answered = passkey.refocus.head.accuracy
-    accuracy = ", ".join(f"{c} {answered[c]:.2f}" for c in CONDITIONS if c in answered)
+    share = passkey.refocus.head.accuracy  # of the pass-key windows answered, per condition
+    accuracy = ", ".join(f"{c} {share[c]:.2f}" for c in CONDITIONS if c in share)
     bpb = ", ".join(f"{c} {corpus.bpb[c]:.4f}" for c in CONDITIONS if c in corpus.bpb)
     gain = corpus.gains["lens_gain"]
     error = f"; lens − recency {-gain.bpb:+.4f} ± {gain.se:.4f}" if gain else ""

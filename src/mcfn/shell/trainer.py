@@ -108,9 +108,10 @@ class Trainer:
             for step in range(s.start_step, cfg.steps + 1):
                 record: dict[str, Any] = {"step": step}
                 last = step == cfg.steps
-                if (step % cfg.eval_every == 0 or last) and s.world.is_main:
+                validating = step % cfg.eval_every == 0 or last  # then a checkpoint, past the step it started at
+                if validating and s.world.is_main:
                     record.update(self.validate(step))
-                if step > s.start_step and (step % cfg.eval_every == 0 or last):
+                if validating and step > s.start_step:
                     save_state(s, step)
                 if last:
                     s.log.log(record)

@@ -29,7 +29,7 @@ def format_eval_table(report: EvalReport) -> str:
         f"H={report.H} targets: {report.windows} windows for corpus"
         + (f" from {report.documents} documents" if report.documents else "")
         + f", {report.windows_per_probe} for each probe; standard errors by bootstrap over "
-        f"{'window' if report.documents is None else 'document'}s. Generation's protocol: every condition that "
+        f"{report.se}s. Generation's protocol: every condition that "
         f"chooses a cut refocuses every R={R} tokens, as train.generate does.",
         "",
         f"Generate with `--context {report.best_context}`: its condition scored the lowest corpus bpb here."

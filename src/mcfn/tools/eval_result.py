@@ -8,7 +8,7 @@ with the keys it has always had, so that what reads the file is unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mcfn.tools.eval_batch import EvalSettings
@@ -161,18 +161,28 @@ class EvalReport:
     windows_per_probe: int
     tasks: dict[str, TaskResult | Skipped]  # corpus first
     checkpoint_step: int | None = None
-    provenance: Provenance | None = field(default=None)
+    provenance: Provenance | None = None
 
     @property
     def W(self) -> int:
         return self.settings.budgets[0]
 
     @property
-    def head(self) -> ProtocolResult:
-        """The headline: the first task (corpus) under generation's protocol."""
+    def se(self) -> str:
+        """What the bootstrap errors resample: documents where they are known, else windows."""
+        return "window" if self.documents is None else "document"
+
+    @property
+    def corpus(self) -> TaskResult:
+        """The first task, corpus, which is always scored: the headline figures come from it."""
         first = self.tasks[self.settings.tasks[0]]
         assert isinstance(first, TaskResult), "corpus is always scored"
-        return first.refocus
+        return first
+
+    @property
+    def head(self) -> ProtocolResult:
+        """The headline: the corpus under generation's protocol."""
+        return self.corpus.refocus
 
     @property
     def best_context(self) -> str:
@@ -193,7 +203,7 @@ class EvalReport:
             "split": self.split,
             "windows": self.windows,
             "documents": self.documents,
-            "se": "window" if self.documents is None else "document",
+            "se": self.se,
             "T": self.T,
             "W": self.W,
             "H": self.H,
@@ -209,9 +219,7 @@ class EvalReport:
             "refocus_every": settings.refocus_every,
             "warm_steps": settings.warm_steps,
         }
-        corpus = self.tasks[settings.tasks[0]]
-        assert isinstance(corpus, TaskResult)
-        for name, result in corpus.protocols.items():
+        for name, result in self.corpus.protocols.items():
             if name != "refocus":
                 row = result.head
                 out[name] = {"bpb": row.bpb, "retained_fraction": row.retained_fraction,
