@@ -4,6 +4,7 @@ objective, traces on disk and the stage that trains on them (issue 53)."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -134,6 +135,23 @@ def test_property_one_ranking_step_orders_the_edits_as_their_measured_worth(delt
         assert (predicted.grad[0][~valid] == 0).all()
 
 
+@given(deltas, st.data())
+def test_property_the_ranking_loss_is_the_pair_loss_written_out(delta, data):
+    """From any scores, the ranking loss is the sum over ordered pairs with Δ_i > Δ_j of |Δ_i − Δ_j| times the
+    logistic loss of scoring j above i, over the sum of those weights: a double loop by hand. A signed pair weight
+    (Δ_i − Δ_j over every pair) or an unweighted one gives another number."""
+    scores = data.draw(st.lists(st.floats(-3, 3), min_size=len(delta), max_size=len(delta)))
+    total, weights = 0.0, 0.0
+    for i, di in enumerate(delta):
+        for j, dj in enumerate(delta):
+            if di > dj:
+                weight = abs(di - dj)
+                total += weight * math.log1p(math.exp(-(scores[i] - scores[j])))
+                weights += weight
+    got = ranking_loss(torch.tensor([scores]), torch.tensor([delta]), torch.ones(1, len(delta), dtype=torch.bool))
+    assert float(got) == pytest.approx(total / weights, rel=1e-5, abs=1e-6)
+
+
 def test_an_edits_predicted_worth_is_what_it_gains_minus_what_it_gives_up():
     scores = torch.tensor([[0.5, -1.0, 2.0, 0.25]])
     gain, loss = torch.tensor([[2, -1, 0]]), torch.tensor([[1, 3, -1]])
@@ -144,7 +162,10 @@ def test_traces_are_written_read_back_and_refused_for_another_checkpoint_or_conf
     window = window_of(4)
     tree = tree_stage(system, window)
     states = trace_window(system, tree, window, Refocus(R, 4, 1), 2, torch.Generator(), 0)
-    config = {"data": {"mix": 0.8}, "mc": {"budget": W, "lens": {"match_prior": False}}}
+    config = {
+        "data": {"mix": 0.8},
+        "mc": {"budget": W, "block_size": K, "refocus_every": R, "lens": {"match_prior": False}},
+    }
     made_by = fingerprint(system, 10, config)
     traces = Traces.of(window, tree.emb, states, made_by, round=1)
     traces.save(tmp_path / "t.pt")
@@ -154,10 +175,13 @@ def test_traces_are_written_read_back_and_refused_for_another_checkpoint_or_conf
     assert int(back.states["valid"].sum()) == sum(s.labelled.delta.numel() for s in states)
     policy = {**config, "mc": {**config["mc"], "lens": {"match_prior": True}}}
     assert fingerprint(system, 10, policy) == made_by, "the policy may change"
-    other_config = {**config, "data": {**config["data"], "mix": 0.5}}
+    other_configs = [{**config, "data": {**config["data"], "mix": 0.5}}]
+    # [mc] outside [mc.lens] decides the states traced: the budget, the block size, the refocus cadence.
+    other_configs += [{**config, "mc": {**config["mc"], key: value}} for key, value in
+                      (("budget", W // 2), ("block_size", 2 * K), ("refocus_every", 2 * R))]  # fmt: skip
     other_weights = awake(make_system(T, K, L, W, H, N=2, seed=4, refocus_every=R))
-    for other in (fingerprint(system, 11, config), fingerprint(system, 10, other_config),
-                  fingerprint(other_weights, 10, config)):  # fmt: skip
+    others = [fingerprint(system, 11, config), fingerprint(other_weights, 10, config)]
+    for other in others + [fingerprint(system, 10, c) for c in other_configs]:
         with pytest.raises(UserError, match="another checkpoint or config") as refused:
             Traces.load(tmp_path / "t.pt", other)
         assert "\n" not in str(refused.value)
@@ -203,6 +227,37 @@ def test_the_stage_trains_lensnet_on_a_run_and_writes_it_back(decoding_run, tmp_
     else:
         assert after.cfg.mc.lens.match_prior and not before.cfg.mc.lens.match_prior
         assert changed and all(k.startswith("lensnet.") for k in changed)
+
+
+def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tmp_path, monkeypatch):
+    """With round 1 the best held out and round 2 trained further, the checkpoint's LensNet is round 1's, byte for
+    byte, not the last round's: the kept round's weights are a copy, not the live network's."""
+    from mcfn.shell import lens_stage
+    from mcfn.shell.checkpoint import Checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(decoding_run[0], run)
+    held = {"run": 9.0, 0: 8.0, 1: 1.0, 2: 5.0}  # round 1 best, then the run's own, match's cut and round 2 worse
+
+    def measure(self, r, system=None):
+        return {"utility_corr": 0.0, "se": 0.0, "states": 1, "nll_lens": held[r], "nll_match": 0.0, "nll_recency": 0.0}
+
+    after_round, train_round = {}, lens_stage.Stage.round
+
+    def round_and_keep(self, r, run_dir):
+        figures = train_round(self, r, run_dir)
+        after_round[r] = {k: v.clone() for k, v in self.system.lensnet.state_dict().items()}
+        return figures
+
+    monkeypatch.setattr(lens_stage.Stage, "measure", measure)
+    monkeypatch.setattr(lens_stage.Stage, "round", round_and_keep)
+    settings = lens_stage.StageSettings(rounds=2, windows=2, held_out=1, epochs=2)
+    _, summary = lens_stage.run_stage(run, settings, torch.device("cpu"), lambda _: None)
+    assert summary["kept_round"] == 1
+    written = {k.removeprefix("lensnet."): v for k, v in Checkpoint.read(run).state["model"].items()
+               if k.startswith("lensnet.")}  # fmt: skip
+    assert any(not torch.equal(after_round[1][k], after_round[2][k]) for k in written), "round 2 must differ"
+    assert all(torch.equal(written[k], after_round[1][k]) for k in written)
 
 
 def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import re
@@ -11,6 +12,7 @@ import pytest
 import torch
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
+from mcfn.inference.generation import generate_mc
 from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
@@ -52,6 +54,26 @@ def test_errors_count_documents_not_windows():
     by_window = paired_gain(twice, nbytes.repeat(2), "recency", "lens", Clusters(torch.arange(16)))
     assert by_document.bpb == pytest.approx(alone.bpb) and by_document.se == pytest.approx(alone.se)
     assert by_window.se < 0.85 * by_document.se
+
+
+def test_the_document_bootstrap_resamples_each_documents_own_windows():
+    """Windows of unequal documents in no particular order (document ids that are not window indices): each
+    resample's gain, summed by hand over the windows of the documents it picks, gives the reported error. Fails for
+    a bootstrap that picked windows by the documents' indices."""
+    docs = torch.tensor([5, 2, 5, 9, 2, 5, 7, 31, 9])
+    g = torch.Generator().manual_seed(4)
+    nats = {"recency": 30.0 + 5 * torch.rand(9, generator=g, dtype=torch.float64), "lens": torch.full((9,), 30.0)}
+    nbytes = 10.0 + torch.randint(0, 20, (9,), generator=g).double()
+    clusters = Clusters(docs)
+    ids = sorted(set(docs.tolist()))  # resample column d picks document ids[d]
+    by_hand = []
+    for picks in clusters.picks.tolist():
+        windows = [w for d in picks for w in range(9) if docs[w] == ids[d]]
+        gained = sum(float(nats["recency"][w] - nats["lens"][w]) for w in windows)
+        by_hand.append(gained / (math.log(2) * sum(float(nbytes[w]) for w in windows)))
+    gain = paired_gain(nats, nbytes, "recency", "lens", clusters)
+    assert clusters.documents == 5
+    assert gain.se == pytest.approx(float(torch.tensor(by_hand, dtype=torch.float64).std()), rel=1e-9)
 
 
 def test_default_budgets_start_with_the_runs_own():
@@ -233,6 +255,15 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     assert [line.split("**")[1] for line in opening] == heads, opening
     assert "LensNet refocusing every 8 tokens (4 refocuses)" in opening[4], "32 tokens generated, R = 8"
     assert re.search(r"`[0-9·]*\[[0-9·]+\][0-9·]*`$", opening[3]), opening[3]
+    # The opening lines' figures are eval.json's, condition by condition, truncation (recency) among them.
+    answered, bpb = final["tasks"]["passkey"]["accuracy"], final["bpb"]
+    shown = ("full", "recency", "match", "lens")
+    assert ", ".join(f"{c} {answered[c]:.2f}" for c in shown) in opening[1], opening[1]
+    assert ", ".join(f"{c} {bpb[c]:.4f}" for c in shown) in opening[2], opening[2]
+    # The final evaluation refocuses as generation does: warm after a window's first refocus, with its steps.
+    decoding = inspect.signature(generate_mc).parameters
+    assert final["warm_steps"] == decoding["warm_steps"].default >= 1, "the final evaluation refocused cold"
+    assert final["refocus"] == decoding["refocus_steps"].default and final["refocus_every"] == 8
     assert json.loads((mc / "summary.json").read_text())["final_eval_s"] > 0
     # The pass key, read with the whole window, is tracked at every validation: it shows when retrieval forms.
     records = [json.loads(line) for line in (mc / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,15 @@ from compile_check import one_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.core.focus import carried_cut, focus_cut, focus_scores, shrink_to_budget, stream_view, view_context
+from mcfn.core.focus import (
+    carried_cut,
+    focus_cut,
+    focus_scores,
+    refocus_budget,
+    shrink_to_budget,
+    stream_view,
+    view_context,
+)
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
 from mcfn.core.system import history_tree
@@ -19,6 +27,7 @@ from mcfn.core.variants import coarsest_cut
 from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
+from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context, view_tree
 
 T, K, L, W, H = 64, 4, 2, 32, 8
@@ -172,6 +181,25 @@ def test_generation_with_context_match_refocuses_with_match_as_the_evaluation_do
     assert not (
         lens.start.shape == got.start.shape and torch.equal(lens.lod, got.lod) and torch.equal(lens.start, got.start)
     )
+
+
+def test_generation_with_context_match_reads_ahead_R_tokens_not_its_refocus_steps():
+    """Generation's ``match`` scores with reach R (the tokens a cut serves), where R (2) and the refocus steps (4)
+    differ: its first refocus is the cut ``focused_context`` makes with reach 2, which differs here from reach 4's."""
+    system = decisive_system()
+    prompt = torch.randint(0, 4, (5 * W,), generator=torch.Generator().manual_seed(3))
+    R, steps = 2, 4
+    budget = refocus_budget(system.layout, R)
+    stream = StreamingTree(system, torch.device("cpu"))
+    stream.append(prompt)
+    maps = {}
+    for reach in (R, steps):
+        wc = focused_context(system, stream, budget, steps, match_reach=reach)
+        maps[reach] = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), K)
+    assert maps[R] != maps[steps], "the test needs a prompt where the reach changes the cut"
+    layouts = []
+    generate_mc(system, prompt, 1, R, refocus_steps=steps, context="match", on_refocus=lambda _, m: layouts.append(m))
+    assert layouts == [maps[R]]
 
 
 @settings(max_examples=25, deadline=None)
