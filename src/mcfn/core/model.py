@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -29,6 +30,7 @@ from mcfn.typecheck import typechecked
 
 SOFTCAP = 15.0  # logits are squashed to (-15, 15): tanh soft-capping, as in nanochat
 ROPE_BASE = 10000.0  # the rotary base of every transformer here
+SMEAR_READ = 16  # the smear's gate reads this many leading features of the entry's own input
 
 
 @typechecked
@@ -80,6 +82,56 @@ def bidirectional(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class Entry(NamedTuple):
+    """The one entry before a chunk of entries given to :meth:`GPT.hidden` (a KV cache's last kept entry): what
+    the chunk's first entry may smear. Its embedding ``[b, 1, d]``, position and span ``[b, 1]``."""
+
+    emb: Tensor
+    position: Tensor
+    span: Tensor
+
+
+@typechecked
+def follows_its_token(
+    positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], before: Entry | None
+) -> Bool[Tensor, "#b n"]:
+    """True where an entry and the entry before it are both raw tokens (span 1) adjacent in the text, the
+    only entries the smear mixes (I13): a gist, a token after a gist and a token after a gap get nothing.
+    ``before`` is the entry ahead of the first (None: nothing precedes it)."""
+    if before is None:
+        prev_pos = torch.cat([positions[:, :1] - 2.0, positions[:, :-1]], 1)
+        prev_span = torch.cat([torch.zeros_like(spans[:, :1]), spans[:, :-1]], 1)
+    else:
+        prev_pos = torch.cat([before.position.expand(positions.size(0), 1), positions[:, :-1]], 1)
+        prev_span = torch.cat([before.span.expand(spans.size(0), 1), spans[:, :-1]], 1)
+    return (spans == 1) & (prev_span == 1) & (positions - prev_pos == 1)
+
+
+class Smear(nn.Module):
+    """Each raw token adds the (normed) input of the token before it, through a gate it computes from its own
+    input: ``x_t + s · sigmoid(w · x_t[:SMEAR_READ]) · x_{t-1}``. Every layer then sees the previous token, which
+    an induction head (find where the current token occurred before, copy what followed) otherwise builds with
+    a whole layer; the smeared-keys models of the induction-heads study and the modded-nanogpt speedrun's GPT
+    use the same shortcut. ``s`` starts at zero: the model starts as it would without the smear."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate = nn.Linear(min(SMEAR_READ, dim), 1, bias=False)
+        self.scale = nn.Parameter(torch.zeros(1))
+
+    @typechecked
+    def forward(
+        self, x: Float[Tensor, "b n d"], previous: Float[Tensor, "b n d"], adjacent: Bool[Tensor, "#b n"]
+    ) -> Float[Tensor, "b n d"]:
+        gate = self.scale.to(x.dtype) * torch.sigmoid(self.gate(x[..., : self.gate.in_features]))
+        return x + torch.where(adjacent[..., None], gate * previous, 0.0)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.scale)
+
+
 class SelfAttention(nn.Module):
     """Multi-head attention's projections with QK-norm and (damped) rotary; how the heads attend is the caller's
     :data:`Attend`.
@@ -89,22 +141,31 @@ class SelfAttention(nn.Module):
     the two align exactly: too flat to copy a token from far back. Learning the gain lifts the cap: with it
     stdlib's pass key goes from 0.91 to 1.00 under full attention (LABLOG)."""
 
-    def __init__(self, dim: int, n_head: int):
+    def __init__(self, dim: int, n_head: int, key_smear: bool = False):
         super().__init__()
         self.n_head = n_head
         self.gain = nn.Parameter(torch.ones(n_head))
+        # Smeared keys (induction-heads study): each head's key mixes in the previous token's, weight sigmoid(key_mix).
+        self.key_mix = nn.Parameter(torch.zeros(n_head)) if key_smear else None
         self.c_q = nn.Linear(dim, dim, bias=False)
         self.c_k = nn.Linear(dim, dim, bias=False)
         self.c_v = nn.Linear(dim, dim, bias=False)
         self.c_proj = nn.Linear(dim, dim, bias=False)
 
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(
+        self, x: Tensor, cos: Tensor, sin: Tensor, adjacent: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values ``[b, h, n, e]``, rotated (keys are what a KV cache stores)."""
         q, k, v = (rearrange(lin(x), "b n (h e) -> b h n e", h=self.n_head) for lin in (self.c_q, self.c_k, self.c_v))
         # QK-norm before the rotary, so a gist's span damping is not normalised away.
         # Indexing, not einops: einops on a Parameter registers a new backend type, a recompile guard.
         q = apply_rotary(rms_norm(q), cos, sin) * self.gain[:, None, None].to(q.dtype)
-        return q, apply_rotary(rms_norm(k), cos, sin), v
+        k = apply_rotary(rms_norm(k), cos, sin)
+        if self.key_mix is not None and adjacent is not None:
+            w = torch.sigmoid(self.key_mix)[:, None, None].to(k.dtype)
+            previous = torch.cat([torch.zeros_like(k[:, :, :1]), k[:, :, :-1]], 2)
+            k = torch.where(adjacent[:, None, :, None], (1 - w) * k + w * previous, k)
+        return q, k, v
 
     def project(self, y: Tensor) -> Tensor:
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
@@ -121,32 +182,35 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, n_head: int):
+    def __init__(self, dim: int, n_head: int, key_smear: bool = False):
         super().__init__()
-        self.attn = SelfAttention(dim, n_head)
+        self.attn = SelfAttention(dim, n_head, key_smear)
         self.mlp = MLP(dim)
         # Activation checkpointing (``train.activation_checkpointing``): keep only the block's input for the
         # backward and recompute the rest there. Non-reentrant, the kind torch.compile traces in one graph.
         self.checkpointed = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, adjacent: Tensor | None = None) -> Tensor:
         """``attend`` maps the block's rotated ``q, k, v`` to its heads' outputs."""
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self.residual, x, cos, sin, attend, use_reentrant=False)
-        return self.residual(x, cos, sin, attend)
+            return checkpoint(self.residual, x, cos, sin, attend, adjacent, use_reentrant=False)
+        return self.residual(x, cos, sin, attend, adjacent)
 
-    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend) -> Tensor:
-        x = x + self.attn.project(attend(*self.attn.qkv(rms_norm(x), cos, sin)))
+    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, adjacent: Tensor | None = None) -> Tensor:
+        x = x + self.attn.project(attend(*self.attn.qkv(rms_norm(x), cos, sin, adjacent)))
         return x + self.mlp(rms_norm(x))
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, mimetic: bool = False, gain: float = 1.0) -> None:
         """Uniform inputs with std 1/sqrt(dim); zero output projections, so the block starts as the identity;
-        unit attention gains."""
+        unit attention gains. ``mimetic``: keys start as the queries (W_k = W_q), so a query's score favours
+        the keys of entries like itself, as trained attention heads do (mimetic initialisation)."""
         bound = math.sqrt(3.0) * self.attn.c_q.in_features**-0.5
-        nn.init.ones_(self.attn.gain)
+        nn.init.constant_(self.attn.gain, gain)
         for lin in (self.attn.c_q, self.attn.c_k, self.attn.c_v, self.mlp.c_fc):
             nn.init.uniform_(lin.weight, -bound, bound)
+        if mimetic:
+            self.attn.c_k.weight.copy_(self.attn.c_q.weight)
         nn.init.zeros_(self.attn.c_proj.weight)
         nn.init.zeros_(self.mlp.c_proj.weight)
 
@@ -165,7 +229,8 @@ class GPT(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set from the tokenizer")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer))
+        self.smear = Smear(cfg.n_embd) if cfg.smear else None
+        self.blocks = nn.ModuleList(Block(cfg.n_embd, cfg.n_head, cfg.key_smear) for _ in range(cfg.n_layer))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
@@ -173,12 +238,25 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.wte.weight, std=1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
+        if self.smear is not None:
+            self.smear.reset_parameters()
         for block in self.blocks:
-            block.reset_parameters()
+            block.reset_parameters(self.cfg.mimetic, self.cfg.gain_init)
 
     @typechecked
     def embed(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:
         return self.wte(tokens)
+
+    @typechecked
+    def inputs(
+        self, emb: Float[Tensor, "b n d"], positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], before: Entry | None
+    ) -> Float[Tensor, "b n d"]:
+        """What the first block reads: each entry's embedding, normed, with the smear of the token before it."""
+        x = rms_norm(emb)
+        if self.smear is None:
+            return x
+        first = torch.zeros_like(x[:, :1]) if before is None else rms_norm(before.emb).expand_as(x[:, :1])
+        return self.smear(x, torch.cat([first, x[:, :-1]], 1), follows_its_token(positions, spans, before))
 
     @typechecked
     def hidden(
@@ -187,13 +265,16 @@ class GPT(nn.Module):
         positions: Float[Tensor, "#b n"],
         spans: Float[Tensor, "#b n"],
         attend: LayerAttention = causal_attention,
+        before: Entry | None = None,
     ) -> Float[Tensor, "b n d"]:
         """Final hidden states (normed) over entries at the given positions and spans. The one block loop:
-        training, prefill, the token step and the attention read-out differ only in ``attend``."""
+        training, prefill, the token step and the attention read-out differ only in ``attend``; a chunk read
+        after cached entries names the last of them in ``before``, which its first entry may smear."""
         cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, ROPE_BASE)
-        x = rms_norm(emb)
+        x = self.inputs(emb, positions, spans, before)
+        adjacent = follows_its_token(positions, spans, before) if self.cfg.key_smear else None
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend=partial(attend, layer))
+            x = block(x, cos, sin, attend=partial(attend, layer), adjacent=adjacent)
         return rms_norm(x)
 
     @typechecked

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 
+import torch
 from torch import Tensor
 
 from mcfn.data.loader import WindowSampler
@@ -26,7 +27,8 @@ from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
 
 REPEAT = "repeat"
-MIX_TASKS = (REPEAT, *PROBES[1:])
+SHUFFLED_REPEAT = "shuffled-repeat"
+MIX_TASKS = (REPEAT, SHUFFLED_REPEAT, *PROBES[1:])
 
 
 def write_repeat(window: Tensor, tail: int, rng: random.Random) -> Tensor:
@@ -38,6 +40,13 @@ def write_repeat(window: Tensor, tail: int, rng: random.Random) -> Tensor:
     return out
 
 
+def write_shuffled_repeat(window: Tensor, tail: int, rng: random.Random) -> Tensor:
+    """``window [T + 1]``'s own tokens in a random order, then :func:`write_repeat`: nothing but the copy predicts the
+    repeated span, so its loss teaches induction alone, on tokens whose embeddings the text trains."""
+    order = torch.randperm(window.numel(), generator=torch.Generator().manual_seed(rng.getrandbits(63)))
+    return write_repeat(window[order], tail, rng)
+
+
 class MixedSampler:
     """A :class:`WindowSampler` whose batches have a share ``mix`` of rows rewritten by ``tasks``."""
 
@@ -47,7 +56,7 @@ class MixedSampler:
         for name in tasks:
             if name not in MIX_TASKS:
                 raise UserError(f"unknown data.mix_tasks entry {name!r} (known: {', '.join(MIX_TASKS)})")
-            why = None if name == REPEAT else misfit(name, tok, sampler.window - 1, tail)
+            why = None if name in (REPEAT, SHUFFLED_REPEAT) else misfit(name, tok, sampler.window - 1, tail)
             if why is not None:
                 raise UserError(f"data.mix_tasks cannot use {name}: {why}")
         self.sampler, self.tok, self.tail, self.mix, self.tasks, self.seed = sampler, tok, tail, mix, tasks, seed
@@ -59,8 +68,9 @@ class MixedSampler:
         rng = random.Random(derive_seed(self.seed, "train_mix", index))
         chosen = [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.mix]
         for row, name in chosen:
-            if name == REPEAT:
-                windows[row] = write_repeat(windows[row], self.tail, rng)
+            if name in (REPEAT, SHUFFLED_REPEAT):
+                write = write_repeat if name == REPEAT else write_shuffled_repeat
+                windows[row] = write(windows[row], self.tail, rng)
                 continue
             probe = make_probe(name, windows[row : row + 1], self.tok, self.tail, seed=rng.getrandbits(63))
             windows[row] = probe.window[0]

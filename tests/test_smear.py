@@ -1,0 +1,115 @@
+"""The smear (I13): a raw token adds the token right before it in the text, and nothing else does; it stays causal,
+and the KV cache's chunked and token-by-token forward carries it exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcfn.config import ModelConfig
+from mcfn.core.model import GPT
+from mcfn.inference.decode import KVCache, TokenDecoder, extend
+
+VOCAB, DIM = 64, 32
+
+
+def smeared_model(seed: int) -> GPT:
+    """A GPT whose smear and blocks all act: the smear's scale and gate and the output projections start at zero."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=DIM, vocab_size=VOCAB, smear=True))
+    with torch.no_grad():
+        model.smear.scale.fill_(1.5)
+        torch.nn.init.normal_(model.smear.gate.weight)
+        for block in model.blocks:
+            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+    return model.eval()
+
+
+@st.composite
+def entry_rows(draw) -> tuple[list[int], list[int]]:
+    """Starts and spans of a working context's valid entries: raw tokens side by side, gists of 4 and 16 tokens,
+    and gaps where text was left out, in increasing start order."""
+    starts, spans, at = [], [], draw(st.integers(0, 3))
+    for _ in range(draw(st.integers(2, 14))):
+        span = draw(st.sampled_from([1, 1, 1, 4, 16]))
+        starts.append(at)
+        spans.append(span)
+        at += span + draw(st.sampled_from([0, 0, 0, 1, 5]))  # mostly adjacent, sometimes a gap
+    return starts, spans
+
+
+def as_entries(starts: list[int], spans: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (the span's centre) and spans ``[1, n]``, as a working context carries them."""
+    start, span = torch.tensor([starts], dtype=torch.float32), torch.tensor([spans], dtype=torch.float32)
+    return start + (span - 1) / 2, span
+
+
+@given(entry_rows(), st.data(), st.integers(0, 2**31 - 1))
+def test_property_I13_the_smear_reaches_only_the_adjacent_raw_token_after(row, data, seed):
+    """Changing entry j's embedding changes what the first block reads at j, and at j + 1 exactly when both are
+    raw tokens and j + 1 is the next token of the text (the rule written out by hand here); nowhere else."""
+    starts, spans = row
+    j = data.draw(st.integers(0, len(starts) - 1))
+    model = smeared_model(seed % 1000)
+    positions, span = as_entries(starts, spans)
+    emb = torch.randn(1, len(starts), DIM, generator=torch.Generator().manual_seed(seed))
+    changed = emb.clone()
+    changed[0, j] += 1.0 + torch.rand(DIM, generator=torch.Generator().manual_seed(seed + 1))
+    moved = (model.inputs(emb, positions, span, None) - model.inputs(changed, positions, span, None)).abs().amax(-1)[0]
+    smeared = j + 1 < len(starts) and spans[j] == 1 and spans[j + 1] == 1 and starts[j + 1] == starts[j] + 1
+    want = [i == j or (i == j + 1 and smeared) for i in range(len(starts))]
+    assert (moved > 1e-6).tolist() == want, (starts, spans, j)
+
+
+@given(st.integers(2, 24), st.data(), st.integers(0, 2**31 - 1))
+def test_property_I13_a_change_to_token_t_plus_1_leaves_every_output_up_to_t_unchanged(n, data, seed):
+    t = data.draw(st.integers(0, n - 2))
+    model = smeared_model(seed % 1000)
+    tokens = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+    changed = tokens.clone()
+    changed[0, t + 1] = (changed[0, t + 1] + 1) % VOCAB
+    a, b = model.token_hidden(tokens), model.token_hidden(changed)
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1], b[:, t + 1])
+
+
+def mixed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Embeddings, positions and spans of 14 entries: a gist, tokens after it, a gap, another gist, a token run."""
+    starts = [0, 16, 17, 18, 20, 21, 25, 29, 30, 31, 32, 33, 34, 35]
+    spans = [16, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1, 1, 1]
+    positions, span = as_entries(starts, spans)
+    return torch.randn(1, 14, DIM, generator=torch.Generator().manual_seed(5)), positions, span
+
+
+@pytest.mark.parametrize("cuts", [(1, 2, 3, 9, 14), (5, 8, 14), (14,)])
+def test_the_kv_cache_carries_the_smear_across_chunks_exactly(cuts):
+    """Extending a cache chunk by chunk gives one forward's hidden states, with chunk boundaries between two
+    adjacent tokens (the second smears the first, which only the cache still holds), after a gist and at a gap."""
+    model = smeared_model(1)
+    emb, positions, span = mixed_row()
+    want = model.hidden(emb, positions, span)
+    cache, got, lo = KVCache(model, 14, torch.device("cpu")), [], 0
+    for hi in cuts:
+        got.append(extend(model, cache, emb[:, lo:hi], positions[:, lo:hi], span[:, lo:hi]))
+        lo = hi
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_token_step_carries_the_smear_and_a_refill_smears_the_kept_entry():
+    """Tokens decoded one at a time after a prefill give one forward's hidden states; cutting the cache back (what
+    a warm refocus does) and extending from there smears the newest kept entry, not the last one written."""
+    model = smeared_model(2)
+    emb, positions, span = mixed_row()
+    want = model.hidden(emb, positions, span)
+    cache, decoder = KVCache(model, 14, torch.device("cpu")), TokenDecoder(model)
+    extend(model, cache, emb[:, :9], positions[:, :9], span[:, :9])
+    got = [decoder(cache, emb[:, i : i + 1], positions[:, i : i + 1]) for i in range(9, 14)]
+    torch.testing.assert_close(torch.cat(got, 1), want[:, 9:], atol=1e-5, rtol=1e-5)
+    cache.length = 10  # keep entries 0-9: entry 10 (a token after token 9) must smear entry 9 again
+    refilled = extend(model, cache, emb[:, 10:], positions[:, 10:], span[:, 10:])
+    torch.testing.assert_close(refilled, want[:, 10:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="after a prefill"):
+        decoder(KVCache(model, 4, torch.device("cpu")), emb[:, :1], positions[:, :1])
