@@ -50,10 +50,12 @@ def make_system(
     lens: dict | None = None,
     gist: dict | None = None,
     refocus_every: int = 16,
+    key_smear: bool = False,
 ) -> MegaContext:
     cfg = build_config(
         {
-            "model": {"n_layer": 1, "n_head": 2, "n_embd": n_embd},  # GistNet and LensNet: half of it wide
+            # GistNet and LensNet: half of it wide
+            "model": {"n_layer": 1, "n_head": 2, "n_embd": n_embd, "key_smear": key_smear},
             "data": {"seq_len": T},
             "mc": {
                 "block_size": K,
@@ -102,6 +104,8 @@ def decisive(system: MegaContext) -> MegaContext:
         for block in system.base.blocks:
             torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
             torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+            if block.attn.key_mix is not None:  # heads that smear by different amounts
+                torch.nn.init.normal_(block.attn.key_mix, std=1.0)
     return system.eval()
 
 

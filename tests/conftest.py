@@ -18,6 +18,19 @@ settings.register_profile("nightly", deadline=None, max_examples=400)
 settings.load_profile(os.environ.get("MCFN_HYPOTHESIS", "ci"))
 
 
+# Inductor's own cache is keyed by the graph, not by the ATen kernels in force: a kernel that a suite run under
+# ATEN_CPU_CAPABILITY=avx2 compiled and cached corrupted the heap when the next run at the machine's own AVX-512
+# loaded it (LABLOG, twentieth session). Each capability compiles into a cache of its own.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_{capability}"
+
+
 @pytest.fixture
 def fresh_dynamo():
     """A clean dynamo cache before and after a compile test, and the default stance restored."""

@@ -12,9 +12,9 @@ from mcfn.core.step import nll_and_bytes, plain_step
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
-def _model() -> GPT:
+def _model(key_smear: bool = False) -> GPT:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=128))
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=128, key_smear=key_smear))
     for block in model.blocks:  # non-zero output projections, so every path carries gradient
         torch.nn.init.normal_(block.attn.c_proj.weight, std=0.05)
         torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.05)
@@ -26,9 +26,11 @@ def _windows(shape: tuple[int, int], n: int) -> list[torch.Tensor]:
     return [torch.randint(0, 128, shape, generator=g) for _ in range(n)]
 
 
-def test_compiled_step_equals_eager_and_never_recompiles():
-    """One graph for the whole step (no graph break, no recompile), the same loss and gradients as eager."""
-    model = _model()
+@pytest.mark.parametrize("key_smear", [False, True])
+def test_compiled_step_equals_eager_and_never_recompiles(key_smear):
+    """One graph for the whole step (no graph break, no recompile), the same loss and gradients as eager; with the
+    key smear too."""
+    model = _model(key_smear)
     batches = [(model, window) for window in _windows((3, 17), 4)]
     assert_one_graph_equals_eager(
         plain_step, batches, backend="inductor", loss=lambda out: out.total(), params=model.parameters(), rtol=1e-5

@@ -102,7 +102,8 @@ def test_a_one_percent_change_to_a_loss_weight_fails_the_golden_check():
     """The tolerances leave the check sharp: the tiny run's total loss with LensNet's term 1 % heavier (the
     golden losses' own terms, recombined) is refused, and so is a 1 % change to the language-model loss."""
     golden = json.loads((GOLDEN_DIR / RUNS["tiny"][0]).read_text())
-    heavier_lens = {**golden, "train/loss": [t + 0.01 * s for t, s in zip(golden["train/loss"], golden["train/loss_lens"])]}
+    lens_terms = zip(golden["train/loss"], golden["train/loss_lens"], strict=True)
+    heavier_lens = {**golden, "train/loss": [total + 0.01 * lens for total, lens in lens_terms]}
     lighter_lm = {**golden, "train/loss_lm": [v * 0.99 for v in golden["train/loss_lm"]]}
     for planted in (heavier_lens, lighter_lm):
         with pytest.raises(AssertionError):

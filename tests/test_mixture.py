@@ -9,7 +9,7 @@ from builders import make_documents
 
 from mcfn.data.corpus import Split
 from mcfn.data.loader import WindowSampler, validation_batches
-from mcfn.data.mixture import MixedSampler, write_repeat
+from mcfn.data.mixture import MixedSampler, write_repeat, write_shuffled_repeat
 from mcfn.data.probes import make_probe
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
@@ -101,6 +101,26 @@ def test_repeat_ends_the_window_with_a_copy_of_its_own_earlier_text(split, tok):
     sampler = mixed(split, tok, 1.0, tasks=("repeat",))
     batch, natural = sampler.batch(3, 4), WindowSampler(split, T + 1, 5).batch(3, 4)
     assert torch.equal(batch[:, : -2 * H], natural[:, : -2 * H]) and not torch.equal(batch, natural)
+
+
+def test_shuffled_repeat_is_the_windows_own_tokens_reordered_then_a_copy_of_an_earlier_span(split, tok):
+    """Before the copy, the window's own tokens in another order (the same multiset as its first T + 1 - 2·H
+    tokens' shuffle: counted against the whole window's); the last 2·H tokens repeat a span of that shuffled text;
+    the same random stream gives the same window."""
+    import random
+
+    windows = WindowSampler(split, T + 1, 2).batch(0, 4)
+    for row in range(4):
+        out = write_shuffled_repeat(windows[row], H, random.Random(row))
+        head, copy = out[: -2 * H], out[-2 * H :]
+        assert not torch.equal(head, windows[row, : -2 * H]), "reordered"
+        ids = int(windows.max()) + 1
+        have, whole = torch.bincount(head, minlength=ids), torch.bincount(windows[row], minlength=ids)
+        assert (have <= whole).all() and int(have.sum()) == T + 1 - 2 * H, "only the window's own tokens"
+        assert any(torch.equal(out[a : a + 2 * H], copy) for a in range(T + 1 - 4 * H + 1)), "a copy of earlier text"
+        assert torch.equal(out, write_shuffled_repeat(windows[row], H, random.Random(row)))
+    sampler = mixed(split, tok, 1.0, tasks=("shuffled-repeat",))
+    assert sampler.batch(3, 4).shape == (4, T + 1)
 
 
 def test_each_batch_index_draws_its_own_facts_and_rows_whatever_came_before(split, tok):

@@ -30,10 +30,9 @@ class ModelConfig:
     n_layer: int = 4
     n_head: int = 2
     n_embd: int = 128
-    smear: bool = False  # each raw token adds the one before it through a learned gate (mcfn.core.model.Smear)
-    mimetic: bool = False  # attention keys start equal to the queries (Block.reset_parameters)
-    gain_init: float = 1.0  # the attention heads' gains at initialisation
-    key_smear: bool = False  # each head's key mixes in the previous token's key (SelfAttention.key_mix)
+    # Smeared keys: each head's key mixes in the previous token's where both are adjacent raw tokens (I13); retrieval
+    # then forms earlier in the plain phase (LABLOG, twentieth session).
+    key_smear: bool = False
     # Set from the trained tokenizer at run time (padded to a multiple of 64), never from a profile.
     vocab_size: int = field(default=0, metadata={"derived": True})
 

@@ -121,7 +121,7 @@ RETIRED: dict[str, Any] = {
 
 
 # Knobs added since a checkpoint may have been saved, with the value that reproduces what such a run did.
-ADDED: dict[str, Any] = {"data.test_fraction": 0.0, "model.smear": False, "model.mimetic": False, "model.gain_init": 1.0, "model.key_smear": False}
+ADDED: dict[str, Any] = {"data.test_fraction": 0.0, "model.key_smear": False}
 
 
 def with_added(tables: dict[str, Any]) -> dict[str, Any]:

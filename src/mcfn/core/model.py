@@ -30,7 +30,6 @@ from mcfn.typecheck import typechecked
 
 SOFTCAP = 15.0  # logits are squashed to (-15, 15): tanh soft-capping, as in nanochat
 ROPE_BASE = 10000.0  # the rotary base of every transformer here
-SMEAR_READ = 16  # the smear's gate reads this many leading features of the entry's own input
 
 
 @typechecked
@@ -83,21 +82,22 @@ def bidirectional(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -
 
 
 class Entry(NamedTuple):
-    """The one entry before a chunk of entries given to :meth:`GPT.hidden` (a KV cache's last kept entry): what
-    the chunk's first entry may smear. Its embedding ``[b, 1, d]``, position and span ``[b, 1]``."""
+    """The entry just before a chunk of entries given to :meth:`GPT.hidden` (a KV cache's newest kept one): its
+    position and span ``[b, 1]``, and each layer's raw rotated key ``[n_layer, b, h, 1, e]``, which the chunk's first
+    entry smears into its own (I13)."""
 
-    emb: Tensor
     position: Tensor
     span: Tensor
+    keys: Tensor
 
 
 @typechecked
 def follows_its_token(
     positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], before: Entry | None
 ) -> Bool[Tensor, "#b n"]:
-    """True where an entry and the entry before it are both raw tokens (span 1) adjacent in the text, the
-    only entries the smear mixes (I13): a gist, a token after a gist and a token after a gap get nothing.
-    ``before`` is the entry ahead of the first (None: nothing precedes it)."""
+    """True where an entry and the entry before it are both raw tokens (span 1) adjacent in the text: the only
+    entries whose keys the smear mixes (I13). A gist, a token after a gist and a token after left-out text get
+    nothing. ``before`` is the entry ahead of the first (None: nothing precedes it)."""
     if before is None:
         prev_pos = torch.cat([positions[:, :1] - 2.0, positions[:, :-1]], 1)
         prev_span = torch.cat([torch.zeros_like(spans[:, :1]), spans[:, :-1]], 1)
@@ -107,29 +107,18 @@ def follows_its_token(
     return (spans == 1) & (prev_span == 1) & (positions - prev_pos == 1)
 
 
-class Smear(nn.Module):
-    """Each raw token adds the (normed) input of the token before it, through a gate it computes from its own
-    input: ``x_t + s · sigmoid(w · x_t[:SMEAR_READ]) · x_{t-1}``. Every layer then sees the previous token, which
-    an induction head (find where the current token occurred before, copy what followed) otherwise builds with
-    a whole layer; the smeared-keys models of the induction-heads study and the modded-nanogpt speedrun's GPT
-    use the same shortcut. ``s`` starts at zero: the model starts as it would without the smear."""
+class KeySmear(NamedTuple):
+    """What one block's key smear reads: where it applies ``[#b, n]``, this layer's raw key of the entry before the
+    first ``[b, h, 1, e]`` (None: nothing precedes it), and where to hand the block's raw keys (a KV cache keeps
+    them for the next chunk; None: nowhere)."""
 
-    def __init__(self, dim: int):
-        super().__init__()
-        self.gate = nn.Linear(min(SMEAR_READ, dim), 1, bias=False)
-        self.scale = nn.Parameter(torch.zeros(1))
+    adjacent: Tensor
+    previous: Tensor | None
+    record: Callable[[Tensor], None] | None
 
-    @typechecked
-    def forward(
-        self, x: Float[Tensor, "b n d"], previous: Float[Tensor, "b n d"], adjacent: Bool[Tensor, "#b n"]
-    ) -> Float[Tensor, "b n d"]:
-        gate = self.scale.to(x.dtype) * torch.sigmoid(self.gate(x[..., : self.gate.in_features]))
-        return x + torch.where(adjacent[..., None], gate * previous, 0.0)
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        nn.init.zeros_(self.gate.weight)
-        nn.init.zeros_(self.scale)
+RecordKeys = Callable[[int, Tensor], None]
+"""Receives each layer's index and raw rotated keys ``[b, h, n, e]`` (before the smear): what a KV cache keeps."""
 
 
 class SelfAttention(nn.Module):
@@ -145,27 +134,32 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.gain = nn.Parameter(torch.ones(n_head))
-        # Smeared keys (induction-heads study): each head's key mixes in the previous token's, weight sigmoid(key_mix).
+        # Smeared keys: each head's key mixes in the previous token's with weight sigmoid(key_mix), 1/2 at first.
         self.key_mix = nn.Parameter(torch.zeros(n_head)) if key_smear else None
         self.c_q = nn.Linear(dim, dim, bias=False)
         self.c_k = nn.Linear(dim, dim, bias=False)
         self.c_v = nn.Linear(dim, dim, bias=False)
         self.c_proj = nn.Linear(dim, dim, bias=False)
 
-    def qkv(
-        self, x: Tensor, cos: Tensor, sin: Tensor, adjacent: Tensor | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values ``[b, h, n, e]``, rotated (keys are what a KV cache stores)."""
         q, k, v = (rearrange(lin(x), "b n (h e) -> b h n e", h=self.n_head) for lin in (self.c_q, self.c_k, self.c_v))
         # QK-norm before the rotary, so a gist's span damping is not normalised away.
         # Indexing, not einops: einops on a Parameter registers a new backend type, a recompile guard.
         q = apply_rotary(rms_norm(q), cos, sin) * self.gain[:, None, None].to(q.dtype)
-        k = apply_rotary(rms_norm(k), cos, sin)
-        if self.key_mix is not None and adjacent is not None:
-            w = torch.sigmoid(self.key_mix)[:, None, None].to(k.dtype)
-            previous = torch.cat([torch.zeros_like(k[:, :, :1]), k[:, :, :-1]], 2)
-            k = torch.where(adjacent[:, None, :, None], (1 - w) * k + w * previous, k)
-        return q, k, v
+        return q, apply_rotary(rms_norm(k), cos, sin), v
+
+    def smear_keys(self, k: Tensor, smear: KeySmear) -> Tensor:
+        """Rotated keys ``[b, h, n, e]`` with each head's previous-token key mixed in where ``smear.adjacent`` (I13).
+        The previous token's key is rotated at its own position, so the mix is causal and exact under a cache.
+        This is the induction-heads study's smeared key: a head can then match "the token before this key" against
+        its query in one layer, which an induction head otherwise needs a previous-token head below it for."""
+        assert self.key_mix is not None, "a block without the key smear was given one"
+        first = torch.zeros_like(k[:, :, :1]) if smear.previous is None else smear.previous.to(k.dtype)
+        previous = torch.cat([first.expand_as(k[:, :, :1]), k[:, :, :-1]], 2)
+        # Indexing, not einops (a Parameter through einops is a recompile guard, as for the gain).
+        w = torch.sigmoid(self.key_mix)[:, None, None].to(k.dtype)
+        return torch.where(smear.adjacent[:, None, :, None], (1 - w) * k + w * previous, k)
 
     def project(self, y: Tensor) -> Tensor:
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
@@ -190,27 +184,30 @@ class Block(nn.Module):
         # backward and recompute the rest there. Non-reentrant, the kind torch.compile traces in one graph.
         self.checkpointed = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, adjacent: Tensor | None = None) -> Tensor:
-        """``attend`` maps the block's rotated ``q, k, v`` to its heads' outputs."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, smear: KeySmear | None = None) -> Tensor:
+        """``attend`` maps the block's rotated ``q, k, v`` to its heads' outputs; ``smear`` (GPT blocks with
+        ``model.key_smear``) mixes the previous token's key into each key first."""
         if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self.residual, x, cos, sin, attend, adjacent, use_reentrant=False)
-        return self.residual(x, cos, sin, attend, adjacent)
+            return checkpoint(self.residual, x, cos, sin, attend, smear, use_reentrant=False)
+        return self.residual(x, cos, sin, attend, smear)
 
-    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, adjacent: Tensor | None = None) -> Tensor:
-        x = x + self.attn.project(attend(*self.attn.qkv(rms_norm(x), cos, sin, adjacent)))
+    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, smear: KeySmear | None = None) -> Tensor:
+        q, k, v = self.attn.qkv(rms_norm(x), cos, sin)
+        if smear is not None:
+            if smear.record is not None:
+                smear.record(k)
+            k = self.attn.smear_keys(k, smear)
+        x = x + self.attn.project(attend(q, k, v))
         return x + self.mlp(rms_norm(x))
 
     @torch.no_grad()
-    def reset_parameters(self, mimetic: bool = False, gain: float = 1.0) -> None:
+    def reset_parameters(self) -> None:
         """Uniform inputs with std 1/sqrt(dim); zero output projections, so the block starts as the identity;
-        unit attention gains. ``mimetic``: keys start as the queries (W_k = W_q), so a query's score favours
-        the keys of entries like itself, as trained attention heads do (mimetic initialisation)."""
+        unit attention gains."""
         bound = math.sqrt(3.0) * self.attn.c_q.in_features**-0.5
-        nn.init.constant_(self.attn.gain, gain)
+        nn.init.ones_(self.attn.gain)
         for lin in (self.attn.c_q, self.attn.c_k, self.attn.c_v, self.mlp.c_fc):
             nn.init.uniform_(lin.weight, -bound, bound)
-        if mimetic:
-            self.attn.c_k.weight.copy_(self.attn.c_q.weight)
         nn.init.zeros_(self.attn.c_proj.weight)
         nn.init.zeros_(self.mlp.c_proj.weight)
 
@@ -229,7 +226,6 @@ class GPT(nn.Module):
             raise ValueError("ModelConfig.vocab_size must be set from the tokenizer")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.smear = Smear(cfg.n_embd) if cfg.smear else None
         self.blocks = nn.ModuleList(Block(cfg.n_embd, cfg.n_head, cfg.key_smear) for _ in range(cfg.n_layer))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -238,25 +234,12 @@ class GPT(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.wte.weight, std=1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
-        if self.smear is not None:
-            self.smear.reset_parameters()
         for block in self.blocks:
-            block.reset_parameters(self.cfg.mimetic, self.cfg.gain_init)
+            block.reset_parameters()
 
     @typechecked
     def embed(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:
         return self.wte(tokens)
-
-    @typechecked
-    def inputs(
-        self, emb: Float[Tensor, "b n d"], positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], before: Entry | None
-    ) -> Float[Tensor, "b n d"]:
-        """What the first block reads: each entry's embedding, normed, with the smear of the token before it."""
-        x = rms_norm(emb)
-        if self.smear is None:
-            return x
-        first = torch.zeros_like(x[:, :1]) if before is None else rms_norm(before.emb).expand_as(x[:, :1])
-        return self.smear(x, torch.cat([first, x[:, :-1]], 1), follows_its_token(positions, spans, before))
 
     @typechecked
     def hidden(
@@ -266,15 +249,21 @@ class GPT(nn.Module):
         spans: Float[Tensor, "#b n"],
         attend: LayerAttention = causal_attention,
         before: Entry | None = None,
+        record_keys: RecordKeys | None = None,
     ) -> Float[Tensor, "b n d"]:
         """Final hidden states (normed) over entries at the given positions and spans. The one block loop:
-        training, prefill, the token step and the attention read-out differ only in ``attend``; a chunk read
-        after cached entries names the last of them in ``before``, which its first entry may smear."""
+        training, prefill, the token step and the attention read-out differ only in ``attend``. With the key
+        smear, a chunk read after cached entries names the newest of them in ``before``, and ``record_keys`` receives
+        the chunk's raw keys, so that a cache computes what one forward over everything computes."""
         cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, ROPE_BASE)
-        x = self.inputs(emb, positions, spans, before)
         adjacent = follows_its_token(positions, spans, before) if self.cfg.key_smear else None
+        x = rms_norm(emb)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, attend=partial(attend, layer), adjacent=adjacent)
+            smear = None
+            if adjacent is not None:
+                previous = None if before is None else before.keys[layer]
+                smear = KeySmear(adjacent, previous, None if record_keys is None else partial(record_keys, layer))
+            x = block(x, cos, sin, attend=partial(attend, layer), smear=smear)
         return rms_norm(x)
 
     @typechecked

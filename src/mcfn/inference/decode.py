@@ -25,31 +25,32 @@ from mcfn.typecheck import typechecked
 
 
 class KVCache:
-    """Rotated keys and values of every layer, ``[n_layer, 1, n_head, capacity, head_dim]``, and each slot's entry
-    (embedding ``[1, capacity, d]``, position and span ``[1, capacity]``): the entry before a chunk is what the
-    chunk's first entry may smear (``GPT.hidden``'s ``before``)."""
+    """Rotated keys and values of every layer, ``[n_layer, 1, n_head, capacity, head_dim]``. With the key smear
+    (I13) also each slot's raw keys (before the smear, same shape), position and span ``[1, capacity]``: the newest
+    kept slot is the entry a new chunk's first entry smears (``GPT.hidden``'s ``before``)."""
 
     def __init__(self, model: GPT, capacity: int, device: torch.device, dtype: torch.dtype = torch.float32):
         cfg = model.cfg
         shape = (cfg.n_layer, 1, cfg.n_head, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.emb = torch.zeros(1, capacity, cfg.n_embd, device=device)
+        self.raw_k = torch.zeros(shape, device=device, dtype=dtype) if cfg.key_smear else None
         self.position = torch.zeros(1, capacity, device=device)
         self.span = torch.zeros(1, capacity, device=device)
         self.capacity, self.length = capacity, 0
 
     def last(self) -> Entry | None:
-        """The newest kept entry (copied: the next write may overwrite its slot), or None in an empty cache."""
-        if self.length == 0:
+        """The newest kept entry, copied (the next write may reuse its slot); None in an empty cache or without
+        the key smear."""
+        if self.raw_k is None or self.length == 0:
             return None
         at = slice(self.length - 1, self.length)
-        return Entry(self.emb[:, at].clone(), self.position[:, at].clone(), self.span[:, at].clone())
+        return Entry(self.position[:, at].clone(), self.span[:, at].clone(), self.raw_k[:, :, :, at].clone())
 
-    def write(self, emb: Tensor, positions: Tensor, spans: Tensor) -> None:
-        """Record the entries ``[1, n, ...]`` written from slot ``length`` on."""
-        at = slice(self.length, self.length + emb.size(1))
-        self.emb[:, at], self.position[:, at], self.span[:, at] = emb.float(), positions, spans
+    def write_entries(self, positions: Tensor, spans: Tensor) -> None:
+        """Record the positions and spans ``[1, n]`` of the entries written from slot ``length`` on."""
+        at = slice(self.length, self.length + positions.size(1))
+        self.position[:, at], self.span[:, at] = positions, spans
 
     def end_after(self, n: int) -> int:
         """The length once ``n`` more entries are written; a cache without room for them refuses."""
@@ -76,8 +77,11 @@ def extend(
         cache.k[layer, :, :, start:end], cache.v[layer, :, :, start:end] = k, v
         return F.scaled_dot_product_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end], attn_mask=mask)
 
-    hidden = model.hidden(emb, positions, spans, attend=append_and_attend, before=cache.last())
-    cache.write(emb, positions, spans)
+    def keep_raw(layer: int, raw: Tensor) -> None:
+        cache.raw_k[layer, :, :, start:end] = raw
+
+    hidden = model.hidden(emb, positions, spans, attend=append_and_attend, before=cache.last(), record_keys=keep_raw)
+    cache.write_entries(positions, spans)
     cache.length = end
     return hidden
 
@@ -90,15 +94,16 @@ def decode_token(
     length: Int[Tensor, ""],
     emb: Float[Tensor, "1 1 d"],
     position: Float[Tensor, "1 1"],
-    before: Entry,
-) -> tuple[Float[Tensor, "1 1 d"], Float[Tensor, "l 1 h 1 e"], Float[Tensor, "l 1 h 1 e"]]:
-    """One token entry after the ``length`` cached ones, the newest of which is ``before``: its final hidden
-    state, and its keys and values per layer for the caller to write at slot ``length``. The caches are only read (slots ``>= length`` masked),
+    before: Entry | None,
+) -> tuple[Float[Tensor, "1 1 d"], Float[Tensor, "l 1 h 1 e"], Float[Tensor, "l 1 h 1 e"], Tensor | None]:
+    """One token entry after the ``length`` cached ones, the newest of which is ``before`` (with the key smear):
+    its final hidden state, and its keys, values and raw keys (None without the smear) per layer for the caller to
+    write at slot ``length``. The caches are only read (slots ``>= length`` masked),
     and the token's own key joins the softmax beside them: a graph that mutated the caches would copy them
     whole at every token, and CUDA graphs would skip it."""
     written = torch.arange(k_cache.size(3), device=emb.device) < length  # [c]
     scale = model.cfg.head_dim**-0.5
-    keys, values = [], []
+    keys, values, raw = [], [], []
 
     def read_masked(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q, k, v: [1, h, 1, e]
         cached = torch.where(written, (q @ k_cache[layer].transpose(-1, -2)) * scale, float("-inf"))  # [1, h, 1, c]
@@ -107,8 +112,8 @@ def decode_token(
         values.append(v)
         return weights[..., :-1] @ v_cache[layer] + weights[..., -1:] * v
 
-    hidden = model.hidden(emb, position, torch.ones_like(position), attend=read_masked, before=before)
-    return hidden, torch.stack(keys), torch.stack(values)
+    hidden = model.hidden(emb, position, torch.ones_like(position), read_masked, before, lambda _, k: raw.append(k))
+    return hidden, torch.stack(keys), torch.stack(values), torch.stack(raw) if raw else None
 
 
 class TokenDecoder:
@@ -123,16 +128,15 @@ class TokenDecoder:
     @torch.no_grad()
     def __call__(self, cache: KVCache, emb: Tensor, position: Tensor) -> Tensor:
         end = cache.end_after(1)
-        before = cache.last()
-        if before is None:
-            raise ValueError("the token step decodes after a prefill: extend the cache with the prompt first")
         length = torch.tensor(cache.length, device=emb.device)
         first = self.compiled and not self.compile_s
         t0 = time.perf_counter()
-        hidden, k, v = self.step(self.model, cache.k, cache.v, length, emb, position, before)
+        hidden, k, v, raw = self.step(self.model, cache.k, cache.v, length, emb, position, cache.last())
         if first:
             self.compile_s = time.perf_counter() - t0
         cache.k[:, :, :, cache.length], cache.v[:, :, :, cache.length] = k[:, :, :, 0], v[:, :, :, 0]
-        cache.write(emb, position, torch.ones_like(position))
+        if raw is not None:
+            cache.raw_k[:, :, :, cache.length] = raw[:, :, :, 0]
+        cache.write_entries(position, torch.ones_like(position))
         cache.length = end
         return hidden

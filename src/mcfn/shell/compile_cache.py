@@ -34,6 +34,9 @@ def artifacts_path(cfg: RunConfig, corpus_dir: Path, device: torch.device) -> Pa
         "checkpointing": cfg.train.activation_checkpointing,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        # The ATen kernels in force (ATEN_CPU_CAPABILITY): a CPU kernel compiled under AVX2 and loaded by a process
+        # at AVX-512 corrupted the heap (free(): invalid next size; LABLOG, twentieth session).
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
     digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
     return corpus_dir / f"compile-{digest}.bin"

@@ -57,7 +57,7 @@ class Float32Muon(torch.optim.Muon):
 
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
 HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
-GAINS = ("attn.gain", "attn.key_mix", "smear.gate.weight", "smear.scale")  # per-head gains, the smear's gate: AdamW at the gain rate
+GAINS = ("attn.gain", "attn.key_mix")  # per-head scalars (attention gains, key smears): AdamW at the gain rate
 GAIN_LR = 0.02
 ADAM_BETAS = (0.8, 0.95)
 FINAL_LR_FRAC = 0.05  # the learning-rate multiplier the warmdown reaches at the last step

@@ -1,0 +1,158 @@
+"""The key smear (I13): a raw token's keys mix in the keys of the token right before it in the text, and nothing
+else does; it stays causal, and the KV cache's chunked and token-by-token forward carries it exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from builders import VOCAB, decisive, make_system
+from compile_check import one_graph
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcfn.config import ModelConfig
+from mcfn.core.model import GPT, KeySmear, follows_its_token
+from mcfn.inference import generation
+from mcfn.inference.decode import KVCache, TokenDecoder, extend
+from mcfn.inference.generation import generate_mc
+
+DIM = 32
+
+
+def smeared_model(seed: int) -> GPT:
+    """A GPT whose heads smear by different amounts and whose blocks act (output projections start at zero)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=DIM, vocab_size=VOCAB, key_smear=True))
+    with torch.no_grad():
+        for block in model.blocks:
+            torch.nn.init.normal_(block.attn.key_mix, std=1.0)
+            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+    return model.eval()
+
+
+@st.composite
+def entry_rows(draw) -> tuple[list[int], list[int]]:
+    """Starts and spans of a working context's valid entries: raw tokens side by side, gists of 4 and 16 tokens,
+    and gaps where text was left out, in increasing start order."""
+    starts, spans, at = [], [], draw(st.integers(0, 3))
+    for _ in range(draw(st.integers(2, 14))):
+        span = draw(st.sampled_from([1, 1, 1, 4, 16]))
+        starts.append(at)
+        spans.append(span)
+        at += span + draw(st.sampled_from([0, 0, 0, 1, 5]))  # mostly adjacent, sometimes a gap
+    return starts, spans
+
+
+def as_entries(starts: list[int], spans: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (the span's centre) and spans ``[1, n]``, as a working context carries them."""
+    start, span = torch.tensor([starts], dtype=torch.float32), torch.tensor([spans], dtype=torch.float32)
+    return start + (span - 1) / 2, span
+
+
+@given(entry_rows(), st.data(), st.integers(0, 2**31 - 1))
+def test_property_I13_the_key_smear_reaches_only_the_adjacent_raw_token_after(row, data, seed):
+    """Changing entry j's raw keys changes the smeared keys at j, and at j + 1 exactly when both are raw tokens and
+    j + 1 is the next token of the text (the rule written out by hand here); nowhere else."""
+    starts, spans = row
+    j = data.draw(st.integers(0, len(starts) - 1))
+    attention = smeared_model(seed % 1000).blocks[0].attn
+    positions, span = as_entries(starts, spans)
+    smear = KeySmear(follows_its_token(positions, span, None), None, None)
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 2, len(starts), DIM // 2, generator=g)
+    changed = keys.clone()
+    changed[:, :, j] += 1.0 + torch.rand(DIM // 2, generator=g)
+    with torch.no_grad():
+        moved = (attention.smear_keys(keys, smear) - attention.smear_keys(changed, smear)).abs().amax((0, 1, 3))
+    smeared = j + 1 < len(starts) and spans[j] == 1 and spans[j + 1] == 1 and starts[j + 1] == starts[j] + 1
+    want = [i == j or (i == j + 1 and smeared) for i in range(len(starts))]
+    assert (moved > 1e-6).tolist() == want, (starts, spans, j)
+
+
+@given(st.integers(2, 24), st.data(), st.integers(0, 2**31 - 1))
+def test_property_I13_a_change_to_token_t_plus_1_leaves_every_output_up_to_t_unchanged(n, data, seed):
+    t = data.draw(st.integers(0, n - 2))
+    model = smeared_model(seed % 1000)
+    tokens = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+    changed = tokens.clone()
+    changed[0, t + 1] = (changed[0, t + 1] + 1) % VOCAB
+    with torch.no_grad():
+        a, b = model.token_hidden(tokens), model.token_hidden(changed)
+    assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    assert not torch.allclose(a[:, t + 1], b[:, t + 1])
+
+
+def mixed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Embeddings, positions and spans of 14 entries: a gist, tokens after it, a gap, two gists, a token run."""
+    starts = [0, 16, 17, 18, 20, 21, 25, 29, 30, 31, 32, 33, 34, 35]
+    spans = [16, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1, 1, 1]
+    positions, span = as_entries(starts, spans)
+    return torch.randn(1, 14, DIM, generator=torch.Generator().manual_seed(5)), positions, span
+
+
+@pytest.mark.parametrize("cuts", [(1, 2, 3, 9, 14), (5, 8, 14), (14,)])
+def test_the_kv_cache_carries_the_key_smear_across_chunks_exactly(cuts):
+    """Extending a cache chunk by chunk gives one forward's hidden states, with chunk boundaries between two
+    adjacent tokens (the second smears the first's keys, which only the cache still holds), after a gist and at a
+    gap."""
+    model = smeared_model(1)
+    emb, positions, span = mixed_row()
+    with torch.no_grad():
+        want = model.hidden(emb, positions, span)
+    cache, got, lo = KVCache(model, 14, torch.device("cpu")), [], 0
+    for hi in cuts:
+        got.append(extend(model, cache, emb[:, lo:hi], positions[:, lo:hi], span[:, lo:hi]))
+        lo = hi
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_token_step_carries_the_key_smear_and_a_refill_smears_the_kept_entry():
+    """Tokens decoded one at a time after a prefill give one forward's hidden states; cutting the cache back (what
+    a warm refocus does) and extending from there smears the newest kept entry, not the last one written."""
+    model = smeared_model(2)
+    emb, positions, span = mixed_row()
+    with torch.no_grad():
+        want = model.hidden(emb, positions, span)
+    cache, decoder = KVCache(model, 14, torch.device("cpu")), TokenDecoder(model)
+    extend(model, cache, emb[:, :9], positions[:, :9], span[:, :9])
+    got = [decoder(cache, emb[:, i : i + 1], positions[:, i : i + 1]) for i in range(9, 14)]
+    torch.testing.assert_close(torch.cat(got, 1), want[:, 9:], atol=1e-5, rtol=1e-5)
+    cache.length = 10  # keep entries 0-9: entry 10 (the token after token 9) must smear entry 9's keys again
+    refilled = extend(model, cache, emb[:, 10:], positions[:, 10:], span[:, 10:])
+    torch.testing.assert_close(refilled, want[:, 10:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("warm_steps", [0, 1])
+def test_generation_with_the_key_smear_decodes_what_recomputing_the_context_decodes(warm_steps, monkeypatch):
+    """Across refocuses (warm ones keep a cache prefix, cold ones rebuild it), the cached decode of a key-smear model
+    gives the logits of recomputing the whole context at every token."""
+    system = decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3, key_smear=True))
+    prompt = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(96))
+    logits = {True: [], False: []}
+
+    def decode(use_cache: bool):
+        def greedy(x, sampling, generator):
+            logits[use_cache].append(x)
+            return x.argmax(-1, keepdim=True)
+
+        monkeypatch.setattr(generation, "pick_token", greedy)
+        return generate_mc(system, prompt, 14, 4, warm_steps=warm_steps, use_cache=use_cache)
+
+    (cached, stats), (recomputed, _) = decode(True), decode(False)
+    assert torch.equal(cached, recomputed)
+    torch.testing.assert_close(torch.stack(logits[True]), torch.stack(logits[False]), atol=1e-4, rtol=1e-4)
+    assert (stats.reused_entries > 0) == bool(warm_steps)
+
+
+def test_the_compiled_token_step_with_the_key_smear_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
+    """The token step reads the newest kept entry's raw keys as an input: one graph for every token across
+    refocuses, and the same greedy tokens as eager."""
+    system = decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3, key_smear=True))
+    prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
+    eager, _ = generate_mc(system, prompt, 12, 4)
+    with one_graph("inductor") as compile_fn:
+        first, _ = generate_mc(system, prompt, 5, 4, compile_fn=compile_fn)
+        compile_fn.forbid_recompiles()
+        compiled, _ = generate_mc(system, prompt, 12, 4, compile_fn=compile_fn)
+    assert first.tolist() == eager[:5].tolist() and compiled.tolist() == eager.tolist()
