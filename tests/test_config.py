@@ -157,6 +157,9 @@ FIXED_KNOBS = {
     "mc.teacher.stretch": (0, 256),
     "mc.leave_out": ("top", "gist"),
     "mc.alloc.variants": (1, 2),
+    "model.smear": (False, True),
+    "model.mimetic": (False, True),
+    "model.gain_init": (1.0, 3.0),
 }
 
 

@@ -117,6 +117,10 @@ RETIRED: dict[str, Any] = {
     "train.final_eval": ANY_VALUE,  # now train.final_eval_batches = 0
     "train.ckpt_every": ANY_VALUE,  # a checkpoint now follows every validation
     "train.lod_map_every": ANY_VALUE,  # the LOD maps now come with every validation
+    # Induction levers that lost the screen (issue 64; LABLOG, twentieth session); rerun at commit aaedb6e.
+    "model.smear": False,
+    "model.mimetic": False,
+    "model.gain_init": 1.0,
 }
 
 
