@@ -34,8 +34,8 @@ T, K, L, W, H = 64, 4, 2, 32, 8
 REFOCUS = 4
 
 
-def decisive_system():
-    return decisive(make_system(T, K, L, W, H, N=2, seed=3))
+def decisive_system(key_smear: bool = False):
+    return decisive(make_system(T, K, L, W, H, N=2, seed=3, key_smear=key_smear))
 
 
 def test_kv_cache_extend_matches_full_forward():
@@ -237,11 +237,12 @@ def test_prompt_of_ten_budgets_generates():
 
 
 @pytest.mark.parametrize("warm_steps", [0, 1])
-@pytest.mark.parametrize("prompt_len", [5, 3 * W])
-def test_decoding_with_kv_cache_equals_recomputation(prompt_len, warm_steps, monkeypatch):
+@pytest.mark.parametrize("prompt_len, key_smear", [(5, False), (3 * W, False), (3 * W, True)])
+def test_decoding_with_kv_cache_equals_recomputation(prompt_len, key_smear, warm_steps, monkeypatch):
     """The cache a refocus keeps (the entries before the first one it changed: warm refocuses) and the cache it
-    rebuilds (cold ones) give the logits of recomputing the whole context at every token, so the same tokens."""
-    system = decisive_system()
+    rebuilds (cold ones) give the logits of recomputing the whole context at every token, so the same tokens; with
+    smeared keys too (I13: a kept prefix's newest entry is what the next chunk smears)."""
+    system = decisive_system(key_smear)
     prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
     logits = {True: [], False: []}
 

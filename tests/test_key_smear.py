@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from mcfn.config import ModelConfig
 from mcfn.core.model import GPT, KeySmear, follows_its_token
-from mcfn.inference import generation
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.generation import generate_mc
 
@@ -121,28 +120,6 @@ def test_the_token_step_carries_the_key_smear_and_a_refill_smears_the_kept_entry
     cache.length = 10  # keep entries 0-9: entry 10 (the token after token 9) must smear entry 9's keys again
     refilled = extend(model, cache, emb[:, 10:], positions[:, 10:], span[:, 10:])
     torch.testing.assert_close(refilled, want[:, 10:], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("warm_steps", [0, 1])
-def test_generation_with_the_key_smear_decodes_what_recomputing_the_context_decodes(warm_steps, monkeypatch):
-    """Across refocuses (warm ones keep a cache prefix, cold ones rebuild it), the cached decode of a key-smear model
-    gives the logits of recomputing the whole context at every token."""
-    system = decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3, key_smear=True))
-    prompt = torch.randint(0, VOCAB, (96,), generator=torch.Generator().manual_seed(96))
-    logits = {True: [], False: []}
-
-    def decode(use_cache: bool):
-        def greedy(x, sampling, generator):
-            logits[use_cache].append(x)
-            return x.argmax(-1, keepdim=True)
-
-        monkeypatch.setattr(generation, "pick_token", greedy)
-        return generate_mc(system, prompt, 14, 4, warm_steps=warm_steps, use_cache=use_cache)
-
-    (cached, stats), (recomputed, _) = decode(True), decode(False)
-    assert torch.equal(cached, recomputed)
-    torch.testing.assert_close(torch.stack(logits[True]), torch.stack(logits[False]), atol=1e-4, rtol=1e-4)
-    assert (stats.reused_entries > 0) == bool(warm_steps)
 
 
 def test_the_compiled_token_step_with_the_key_smear_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
