@@ -8,7 +8,8 @@ only, ``repeat``: the window ends with a copy of ``2·H`` tokens of its own earl
 after its first is predictable from far back (the tail entirely so), a dense signal for the induction
 (find the earlier occurrence, copy what followed) that every probe's answer needs. A second, ``shuffled-repeat``,
 first shuffles the window's own tokens, so that only the copy predicts the copied span: with smeared keys
-(``model.key_smear``) it made retrieval form by plain step 800 where neither did alone (LABLOG, twentieth session).
+(``model.key_smear``) it made retrieval form by plain step 800 on stdlib seed 1337, where neither did alone by 1200
+(LABLOG, twentieth session).
 
 Which rows are mixed, with which generator, and what they write is a pure function of ``(seed, batch
 index)`` on the ``train_mix`` stream: a resumed run sees the same batches, and no training window's facts
