@@ -5,8 +5,8 @@ Any change to the model, the step, the data pipeline or the optimizer that moves
 Each golden run is repeated under two ATen kernel capabilities: the portable ``default`` kernels (a subprocess with
 ``ATEN_CPU_CAPABILITY=default``) and the machine's own (in this process), so a file regenerated on one CPU cannot pin
 that CPU's rounding.
-When a change is *meant* to alter the numbers, regenerate the file (it is written from the ``default`` kernels,
-which every x86 and ARM machine runs alike) and commit it with the change:
+When a change is *meant* to alter the numbers, regenerate the file (it is written from the portable ``default``
+kernels, not from any one machine's vector ones) and commit it with the change:
 
     MCFN_REGEN_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden.py
 

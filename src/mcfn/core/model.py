@@ -98,12 +98,12 @@ def follows_its_token(
     """True where an entry and the entry before it are both raw tokens (span 1) adjacent in the text: the only
     entries whose keys the smear mixes (I13). A gist, a token after a gist and a token after left-out text get
     nothing. ``before`` is the entry ahead of the first (None: nothing precedes it)."""
-    if before is None:
-        prev_pos = torch.cat([positions[:, :1] - 2.0, positions[:, :-1]], 1)
-        prev_span = torch.cat([torch.zeros_like(spans[:, :1]), spans[:, :-1]], 1)
+    if before is None:  # a span of 0 before the first entry: never a token
+        first_pos, first_span = positions[:, :1], torch.zeros_like(spans[:, :1])
     else:
-        prev_pos = torch.cat([before.position.expand(positions.size(0), 1), positions[:, :-1]], 1)
-        prev_span = torch.cat([before.span.expand(spans.size(0), 1), spans[:, :-1]], 1)
+        first_pos, first_span = before.position.expand(positions.size(0), 1), before.span.expand(spans.size(0), 1)
+    prev_pos = torch.cat([first_pos, positions[:, :-1]], 1)
+    prev_span = torch.cat([first_span, spans[:, :-1]], 1)
     return (spans == 1) & (prev_span == 1) & (positions - prev_pos == 1)
 
 

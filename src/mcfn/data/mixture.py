@@ -50,6 +50,9 @@ def write_shuffled_repeat(window: Tensor, tail: int, rng: random.Random) -> Tens
     return write_repeat(window[order], tail, rng)
 
 
+REPEATS = {REPEAT: write_repeat, SHUFFLED_REPEAT: write_shuffled_repeat}  # the training-only generators
+
+
 class MixedSampler:
     """A :class:`WindowSampler` whose batches have a share ``mix`` of rows rewritten by ``tasks``."""
 
@@ -59,7 +62,7 @@ class MixedSampler:
         for name in tasks:
             if name not in MIX_TASKS:
                 raise UserError(f"unknown data.mix_tasks entry {name!r} (known: {', '.join(MIX_TASKS)})")
-            why = None if name in (REPEAT, SHUFFLED_REPEAT) else misfit(name, tok, sampler.window - 1, tail)
+            why = None if name in REPEATS else misfit(name, tok, sampler.window - 1, tail)
             if why is not None:
                 raise UserError(f"data.mix_tasks cannot use {name}: {why}")
         self.sampler, self.tok, self.tail, self.mix, self.tasks, self.seed = sampler, tok, tail, mix, tasks, seed
@@ -71,9 +74,8 @@ class MixedSampler:
         rng = random.Random(derive_seed(self.seed, "train_mix", index))
         chosen = [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.mix]
         for row, name in chosen:
-            if name in (REPEAT, SHUFFLED_REPEAT):
-                write = write_repeat if name == REPEAT else write_shuffled_repeat
-                windows[row] = write(windows[row], self.tail, rng)
+            if name in REPEATS:
+                windows[row] = REPEATS[name](windows[row], self.tail, rng)
                 continue
             probe = make_probe(name, windows[row : row + 1], self.tok, self.tail, seed=rng.getrandbits(63))
             windows[row] = probe.window[0]

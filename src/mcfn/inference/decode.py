@@ -34,9 +34,11 @@ class KVCache:
         shape = (cfg.n_layer, 1, cfg.n_head, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.raw_k = torch.zeros(shape, device=device, dtype=dtype) if cfg.key_smear else None
-        self.position = torch.zeros(1, capacity, device=device)
-        self.span = torch.zeros(1, capacity, device=device)
+        # What the key smear reads of the newest kept entry; nothing without it.
+        smeared = cfg.key_smear
+        self.raw_k = torch.zeros(shape, device=device, dtype=dtype) if smeared else None
+        self.position = torch.zeros(1, capacity, device=device) if smeared else None
+        self.span = torch.zeros(1, capacity, device=device) if smeared else None
         self.capacity, self.length = capacity, 0
 
     def last(self) -> Entry | None:
@@ -48,7 +50,10 @@ class KVCache:
         return Entry(self.position[:, at].clone(), self.span[:, at].clone(), self.raw_k[:, :, :, at].clone())
 
     def write_entries(self, positions: Tensor, spans: Tensor) -> None:
-        """Record the positions and spans ``[1, n]`` of the entries written from slot ``length`` on."""
+        """Record the positions and spans ``[1, n]`` of the entries written from slot ``length`` on (with the key
+        smear; without it nothing reads them)."""
+        if self.position is None:
+            return
         at = slice(self.length, self.length + positions.size(1))
         self.position[:, at], self.span[:, at] = positions, spans
 
