@@ -30,6 +30,8 @@ from mcfn.typecheck import typechecked
 
 SOFTCAP = 15.0  # logits are squashed to (-15, 15): tanh soft-capping, as in nanochat
 ROPE_BASE = 10000.0  # the rotary base of every transformer here
+KEY_MIX_INIT = 2.0  # smeared keys start with sigmoid(2) = 0.88 of the previous token's key (Block.reset_parameters)
+INDUCTION_GAIN = 2.0  # and their heads' gains start at 2
 
 
 @typechecked
@@ -134,7 +136,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.gain = nn.Parameter(torch.ones(n_head))
-        # Smeared keys: each head's key mixes in the previous token's with weight sigmoid(key_mix), 1/2 at first.
+        # Smeared keys: each head's key mixes in the previous token's, weighted sigmoid(key_mix) (see reset_parameters).
         self.key_mix = nn.Parameter(torch.zeros(n_head)) if key_smear else None
         self.c_q = nn.Linear(dim, dim, bias=False)
         self.c_k = nn.Linear(dim, dim, bias=False)
@@ -201,15 +203,26 @@ class Block(nn.Module):
         return x + self.mlp(rms_norm(x))
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, induction_prior: bool = False) -> None:
         """Uniform inputs with std 1/sqrt(dim); zero output projections, so the block starts as the identity;
-        unit attention gains."""
+        unit attention gains. ``induction_prior`` (the base model's blocks with smeared keys): each head starts out
+        favouring the induction pattern, so that retrieval forms early and on every seed (LABLOG, twenty-first
+        session): keys start as the queries (W_k = W_q, mimetic initialisation), so a query scores high a key that
+        mixes in its own token; the key smear starts at ``sigmoid(KEY_MIX_INIT)`` = 0.88, so that mixed-in token is
+        mostly the *previous* one (a query then favours the position after its token's earlier occurrence, whose
+        value is the token to copy); and the gains start at ``INDUCTION_GAIN``, since only the rotary's slow
+        dimensions keep the match at a distance and at gain 1 their logit is too flat to stand out among T keys."""
         bound = math.sqrt(3.0) * self.attn.c_q.in_features**-0.5
         nn.init.ones_(self.attn.gain)
         for lin in (self.attn.c_q, self.attn.c_k, self.attn.c_v, self.mlp.c_fc):
             nn.init.uniform_(lin.weight, -bound, bound)
         nn.init.zeros_(self.attn.c_proj.weight)
         nn.init.zeros_(self.mlp.c_proj.weight)
+        if self.attn.key_mix is not None:
+            nn.init.constant_(self.attn.key_mix, KEY_MIX_INIT if induction_prior else 0.0)
+        if induction_prior:
+            self.attn.c_k.weight.copy_(self.attn.c_q.weight)
+            nn.init.constant_(self.attn.gain, INDUCTION_GAIN)
 
 
 def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
@@ -235,7 +248,7 @@ class GPT(nn.Module):
         nn.init.normal_(self.wte.weight, std=1.0)
         nn.init.normal_(self.lm_head.weight, std=0.001)
         for block in self.blocks:
-            block.reset_parameters()
+            block.reset_parameters(induction_prior=self.cfg.key_smear)
 
     @typechecked
     def embed(self, tokens: Int[Tensor, "b n"]) -> Float[Tensor, "b n d"]:
