@@ -4,8 +4,6 @@ nothing after its horizon)."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from builders import awake, cases, contexts, padded_contexts, rewritten_after
@@ -14,9 +12,9 @@ from hypothesis import strategies as st
 
 from mcfn.core.context import assemble, seen_until
 from mcfn.core.focus import refocus
+from mcfn.core.policy import ATTN, LENS
 from mcfn.core.system import base_stage, tree_stage
 from mcfn.core.variants import coarsest_cut
-from mcfn.tools.attention import attention_scores
 
 
 @given(cases)
@@ -71,12 +69,14 @@ def assert_chosen_before(shape: dict, batch: int, seed: int, horizon: torch.Tens
     rewritten = rewritten_after(window, horizon, seed=1)
     start = coarsest_cut(system.layout, torch.device("cpu"))[None, None].expand(batch, 1, -1)
     both = [(tree_stage(system, w), w) for w in (window, rewritten)]
-    for name, scorer in {"lens": None, "attn": partial(attention_scores, system.base, H)}.items():
+    for policy in (LENS, ATTN):
         cuts = [
-            refocus(system.lensnet, tree, w, start, system.nodes, iterations=2, scorer=scorer, horizon=horizon)
+            refocus(
+                policy.scorer(system, w, system.layout, H), tree, w, start, system.nodes, iterations=2, horizon=horizon
+            )
             for tree, w in both
         ]
-        assert torch.equal(*cuts), name
+        assert torch.equal(*cuts), policy.name
     seen = [seen_until(assemble(tree, start, w, system.nodes), horizon) for tree, w in both]
     assert torch.equal(seen[0].valid, seen[1].valid) and not (seen[0].valid & (seen[0].start > horizon[:, None])).any()
     with torch.no_grad():

@@ -12,13 +12,13 @@ import pytest
 import torch
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
+from mcfn.core.attention import attention_mass
 from mcfn.inference.generation import generate_mc
-from mcfn.tools.attention import attention_mass
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_result import EvalReport, ProtocolResult
 from mcfn.tools.eval_stats import Clusters, paired_gain, retained_with_interval, spearman
-from mcfn.tools.evaluation import CONDITIONS, HeldOut, default_budgets, evaluate
+from mcfn.tools.evaluation import HeldOut, conditions, default_budgets, evaluate
 from mcfn.tools.one_cut import predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8
@@ -100,15 +100,15 @@ def test_report_has_every_condition_and_the_headline(report):
     """Read as ``eval.json`` holds it: the headline keys, and the corpus task's under them."""
     js = json.loads(json.dumps(report.to_json()))
     assert js["T"] == T and js["W"] == W and js["windows"] == 6 and js["se"] == "window" and js["documents"] is None
-    assert set(js["bpb"]) == set(CONDITIONS) and all(math.isfinite(v) for v in js["bpb"].values())
-    assert set(js["one_cut"]["bpb"]) == set(CONDITIONS) and js["refocus_every"] == 4
+    assert set(js["bpb"]) == set(conditions()) and all(math.isfinite(v) for v in js["bpb"].values())
+    assert set(js["one_cut"]["bpb"]) == set(conditions()) and js["refocus_every"] == 4
     assert [row["W"] for row in js["sweep"]] == [W, T]
     corpus = js["tasks"]["corpus"]
     assert -1 <= js["utility_corr"] <= 1 and js["utility_corr"] == corpus["utility_corr"]
     assert corpus["utility_states"] == 6 * (H // 4), "one state per window and chunk of R = 4"
     assert "utility_corr" not in corpus["longrange"], "a per-state figure, not one of the long-range tokens"
-    best = {"focus": "lens", "match": "match", "recency": "recency"}[js["best_context"]]
-    assert js["bpb"][best] == min(js["bpb"][c] for c in ("lens", "match", "recency"))
+    within_budget = ("recency", "attn", "match", "lens")  # what generation can refocus with
+    assert js["bpb"][js["best_context"]] == min(js["bpb"][c] for c in within_budget)
     assert -1.0 <= js["lens_rank_corr"] <= 1.0
     assert corpus["bpb"] == js["bpb"] and "longrange" in corpus and corpus["one_cut"]["sweep"][0]["W"] == W
     assert list(js)[-2:] == ["one_cut", "tasks"] and "brief" not in js

@@ -21,6 +21,7 @@ from mcfn.core.focus import (
 )
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
+from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
@@ -144,14 +145,16 @@ def test_a_warm_refocus_starts_from_the_previous_context_within_budget():
     budget, differs = W - REFOCUS, 0
     for n in (2 * T + 3, 3 * T + 5, 5 * T + 9):
         stream = random_stream(system, n)
-        previous = focused_context(system, stream, budget, steps=4)
+        previous = focused_context(system, stream, budget, LENS, 4, REFOCUS)
         stream.append(torch.randint(0, VOCAB, (REFOCUS,), generator=torch.Generator().manual_seed(n)))
         view = stream_view(len(stream), system.layout, budget)
         tree, window = view_tree(stream, view)
         nodes = NodeTable.of(view.layout, window.device)
-        scores = focus_scores(system.lensnet, tree, window, nodes, torch.tensor([view.real - 1]))
+        scores = focus_scores(
+            system.lensnet.scorer(view.layout, window), tree, window, nodes, torch.tensor([view.real - 1])
+        )
         start = shrink_to_budget(carried_cut(previous, view, nodes), scores, nodes)
-        warm = focus_cut(system.lensnet, tree, window, view, 0, previous)
+        warm = focus_cut(system.lensnet.scorer(view.layout, window), tree, window, view, 0, previous)
         assert torch.equal(warm, start), n
         differs += not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None])
     assert differs, "the case needs a warm start that is not the coarsest cut"
@@ -174,10 +177,10 @@ def test_generation_with_context_match_refocuses_with_match_as_the_evaluation_do
     view = stream_view(len(stream), system.layout, budget)
     tree, window = view_tree(stream, view)
     scorer = match_scorer(window[:, : view.layout.T], K, REFOCUS, view.layout.T)
-    expected = view_context(tree, focus_cut(None, tree, window, view, 4, scorer=scorer), window, view)
-    got = focused_context(system, stream, budget, 4, match_reach=REFOCUS)
+    expected = view_context(tree, focus_cut(scorer, tree, window, view, 4), window, view)
+    got = focused_context(system, stream, budget, MATCH, 4, REFOCUS)
     assert torch.equal(got.start, expected.start) and torch.equal(got.lod, expected.lod)
-    lens = focused_context(system, stream, budget, 4)
+    lens = focused_context(system, stream, budget, LENS, 4, REFOCUS)
     assert not (
         lens.start.shape == got.start.shape and torch.equal(lens.lod, got.lod) and torch.equal(lens.start, got.start)
     )
@@ -194,11 +197,11 @@ def test_generation_with_context_match_reads_ahead_R_tokens_not_its_refocus_step
     stream.append(prompt)
     maps = {}
     for reach in (R, steps):
-        wc = focused_context(system, stream, budget, steps, match_reach=reach)
+        wc = focused_context(system, stream, budget, MATCH, steps, reach)
         maps[reach] = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), K)
     assert maps[R] != maps[steps], "the test needs a prompt where the reach changes the cut"
     layouts = []
-    generate_mc(system, prompt, 1, R, refocus_steps=steps, context="match", on_refocus=lambda _, m: layouts.append(m))
+    generate_mc(system, prompt, 1, R, refocus_steps=steps, policy=MATCH, on_refocus=lambda _, m: layouts.append(m))
     assert layouts == [maps[R]]
 
 
@@ -207,7 +210,7 @@ def test_generation_with_context_match_reads_ahead_R_tokens_not_its_refocus_step
 def test_property_streaming_context_covers_the_recent_history_within_budget(n):
     system = decisive_system()
     budget = W - REFOCUS
-    check_stream_context(focused_context(system, random_stream(system, n), budget, steps=2), n, budget)
+    check_stream_context(focused_context(system, random_stream(system, n), budget, LENS, 2, REFOCUS), n, budget)
 
 
 @settings(max_examples=25, deadline=None)
@@ -218,9 +221,9 @@ def test_property_warm_refocus_keeps_the_stream_invariants(n, grown, steps):
     system = decisive_system()
     budget = W - REFOCUS
     stream = random_stream(system, n)
-    previous = focused_context(system, stream, budget, steps=2)
+    previous = focused_context(system, stream, budget, LENS, 2, REFOCUS)
     stream.append(torch.randint(0, VOCAB, (grown,), generator=torch.Generator().manual_seed(-n)))
-    check_stream_context(focused_context(system, stream, budget, steps, previous), n + grown, budget)
+    check_stream_context(focused_context(system, stream, budget, LENS, steps, REFOCUS, previous), n + grown, budget)
 
 
 def test_prompt_of_ten_budgets_generates():
@@ -282,7 +285,7 @@ def test_sampling_is_seeded():
 
 
 def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
-    """``train.generate`` on a run directory: both modes print a continuation and their speed, warm refocuses
+    """``train.generate`` on a run directory: every context prints a continuation and their speed, warm refocuses
     report the share of cache entries they kept, and bad arguments exit 2."""
     from train.generate import main as generate_main
 
@@ -292,18 +295,18 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     capsys.readouterr()
     assert generate_main([*common, "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "[generate] mc:" in err and "20 new tokens" in err and "cache entries kept:" in err
-    assert generate_main([*common, "--mode", "full"]) == 0
+    assert "[generate] lens:" in err and "20 new tokens" in err and "cache entries kept:" in err
+    assert generate_main([*common, "--context", "full"]) == 0
     assert "[generate] full:" in capsys.readouterr().err
     # Truncation at the same cadence: every refocus shows the newest W - R = 20 tokens, as blocks of K = 4 tokens.
     assert generate_main([*common, "--context", "recency"]) == 0
     err = capsys.readouterr().err
     refocuses = err.split("[refocus]")[1:]
     maps = ["".join(line.strip() for line in r.splitlines() if line.startswith("  ")) for r in refocuses]
-    assert "[generate] mc:" in err and maps and all(m.lstrip("·") == "0" * len(m.lstrip("·")) for m in maps)
+    assert "[generate] recency:" in err and maps and all(m.lstrip("·") == "0" * len(m.lstrip("·")) for m in maps)
     assert all(5 <= len(m.lstrip("·")) <= 6 for m in maps)  # 20 tokens span 5 blocks, or 6 when not aligned
     assert generate_main([*common, "--context", "match", "--quiet"]) == 0
-    assert "[generate] mc:" in capsys.readouterr().err
+    assert "[generate] match:" in capsys.readouterr().err
     assert generate_main([*common, "--warm-steps", "-1"]) == 2
     assert generate_main([*common, "--refocus-every", "100000"]) == 2
 
@@ -317,7 +320,7 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
     g = torch.Generator().manual_seed(7)
     for n in (3 * T + 5, 5 * T + 9, 7 * T + 2):
         stream = random_stream(system, n)
-        previous = focused_context(system, stream, budget, steps=2)
+        previous = focused_context(system, stream, budget, LENS, 2, REFOCUS)
         stream.append(torch.randint(0, VOCAB, (3,), generator=g))
         view = stream_view(len(stream), system.layout, budget)
         tree, window = view_tree(stream, view)
@@ -330,7 +333,7 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
         noisy_window[0, view.real :] = torch.randint(0, VOCAB, (window.size(1) - view.real,), generator=g)
         horizon = torch.tensor([view.real - 1])
         scores = [
-            focus_scores(system.lensnet, t, w, nodes, horizon)
+            focus_scores(system.lensnet.scorer(nodes.layout, w), t, w, nodes, horizon)
             for t, w in ((tree, window), (Tree(emb=noisy_emb, batch_size=[1]), noisy_window))
         ]
         assert torch.equal(scores[0], scores[1]), n

@@ -83,8 +83,8 @@ def test_a_new_lensnet_with_the_match_prior_scores_as_match_does_and_learns_from
     for prior in (True, False):
         system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": prior}, refocus_every=R)
         nodes, tree = system.nodes, history_tree(system, window[:, :T])
-        lensnet = focus_scores(system.lensnet, tree, window, nodes)
-        match = focus_scores(None, tree, window, nodes, scorer=match_scorer(window[:, :T], K, R, T))
+        lensnet = focus_scores(system.lensnet.scorer(nodes.layout, window), tree, window, nodes)
+        match = focus_scores(match_scorer(window[:, :T], K, R, T), tree, window, nodes)
         gists = nodes.eligible & (nodes.lod > 0)  # what every expansion, collapse and drop is decided on
         assert torch.allclose(lensnet[:, gists], match[:, gists], atol=1e-5) == prior
     noise = draw_variant_noise(system.layout, 3, torch.Generator().manual_seed(1), torch.device("cpu"))
@@ -107,5 +107,5 @@ def test_property_I11_the_match_focus_scores_read_nothing_after_the_horizon(seed
     scores = []
     for w in (window, rewritten_after(window, at, seed=seed + 1)):
         scorer = match_scorer(w[:, :64], 4, reach, 64)
-        scores.append(focus_scores(None, tree_stage(system, w), w, system.nodes, at, scorer))
+        scores.append(focus_scores(scorer, tree_stage(system, w), w, system.nodes, at))
     assert torch.equal(scores[0], scores[1])

@@ -11,6 +11,7 @@ from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.focus import Refocus
 from mcfn.core.match import match_votes
+from mcfn.core.policy import RECENCY
 from mcfn.inference.generation import teacher_forced_mc
 from mcfn.inference.render import lod_string
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
@@ -73,7 +74,7 @@ def test_recency_keeps_the_newest_tokens_of_the_refocus_budget():
         logits.append(step_logits)
         return forced[i : i + 1]
 
-    decode_mc(system, window[0, : T - H + 1], H, Refocus(R, context="recency"), choose)
+    decode_mc(system, window[0, : T - H + 1], H, Refocus(R), RECENCY, choose)
     nll = F.cross_entropy(torch.stack(logits), forced, reduction="none")
     torch.testing.assert_close(pred.nll[0, pred.slots["recency"].start], nll, atol=1e-4, rtol=1e-4)
 

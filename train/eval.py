@@ -15,6 +15,8 @@ from mcfn.errors import exit_code
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from mcfn.core.focus import REFOCUS_STEPS
+
     p = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", type=Path, required=True, help="run directory (or its checkpoint.pt)")
     p.add_argument(
@@ -32,7 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
     p.add_argument("--random-contexts", type=int, default=8, help="random cuts per window (random, best_of_*)")
-    p.add_argument("--refocus", type=int, default=4, help="allocator steps for the attn and lens conditions")
+    p.add_argument(
+        "--refocus", type=int, default=REFOCUS_STEPS, help="allocator steps of a scored policy's cold refocus"
+    )
     p.add_argument(
         "--refocus-every",
         type=int,

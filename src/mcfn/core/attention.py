@@ -78,6 +78,29 @@ def hidden_and_tail_attention(
     return hidden, sum(per_layer)  # summed in layer order, as a running total would
 
 
+@torch.no_grad()
+@typechecked
+def attention_mass(base: GPT, wc: WorkingContext, tail: int) -> Float[Tensor, "r w"]:
+    """Per entry, the causal attention probability mass it receives from the last ``tail`` valid entries (the
+    tail, I4, or as many as a row has), summed over queries, layers and heads (:func:`hidden_and_tail_attention`)."""
+    count = wc.valid.sum(-1)
+    first = (count - tail).clamp(min=0)
+    attention = hidden_and_tail_attention(base, wc.emb, wc.position, wc.span.float(), first, tail)[1]
+    is_query = (first[:, None] + torch.arange(tail, device=first.device)) < count[:, None]  # [r, tail]
+    return torch.einsum("rh,rhn->rn", is_query.float(), attention) * wc.valid
+
+
+@typechecked
+def attention_scores(base: GPT, tail: int, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    """The ``attn`` focus's scorer: each entry's attention mass from the last ``tail`` entries, less the context's
+    mean (bind ``base`` and ``tail`` with ``partial``). The bar a learned policy must clear: expand where the base
+    model's own attention goes (as InfLLM and Quest pick blocks), read from the coarsest full-coverage context up to
+    the horizon (I11); read past it, the tail's own tokens would pick the far blocks that hold them."""
+    mass = attention_mass(base, wc, tail)
+    mean = mass.sum(-1, keepdim=True) / wc.valid.sum(-1, keepdim=True)
+    return torch.where(wc.valid, mass - mean, 0.0)
+
+
 def local_and_tail_attention(window: int, tail: int, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention ``[b, h, n, e]`` in which every entry reads the ``window`` entries up to itself, and the last
     ``tail`` entries read every entry before them: a cost of about ``2·n·window + tail·n`` scores instead of

@@ -9,7 +9,7 @@ function, :func:`focus_cut`, so what the evaluation scores is what generation co
   budget is ``W - R`` (room for the ``R`` tokens decoded before the next refocus) raised by the phantoms' count so
   that they cost nothing;
 * scores every node once from the block view read up to the newest real token (I11, I12,
-  :func:`focus_scores`), with LensNet or a training-free scorer;
+  :func:`focus_scores`), with a focus policy's scorer (:mod:`mcfn.core.policy`: LensNet or a training-free one);
 * starts cold from the coarsest cut, or warm from the previous refocus's context carried over
   (:func:`carried_cut`) and shrunk back within budget (:func:`shrink_to_budget`), and settles it with the allocator.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from einops import rearrange, repeat
@@ -32,13 +31,16 @@ from torch import Tensor
 
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.lensnet import LensNet
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
 from mcfn.errors import UserError
 from mcfn.geometry import most_refocus_every
 from mcfn.typecheck import typechecked
+
+REFOCUS_STEPS = 4  # allocator steps of a cold refocus, from the coarsest cut: L + 2 settle every case tried (I12)
+WARM_STEPS = 1  # allocator steps of a warm one, from the previous context
+Scorer = Callable[[WorkingContext], Tensor]  # signed scores [r, w] of a working context's entries
 
 
 def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor, " r"]:
@@ -48,24 +50,22 @@ def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor,
 
 @typechecked
 def block_scores(
-    lensnet: LensNet | None,
+    scorer: Scorer,
     tree: Tree,
     window: Int[Tensor, "b t1"],
     nodes: NodeTable,
     horizon: Int[Tensor, " b"] | None = None,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
 ) -> Float[Tensor, "b nodes"]:
     """Every node's score ``[B, nodes]``, read once from one fixed view, the :attr:`NodeTable.block_view`
     (every eligible LOD1 gist, the tail as tokens), up to ``horizon [B]`` (:func:`seen_until`; by default the
     start of the tail, the first prediction the cut serves), and spread to every level
-    (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (``lensnet`` by default).
-    With the gradient: the counterfactual LensNet stage trains through it; a refocus calls :func:`focus_scores`.
+    (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (a focus policy's, e.g.
+    :meth:`LensNet.scorer`). With the gradient: the counterfactual LensNet stage trains through it; a refocus
+    calls :func:`focus_scores`.
 
     Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
     context of far gists asks for the recent text back and a context of recent text asks for the far gists,
     and the refocus would alternate between the two forever."""
-    if scorer is None:
-        scorer = partial(lensnet, layout=nodes.layout, tokens=window[:, : nodes.layout.T])
     B = window.size(0)
     horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
     view = nodes.with_sizes(W=nodes.layout.block_view_width)
@@ -103,34 +103,32 @@ def settle(
 
 @typechecked
 def refocus(
-    lensnet: LensNet | None,
+    scorer: Scorer,
     tree: Tree,
     window: Int[Tensor, "b t1"],
     cut: Bool[Tensor, "b a nodes"],
     nodes: NodeTable,
     explore: Tensor | None = None,
     iterations: int = 1,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
     horizon: Int[Tensor, " b"] | None = None,
     noise: float = 0.0,
 ) -> Bool[Tensor, "b a nodes"]:
     """Refocus ``A`` working contexts per sample within ``nodes.layout.W``: :func:`focus_scores` once, then
     ``iterations`` allocator steps (:func:`settle`, with ``noise`` times ``explore [B, A, I, nodes]`` if given).
     ``nodes`` may be another layout's (a streaming view). Training's allocator and the one-cut evaluation call it."""
-    scores = focus_scores(lensnet, tree, window, nodes, horizon, scorer)
+    scores = focus_scores(scorer, tree, window, nodes, horizon)
     return settle(cut, scores, nodes, iterations, explore, noise)
 
 
 @dataclass(frozen=True)
 class Refocus:
-    """How generation refocuses: every ``every`` tokens, the first time with ``steps`` allocator steps from the
-    coarsest cut, later with ``warm_steps`` from the previous context (0: cold every time); ``context`` is
-    ``"focus"`` (the refocus) or ``"recency"`` (the newest ``W - every`` tokens)."""
+    """Generation's protocol, which the evaluation and the LensNet stage run too: a refocus every ``every`` tokens,
+    the first with ``steps`` allocator steps from the coarsest cut, later ones with ``warm_steps`` from the previous
+    context (0: cold every time)."""
 
     every: int
-    steps: int = 4
-    warm_steps: int = 1
-    context: str = "focus"
+    steps: int = REFOCUS_STEPS
+    warm_steps: int = WARM_STEPS
 
 
 @dataclass(frozen=True)
@@ -228,26 +226,23 @@ def shrink_to_budget(
 @torch.no_grad()
 @typechecked
 def focus_cut(
-    lensnet: LensNet | None,
+    scorer: Scorer,
     tree: Tree,
     window: Int[Tensor, "1 t1"],
     view: StreamView,
     steps: int,
     previous: WorkingContext | None = None,
-    scorer: Callable[[WorkingContext], Tensor] | None = None,
 ) -> Bool[Tensor, "1 1 nodes"]:
     """The refocus: the view's cut ``[1, 1, n_nodes]`` within its budget, ``steps`` allocator steps from the
     coarsest cut, or with ``previous`` (the last refocus's :func:`view_context`) from that context carried over and
     shrunk within budget: a warm start. ``tree`` and ``window`` are the view's (``[1, n_nodes, D]``, ``[1, T + 1]``);
-    nothing after the newest real token is read. ``scorer`` gives signed scores per entry (``lensnet`` by default);
-    without either the cut is the coarsest."""
+    nothing after the newest real token is read. ``scorer`` gives signed scores per entry (a scored focus policy's,
+    :mod:`mcfn.core.policy`)."""
     layout = view.layout
     nodes = NodeTable.of(layout, window.device)
     coarsest = coarsest_cut(layout, window.device)[None, None]
-    if lensnet is None and scorer is None:
-        return coarsest
     horizon = torch.tensor([view.real - 1], device=window.device)  # the newest real token, no phantom (I11)
-    scores = focus_scores(lensnet, tree, window, nodes, horizon, scorer)
+    scores = focus_scores(scorer, tree, window, nodes, horizon)
     cut = None
     if previous is not None:
         carried = carried_cut(previous, view, nodes)

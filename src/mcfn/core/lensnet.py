@@ -23,6 +23,7 @@ covers at least K tokens, so a cut over T tokens has at most ``T/K`` units whate
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -148,6 +149,10 @@ class LensNet(nn.Module):
         unit = block_units(wc, layout.K, units)
         scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T), (0, 1))  # padding scores 0
         return scores.gather(1, unit) * wc.valid
+
+    def scorer(self, layout: Layout, window: Int[Tensor, "r t"]) -> Callable[[WorkingContext], Tensor]:
+        """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows."""
+        return partial(self, layout=layout, tokens=window[:, : layout.T])
 
     def score(self, wc: WorkingContext, tokens: Tensor | None = None, scale: int = 0) -> Float[Tensor, "r w"]:
         """The transformer over the rows of ``wc`` (units), one score per valid one; ``scale``: the length of the

@@ -30,8 +30,7 @@ from mcfn.typecheck import typechecked
 
 SOFTCAP = 15.0  # logits are squashed to (-15, 15): tanh soft-capping, as in nanochat
 ROPE_BASE = 10000.0  # the rotary base of every transformer here
-KEY_MIX_INIT = 2.0  # smeared keys start with sigmoid(2) = 0.88 of the previous token's key (Block.reset_parameters)
-INDUCTION_GAIN = 2.0  # and their heads' gains start at 2
+KEY_MIX_INIT, INDUCTION_GAIN = 2.0, 2.0  # smeared keys' induction prior: smear sigmoid(2) = 0.88, gains 2 (Block)
 
 
 @typechecked
@@ -204,14 +203,11 @@ class Block(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, induction_prior: bool = False) -> None:
-        """Uniform inputs with std 1/sqrt(dim); zero output projections, so the block starts as the identity;
-        unit attention gains. ``induction_prior`` (the base model's blocks with smeared keys): each head starts out
-        favouring the induction pattern, so that retrieval forms early and on every seed (LABLOG, twenty-first
-        session): keys start as the queries (W_k = W_q, mimetic initialisation), so a query scores high a key that
-        mixes in its own token; the key smear starts at ``sigmoid(KEY_MIX_INIT)`` = 0.88, so that mixed-in token is
-        mostly the *previous* one (a query then favours the position after its token's earlier occurrence, whose
-        value is the token to copy); and the gains start at ``INDUCTION_GAIN``, since only the rotary's slow
-        dimensions keep the match at a distance and at gain 1 their logit is too flat to stand out among T keys."""
+        """Uniform inputs with std 1/sqrt(dim); zero output projections (each block starts as the identity); unit
+        gains. ``induction_prior`` (smeared keys): heads start out favouring induction (LABLOG, twenty-first session).
+        W_k = W_q (mimetic), so a query favours a key that mixes in its own token; the smear starts at 0.88, so that
+        token is mostly the *previous* one (the query favours the position after its token's earlier occurrence);
+        gains start at 2, since only the rotary's slow dimensions keep the match at a distance."""
         bound = math.sqrt(3.0) * self.attn.c_q.in_features**-0.5
         nn.init.ones_(self.attn.gain)
         for lin in (self.attn.c_q, self.attn.c_k, self.attn.c_v, self.mlp.c_fc):

@@ -98,9 +98,8 @@ def allocator_cuts(
     start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
     horizon = tail_horizon(system.layout, B, window.device)
     explore = noise.explore[:, -A:]
-    return refocus(
-        system.lensnet, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise
-    )
+    scorer = system.lensnet.scorer(system.layout, window)
+    return refocus(scorer, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise)
 
 
 # The stages of the step, in order. Each is a pure function of the system and tensors.

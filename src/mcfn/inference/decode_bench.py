@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from mcfn.core.policy import FULL, LENS, RECENCY
 from mcfn.core.system import MegaContext
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
 
-MODES = ("mc", "mc_cold", "recency", "full")
+MODES = ("mc", "mc_cold", RECENCY.name, FULL.name)  # lens warm and cold, truncation, full context
 
 
 def decode_once(
@@ -32,10 +33,10 @@ def decode_once(
 ) -> GenerationStats:
     greedy = Sampling(temperature=0.0)
     gc.collect()  # the previous mode's garbage is not collected on this one's time
-    if mode == "full":
+    if mode == FULL.name:
         return generate_full(system.base, prompt, new_tokens, greedy, compile_fn)[1]
     warm_steps = 0 if mode == "mc_cold" else 1
-    context = "recency" if mode == "recency" else "focus"
+    policy = RECENCY if mode == RECENCY.name else LENS
     return generate_mc(
         system,
         prompt,
@@ -44,7 +45,7 @@ def decode_once(
         sampling=greedy,
         warm_steps=warm_steps,
         compile_fn=compile_fn,
-        context=context,
+        policy=policy,
     )[1]
 
 
@@ -72,7 +73,7 @@ def run_decode_benchmark(
         for mode, stats in runs.items():
             row[f"{mode}_tok_s"] = statistics.median(s.tokens_per_s for s in stats)
             row[f"{mode}_prompt_s"] = statistics.median(s.prefill_s for s in stats)
-            if mode != "full":
+            if mode != FULL.name:
                 row[f"{mode}_refocus_ms_per_token"] = 1e3 * statistics.median(s.refocus_s / s.new_tokens for s in stats)
                 row[f"{mode}_cache_kept"] = statistics.median(s.cache_kept for s in stats)
         mc = runs["mc"]

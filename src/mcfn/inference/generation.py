@@ -14,10 +14,11 @@ through the model again.
 
 ``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
 
-``match`` (``context="match"``): the same refocus scored by the training-free n-gram match instead of LensNet.
-``recency`` (``context="recency"``): the newest ``W - refocus_every`` tokens at every refocus instead, truncation
-at the same cadence, to compare with. :func:`teacher_forced_mc` feeds a known continuation instead of sampling:
-the logits the evaluation's generation protocol scores (:mod:`mcfn.tools.refocused`).
+The focus policy (:mod:`mcfn.core.policy`) chooses each refocus's context: ``lens`` (LensNet, the default), any
+other scored policy (``match``, the training-free n-gram match; ``attn``, the base model's own attention), or
+``recency``, the newest ``W - refocus_every`` tokens, truncation at the same cadence. :func:`teacher_forced_mc`
+feeds a known continuation instead of sampling: the logits the evaluation's generation protocol scores
+(:mod:`mcfn.tools.refocused`).
 
 ``use_cache=False`` recomputes the whole working context at every token instead of reading the cache;
 it must pick the same tokens (the tests hold the cache to that).
@@ -34,9 +35,11 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.focus import Refocus, refocus_budget
+from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus, refocus_budget
 from mcfn.core.model import GPT
+from mcfn.core.policy import LENS, Choice, FocusPolicy
 from mcfn.core.system import MegaContext
+from mcfn.errors import UserError
 from mcfn.inference.decode import KVCache, TokenDecoder, extend
 from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context, recency_context
@@ -125,30 +128,35 @@ def generate_mc(
     prompt: Tensor,
     max_new_tokens: int,
     refocus_every: int,
-    refocus_steps: int = 4,
+    refocus_steps: int = REFOCUS_STEPS,
     sampling: Sampling = Sampling(),
-    warm_steps: int = 1,
+    warm_steps: int = WARM_STEPS,
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
-    context: str = "focus",
+    policy: FocusPolicy = LENS,
 ) -> tuple[Tensor, GenerationStats]:
     """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
     ``warm_steps = 0`` starts every refocus from the coarsest cut, with a fresh cache. ``compile_fn``
-    compiles the per-token step (every refocus's cache has capacity ``W``: one shape). ``context = "recency"``
-    reads the newest ``W - refocus_every`` tokens at each refocus instead: truncation at the same cadence."""
+    compiles the per-token step (every refocus's cache has capacity ``W``: one shape). ``policy`` chooses each
+    refocus's context (a scored one, or ``recency``: truncation at the same cadence)."""
     generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
 
     def choose(logits: Tensor, _: int) -> Tensor:
         return pick_token(logits, sampling, generator)
 
-    steps = Refocus(refocus_every, refocus_steps, warm_steps, context)
-    return decode_mc(system, prompt, max_new_tokens, steps, choose, use_cache, on_refocus, compile_fn)
+    steps = Refocus(refocus_every, refocus_steps, warm_steps)
+    return decode_mc(system, prompt, max_new_tokens, steps, policy, choose, use_cache, on_refocus, compile_fn)
 
 
 @torch.no_grad()
 def teacher_forced_mc(
-    system: MegaContext, prompt: Tensor, continuation: Tensor, refocus: Refocus, use_cache: bool = True
+    system: MegaContext,
+    prompt: Tensor,
+    continuation: Tensor,
+    refocus: Refocus,
+    policy: FocusPolicy = LENS,
+    use_cache: bool = True,
 ) -> tuple[Float[Tensor, "n vocab"], GenerationStats]:
     """What generation computes on a known text: the logits ``[n, vocab]`` of each token of ``continuation [n]``
     (the first from the prompt alone), decoded as :func:`generate_mc` decodes but fed the given tokens."""
@@ -158,7 +166,7 @@ def teacher_forced_mc(
         logits.append(step_logits)
         return continuation[i : i + 1]
 
-    _, stats = decode_mc(system, prompt, continuation.numel(), refocus, choose, use_cache)
+    _, stats = decode_mc(system, prompt, continuation.numel(), refocus, policy, choose, use_cache)
     return torch.stack(logits), stats
 
 
@@ -167,13 +175,16 @@ def decode_mc(
     prompt: Tensor,
     max_new_tokens: int,
     refocus: Refocus,
+    policy: FocusPolicy,
     choose: Callable[[Tensor, int], Tensor],
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
 ) -> tuple[Tensor, GenerationStats]:
-    """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]``; ``choose(logits [vocab], i)`` gives the
-    ``i``-th new token ``[1]``."""
+    """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]`` with ``policy``'s contexts; ``choose(logits
+    [vocab], i)`` gives the ``i``-th new token ``[1]``."""
+    if not (policy.scored or policy.choice is Choice.TRUNCATION) or not policy.available(system):
+        raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy on this run")
     base, layout = system.base, system.layout
     decoder = TokenDecoder(base, compile_fn)
     budget = refocus_budget(layout, refocus.every)
@@ -191,12 +202,11 @@ def decode_mc(
     while len(produced) < max_new_tokens:
         t_refocus = time.perf_counter()
         warm = refocus.warm_steps > 0 and wc is not None
-        if refocus.context == "recency":
+        if policy.choice is Choice.TRUNCATION:
             wc = recency_context(stream, budget)
         else:
             steps = refocus.warm_steps if warm else refocus.steps
-            reach = refocus.every if refocus.context == "match" else 0
-            wc = focused_context(system, stream, budget, steps, wc if warm else None, reach)
+            wc = focused_context(system, stream, budget, policy, steps, refocus.every, wc if warm else None)
         stats.focus_s += time.perf_counter() - t_refocus
         layout_text = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), layout.K)
         stats.layouts.append(layout_text)

@@ -3,8 +3,8 @@
 * :class:`StreamingTree` keeps every token id, its embedding and every complete gist. A LOD1 gist is
   built by GistNet the moment its block of ``K`` tokens completes, a LOD2 gist when its ``K`` LOD1
   gists are complete, and so on (one batched GistNet call per level per append).
-* :func:`focused_context` builds a working context over the whole history ``[0, n)`` (or its most recent
-  part, once even the coarsest full cover would not fit) by the one refocus path,
+* :func:`focused_context` builds a scored focus policy's working context over the whole history ``[0, n)`` (or
+  its most recent part, once even the coarsest full cover would not fit) by the one refocus path,
   :func:`mcfn.core.focus.focus_cut`, the procedure ``train.eval`` scores: cold from the coarsest cut, or warm
   from the previous context carried over, so that a refocus where little has changed keeps most of the previous
   context (and the cache behind it). :func:`recency_context` is truncation at the same cadence, to compare.
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mcfn.core.context import WorkingContext
 from mcfn.core.focus import StreamView, focus_cut, stream_view, view_context
-from mcfn.core.match import match_scorer
+from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 
@@ -95,20 +95,18 @@ def focused_context(
     system: MegaContext,
     stream: StreamingTree,
     budget: int,
+    policy: FocusPolicy,
     steps: int,
+    reach: int,
     previous: WorkingContext | None = None,
-    match_reach: int = 0,
 ) -> WorkingContext:
     """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history: the refocus
-    (:func:`~mcfn.core.focus.focus_cut`), ``steps`` allocator steps from the coarsest cut, or with ``previous`` (this
-    function's last answer for a shorter history) from that context: a warm start. Scored by LensNet, or with
-    ``match_reach`` (the tokens a cut serves) by the training-free ``match``. Positions and starts are absolute
-    token positions."""
+    (:func:`~mcfn.core.focus.focus_cut`) of the scored ``policy`` for a cut that serves ``reach`` predictions,
+    ``steps`` allocator steps from the coarsest cut, or with ``previous`` (this function's last answer for a
+    shorter history) from that context: a warm start. Positions and starts are absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
     tree, window = view_tree(stream, view)
-    T = view.layout.T
-    scorer = match_scorer(window[:, :T], view.layout.K, match_reach, T) if match_reach else None
-    cut = focus_cut(system.lensnet, tree, window, view, steps, previous, scorer)
+    cut = focus_cut(policy.scorer(system, window, view.layout, reach), tree, window, view, steps, previous)
     return view_context(tree, cut, window, view)
 
 

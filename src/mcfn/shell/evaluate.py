@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from mcfn.core.focus import REFOCUS_STEPS
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
@@ -69,7 +70,7 @@ class EvalRequest:
     batches: int | None = None
     budgets: str | None = None
     random_contexts: int = 8
-    refocus: int = 4
+    refocus: int = REFOCUS_STEPS
     refocus_every: int | None = None
     device: str = "auto"
     tasks: list[str] | None = None

@@ -15,13 +15,19 @@ import torch
 from torch import Tensor
 
 from mcfn.config import RunConfig
+from mcfn.core.policy import LENS, MATCH, policies
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.inference.generation import generate_mc
 from mcfn.tools.eval_result import EvalReport
 
-CONDITIONS = ("full", "recency", "match", "lens")  # what the summary compares, in this order
+
+def briefed() -> list[str]:
+    """What the summary compares, in the registry's order: the policies a brief evaluation scores."""
+    return [policy.name for policy in policies(brief=True)]
+
+
 CONTINUATION = 32  # tokens generated after the held-out prompt
 SHOWN_CHARS = 80  # of the prompt's end and of the continuation, in the summary line
 
@@ -47,7 +53,10 @@ def generate_example(
     """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with LensNet refocusing every ``every``
     tokens, as ``train.generate`` does."""
     maps: list[str] = []
-    tokens, _ = generate_mc(system, prompt, expected.numel(), every, on_refocus=lambda _, text: maps.append(text))
+    policy = LENS if LENS.available(system) else MATCH
+    tokens, _ = generate_mc(
+        system, prompt, expected.numel(), every, policy=policy, on_refocus=lambda _, m: maps.append(m)
+    )
     decode = tokenizer.decode
     return Example(maps, decode(prompt.tolist()), decode(tokens.tolist()), decode(expected.tolist()))
 
@@ -78,8 +87,8 @@ def summary_lines(
     passkey, corpus = report.scored("passkey"), report.head.head
     assert passkey is not None and passkey.refocus.head.accuracy is not None, "the caller checks it was scored"
     share = passkey.refocus.head.accuracy  # of the pass-key windows answered, per condition
-    accuracy = ", ".join(f"{c} {share[c]:.2f}" for c in CONDITIONS if c in share)
-    bpb = ", ".join(f"{c} {corpus.bpb[c]:.4f}" for c in CONDITIONS if c in corpus.bpb)
+    accuracy = ", ".join(f"{c} {share[c]:.2f}" for c in briefed() if c in share)
+    bpb = ", ".join(f"{c} {corpus.bpb[c]:.4f}" for c in briefed() if c in corpus.bpb)
     gain = corpus.gains["lens_gain"]
     error = f"; lens − recency {-gain.bpb:+.4f} ± {gain.se:.4f}" if gain else ""
     key, lod = passkey_example(system, window, tokenizer, every)

@@ -40,7 +40,7 @@ from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.shell.session import training_sampler
 from mcfn.shell.traces import Traces, fingerprint
 from mcfn.tools.chunks import chunk_view
-from mcfn.tools.counterfactual import State, trace_window
+from mcfn.tools.counterfactual import TRACED, State, trace_window
 
 TRACES_DIR = "lens_traces"
 FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
@@ -86,7 +86,7 @@ def utility_summary(states: list[State]) -> dict[str, float]:
     corr = torch.tensor([s.utility_corr for s in states], dtype=torch.float64)
     corr = corr[corr.isfinite()]
     nll = {name: float(torch.stack([s.labelled.nll[name][0] for s in states]).mean()) for name in
-           ("lens", "match", "recency")}  # fmt: skip
+           TRACED}  # fmt: skip
     return {"utility_corr": float(corr.mean()), "se": float(corr.std() / corr.numel() ** 0.5), "states": len(states),
             **{f"nll_{k}": v for k, v in nll.items()}}  # fmt: skip
 
@@ -116,7 +116,7 @@ def train_on_traces(
             windows = t.windows[states["window"]]
             cv = chunk_view(Tree(emb=t.trees[states["window"]], batch_size=[rows.numel()]), windows, nodes,
                             int(states["n"][0]), protocol.every)  # fmt: skip
-            scores = block_scores(lensnet, cv.tree, cv.window, cv.nodes, cv.horizon)
+            scores = block_scores(lensnet.scorer(cv.nodes.layout, cv.window), cv.tree, cv.window, cv.nodes, cv.horizon)
             loss = ranking_loss(edit_worth(scores, states["gain"], states["loss"]), states["delta"], states["valid"])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -145,7 +145,7 @@ class Stage:
         self.ckpt, self.settings, self.device = ckpt, settings, device
         self.cfg = cfg = with_match_prior(ckpt.cfg)
         self.system = stage_system(ckpt, cfg, device)
-        self.protocol = Refocus(cfg.mc.refocus_every, cfg.mc.alloc.iterations, 1)
+        self.protocol = Refocus(cfg.mc.refocus_every)  # as generation and the evaluation refocus
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
         self.sampler = training_sampler(cfg, corpus)
         # Held out: the run's own mix (text and long-range tasks) over the validation split, so that a policy that

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT, set_activation_checkpointing
 from mcfn.core.outputs import StepOutput
+from mcfn.core.policy import RANDOM, RECENCY
 from mcfn.core.step import bits_per_byte, compile_step, nll_and_bytes, plain_step
 from mcfn.core.system import (
     MegaContext,
@@ -128,7 +129,7 @@ class MCTask:
         noise = self.noise(self.global_batch, derive_seed(self.seed, "train_noise", step))[:1]
         wc, _, _ = build_contexts(self.model, window[:1], noise)
         V, A = self.layout.V, self.model.alloc_variants
-        kinds = ["recency"] + ["random"] * (V - 1 - A) + ["allocator"] * A
+        kinds = [RECENCY.name] + [RANDOM.name] * (V - 1 - A) + ["allocator"] * A
         return [
             (kind, lod_string(wc.start[v], wc.span[v], wc.lod[v], wc.valid[v], self.layout.T, self.layout.K))
             for v, kind in enumerate(kinds)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
-from mcfn.tools.counterfactual import State
+from mcfn.tools.counterfactual import TRACED, State
 
 TRACE_FORMAT = 1
 FINGERPRINTED = ("base.", "gistnet.")  # the modules whose weights the labels measure
@@ -68,7 +68,7 @@ class Traces:
             "delta": torch.stack([padded(s.labelled.delta.float(), 0.0) for s in states]),
             "valid": torch.stack([torch.arange(E) < s.labelled.delta.numel() for s in states]),
             **{f"nll_{name}": torch.tensor([float(s.labelled.nll[name][0]) for s in states])
-               for name in ("lens", "match", "recency")},
+               for name in TRACED},
         }  # fmt: skip
         return cls(windows.cpu(), trees.cpu(), TensorDict(rows, batch_size=[len(states)]), fingerprint, round)
 

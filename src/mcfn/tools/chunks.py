@@ -9,7 +9,6 @@ tokens ``[0, n)`` within ``W - R`` entries, and the tokens ``[n, upto)`` are rea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from einops import rearrange, repeat
@@ -17,12 +16,11 @@ from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, tail_entries
 from mcfn.core.focus import Refocus, StreamView, focus_cut, stream_view, view_context, view_node_ids
-from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
+from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise
-from mcfn.tools.attention import attention_scores
 
 
 @dataclass(frozen=True)
@@ -81,34 +79,25 @@ def chunk_view(tree: Tree, window: Tensor, nodes: NodeTable, n: int, every: int)
     return ChunkView(view, view_nodes, nodes, ids, real, view_tree, view_window, n, upto, every)
 
 
-def focus_scorer(system: MegaContext, name: str, window: Tensor, view: StreamView, reach: int):
-    """The scorer of focus condition ``name`` for one row's view ``window [1, T + 1]`` (``None``: LensNet's)."""
-    if name == "attn":
-        return partial(attention_scores, system.base, system.layout.H)
-    if name == "match":
-        return match_scorer(window[:, : view.layout.T], view.layout.K, reach, view.layout.T)
-    return None
-
-
 def refocus_rows(
     system: MegaContext,
-    name: str,
+    policy: FocusPolicy,
     tree: Tree,
     window: Tensor,
     view: StreamView,
     protocol: Refocus,
     carried: list[WorkingContext | None],
 ) -> tuple[Tensor, list[WorkingContext]]:
-    """Focus condition ``name``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``),
+    """The scored ``policy``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``),
     warm from its ``carried`` context where there is one: the view's cuts ``[g, 1, view_nodes]``, and the contexts
     the next chunk carries."""
     cuts, contexts = [], []
     for i, prior in enumerate(carried):
         one_tree, one_window = tree[i : i + 1], window[i : i + 1]
-        scorer = focus_scorer(system, name, one_window, view, protocol.every)
+        scorer = policy.scorer(system, one_window, view.layout, protocol.every)
         warm = prior if protocol.warm_steps else None
         steps = protocol.steps if warm is None else protocol.warm_steps
-        cut = focus_cut(system.lensnet, one_tree, one_window, view, steps, warm, scorer)
+        cut = focus_cut(scorer, one_tree, one_window, view, steps, warm)
         contexts.append(view_context(one_tree, cut, one_window, view))
         cuts.append(cut)
     return torch.cat(cuts), contexts

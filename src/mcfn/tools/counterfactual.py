@@ -21,11 +21,15 @@ from torch import Tensor
 from mcfn.core.context import WorkingContext
 from mcfn.core.edits import Edits, edit_worth, single_edits
 from mcfn.core.focus import Refocus, focus_scores
+from mcfn.core.policy import LENS, MATCH, RANDOM, RECENCY, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
 from mcfn.tools.eval_stats import spearman
 from mcfn.tools.one_cut import stacked
+
+EDITS = "edits"  # the slots of a state's single edits among the candidates scored in one forward
+TRACED = (LENS.name, MATCH.name, RECENCY.name)  # the policies whose chunk NLL every traced state records
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,12 @@ class Labelled:
 
     edits: Edits
     delta: Tensor  # [e]: the policy cut's chunk NLL minus each edit's (nats per prediction)
-    nll: dict[str, Tensor]  # per candidate condition, [c] chunk NLLs (the policy's is "lens")
+    nll: dict[str, Tensor]  # per candidate policy, [c] chunk NLLs (the labelled cut is the lens policy's)
 
 
 def lens_view_scores(system: MegaContext, cv: ChunkView) -> Tensor:
     """LensNet's node scores ``[g, view_nodes]`` in the chunk's view, read up to its horizon (I11)."""
-    return focus_scores(system.lensnet, cv.tree, cv.window, cv.nodes, cv.horizon)
+    return focus_scores(system.lensnet.scorer(cv.nodes.layout, cv.window), cv.tree, cv.window, cv.nodes, cv.horizon)
 
 
 @torch.no_grad()
@@ -58,10 +62,10 @@ def label_edits(
     edits = single_edits(policy, scores, cv.nodes)
     views = torch.cat([policy[None], edits.shown])
     cuts = cv.window_cut(views)
-    shown, slots = stacked({"lens": cuts[None, :1], "edits": cuts[None, 1:], **(others or {})})
+    shown, slots = stacked({LENS.name: cuts[None, :1], EDITS: cuts[None, 1:], **(others or {})})
     nll = chunk_predictions(system, tree, shown, window, cv)[0][0].mean(-1)  # [S]
     by_slot = {name: nll[where] for name, where in slots.items()}
-    return Labelled(edits, by_slot["lens"] - by_slot.pop("edits"), by_slot)
+    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot)
 
 
 def utility_corr(labelled: Labelled, scores: Tensor) -> float:
@@ -94,20 +98,22 @@ def trace_window(
     """Walk one window's tail (``tree [1, n_nodes, D]``, ``window [1, T + 1]``) under generation's protocol, LensNet
     and ``match`` each refocusing warm from its own previous context, and label every chunk's state."""
     layout, R = system.layout, protocol.every
-    previous: dict[str, WorkingContext | None] = {"lens": None, "match": None}
+    previous: dict[FocusPolicy, WorkingContext | None] = {LENS: None, MATCH: None}
     states = []
     for n in range(layout.T - layout.H + 1, layout.T + 1, R):
         cv = chunk_view(tree, window, system.nodes, n, R)
         cuts = {}
-        for name in previous:
-            view_cuts, contexts = refocus_rows(system, name, cv.tree, cv.window, cv.view, protocol, [previous[name]])
-            previous[name], cuts[name] = contexts[0], view_cuts[0, 0]
+        for policy in previous:
+            view_cuts, contexts = refocus_rows(
+                system, policy, cv.tree, cv.window, cv.view, protocol, [previous[policy]]
+            )
+            previous[policy], cuts[policy] = contexts[0], view_cuts[0, 0]
         scores = lens_view_scores(system, cv)[0]
         others = {
-            "match": cv.window_cut(cuts["match"])[None, None],
-            "recency": cv.recency(1),
-            "random": cv.window_cut(cv.random(random_cuts, 1, generator)),
+            MATCH.name: cv.window_cut(cuts[MATCH])[None, None],
+            RECENCY.name: cv.recency(1),
+            RANDOM.name: cv.window_cut(cv.random(random_cuts, 1, generator)),
         }
-        labelled = label_edits(system, tree, window, cv, cuts["lens"], scores, others)
+        labelled = label_edits(system, tree, window, cv, cuts[LENS], scores, others)
         states.append(State(index, n, labelled, utility_corr(labelled, scores)))
     return states

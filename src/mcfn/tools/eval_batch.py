@@ -13,7 +13,7 @@ import torch
 from einops import rearrange
 from torch import Tensor
 
-from mcfn.core.focus import Refocus
+from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
 from mcfn.core.nodes import NodeTable
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
@@ -26,11 +26,11 @@ PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut f
 class EvalSettings:
     budgets: tuple[int, ...]  # W per sweep row; the first is the headline
     random_contexts: int = 8  # M: random compressed contexts per window (random and the best-of conditions)
-    refocus: int = 4  # allocator steps for the attn and lens conditions (L + 2 settle every case tried, I12)
+    refocus: int = REFOCUS_STEPS  # allocator steps of a scored policy's cold refocus
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
     refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens
-    warm_steps: int = 1  # allocator steps of every refocus after a window's first, from the previous context
+    warm_steps: int = WARM_STEPS  # allocator steps of every refocus after a window's first, from the previous context
     # Only what a reader needs first (a run's final evaluation): full, recency, match and lens under generation's
     # protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
     brief: bool = False

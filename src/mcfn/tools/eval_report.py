@@ -8,9 +8,9 @@ import json
 import math
 from pathlib import Path
 
-from mcfn.tools.eval_result import DepthAccuracy, EvalReport, ProtocolResult, Skipped, TaskResult
+from mcfn.tools.eval_result import FULL_PLAIN, DepthAccuracy, EvalReport, ProtocolResult, Skipped, TaskResult
 from mcfn.tools.eval_stats import GAINS
-from mcfn.tools.evaluation import CONDITIONS
+from mcfn.tools.evaluation import conditions
 
 EVAL_JSON, EVAL_MD, EVAL_PNG = "eval.json", "eval.md", "eval_sweep.png"
 
@@ -58,7 +58,7 @@ def format_eval_table(report: EvalReport) -> str:
 
 def protocol_table(result: ProtocolResult, W: int) -> list[str]:
     """One protocol's rows of a task, its paired gains at ``W`` and its long-range tokens."""
-    names = [c for c in (*CONDITIONS, "full_plain") if c in result.head.bpb]
+    names = [c for c in (*conditions(), FULL_PLAIN) if c in result.head.bpb]
     lines = ["| W | " + " | ".join(names) + " | retained [95% CI] | lens_rank_corr |"]
     lines += ["|---:|" + "---:|" * (len(names) + 2)]
     for row in result.sweep:

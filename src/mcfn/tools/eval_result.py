@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mcfn.core.policy import Choice, policies
 from mcfn.tools.eval_batch import EvalSettings
 
 
@@ -145,7 +146,7 @@ class Provenance:
     reference: str | None
 
 
-GENERATION_CONTEXTS = {"lens": "focus", "match": "match", "recency": "recency"}  # condition: train.generate --context
+FULL_PLAIN = "full_plain"  # with --reference: a plain GPT at length T, what a user would pick instead
 
 
 @dataclass(frozen=True)
@@ -186,10 +187,11 @@ class EvalReport:
 
     @property
     def best_context(self) -> str:
-        """The ``train.generate --context`` whose condition scored the lowest corpus bpb: the policy to generate
-        with."""
+        """The focus policy within the budget that scored the lowest corpus bpb, by its ``train.generate --context``
+        name: the policy to generate with."""
         bpb = self.head.head.bpb
-        return GENERATION_CONTEXTS[min((c for c in GENERATION_CONTEXTS if c in bpb), key=bpb.__getitem__)]
+        chosen = [p.name for p in policies() if p.choice in (Choice.TRUNCATION, Choice.SCORED) and p.name in bpb]
+        return min(chosen, key=bpb.__getitem__)
 
     def scored(self, task: str) -> TaskResult | None:
         """``task``'s result, or None where it was skipped or not asked for."""

@@ -19,11 +19,12 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
+from mcfn.core.policy import FULL, LENS, MATCH, RANDOM, RECENCY, RECENT
 from mcfn.core.preferences import pair_slots
 from mcfn.core.step import bits_per_byte
 from mcfn.tools.eval_result import Gain, Row, Utility
-from mcfn.tools.headroom import best_of, candidate_slots, cross_fitted, per_chunk
-from mcfn.tools.one_cut import Predictions
+from mcfn.tools.headroom import BEST_OF, best_of, candidate_slots, cross_fitted, per_chunk
+from mcfn.tools.one_cut import NOGIST, Predictions
 
 
 @dataclass
@@ -100,15 +101,16 @@ def retained_with_interval(
 ) -> tuple[float | None, list[float] | None]:
     """The retained fraction on scored bpb and its bootstrap 95% interval over documents, or None twice where
     ``recency − full`` is not positive beyond the noise (or there is no ``lens``)."""
-    if "lens" not in nats or nbytes.sum() <= 0:
+    full, recency, lens = FULL.name, RECENCY.name, LENS.name
+    if lens not in nats or nbytes.sum() <= 0:
         return None, None
-    resampled = {name: clusters.resampled_bpb(nats[name], nbytes) for name in ("full", "recency", "lens")}
-    gap = resampled["recency"] - resampled["full"]
-    point_gap = float(pooled_bpb(nats["recency"], nbytes) - pooled_bpb(nats["full"], nbytes))
+    resampled = {name: clusters.resampled_bpb(nats[name], nbytes) for name in (full, recency, lens)}
+    gap = resampled[recency] - resampled[full]
+    point_gap = float(pooled_bpb(nats[recency], nbytes) - pooled_bpb(nats[full], nbytes))
     if point_gap <= 0 or float(gap.quantile(0.025)) <= 0:
         return None, None
-    point = float(pooled_bpb(nats["recency"] - nats["lens"], nbytes)) / point_gap
-    fraction = (resampled["recency"] - resampled["lens"]) / gap
+    point = float(pooled_bpb(nats[recency] - nats[lens], nbytes)) / point_gap
+    fraction = (resampled[recency] - resampled[lens]) / gap
     return point, [float(fraction.quantile(0.025)), float(fraction.quantile(0.975))]
 
 
@@ -123,10 +125,10 @@ def paired_gain(nats: dict[str, Tensor], nbytes: Tensor, worse: str, better: str
 # Paired differences every sweep row reports: LensNet's and the n-gram match's gains over truncation, LensNet's over
 # the structured cut ``recent``, and what its gists are worth.
 GAINS = {
-    "lens_gain": ("recency", "lens"),
-    "match_gain": ("recency", "match"),
-    "lens_over_recent": ("recent", "lens"),
-    "gist_worth": ("lens_nogist", "lens"),
+    "lens_gain": (RECENCY.name, LENS.name),
+    "match_gain": (RECENCY.name, MATCH.name),
+    "lens_over_recent": (RECENT.name, LENS.name),
+    "gist_worth": (NOGIST, LENS.name),
 }
 
 
@@ -178,14 +180,14 @@ def record(
         out.add(name, (nll * mask).sum(-1), (hit | ~mask).all(-1))
     nats = (pred.nll * mask[:, None]).sum(-1)  # [B, S]
     correct = (pred.hit | ~mask[:, None]).all(-1)
-    for name in ("recency", "recent", "attn", "match", "lens", "lens_nogist"):
-        if name in pred.slots:
-            out.add(name, nats[:, pred.slots[name]][:, 0], correct[:, pred.slots[name]][:, 0])
+    for name, slots in pred.slots.items():  # each single-cut condition (the random cuts: add_random)
+        if name != RANDOM.name:
+            out.add(name, nats[:, slots][:, 0], correct[:, slots][:, 0])
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
     if per_state and pred.utility is not None:
         out.utility.append(pred.utility[pred.utility.isfinite()])
-    if "random" in pred.slots:  # not in a brief evaluation
+    if RANDOM.name in pred.slots:  # not in a brief evaluation
         add_random(out, pred, nats, correct, mask, scored)
     return out
 
@@ -193,15 +195,16 @@ def record(
 def add_random(out: Scores, pred: Predictions, nats: Tensor, correct: Tensor, mask: Tensor, scored: Tensor) -> None:
     """The random cuts' scores, the best-of conditions over them (and over all cuts), and LensNet's rank pairs:
     ``nats, correct [B, S]`` per context, ``mask, scored [B, H]`` the scored targets and their bytes."""
-    random_nats, random_correct = nats[:, pred.slots["random"]], correct[:, pred.slots["random"]]
-    out.add("random", random_nats.mean(-1), random_correct.double().mean(-1))
+    random_nats, random_correct = nats[:, pred.slots[RANDOM.name]], correct[:, pred.slots[RANDOM.name]]
+    out.add(RANDOM.name, random_nats.mean(-1), random_correct.double().mean(-1))
     candidates = candidate_slots(pred)  # the random cuts first
     all_nats, all_wrong, chunk_bytes = per_chunk(pred, mask, scored, candidates)  # [B, S, C], [B, S, C], [B, C]
     M = random_nats.size(1)
     chunk_nats, chunk_wrong = all_nats[:, :M], all_wrong[:, :M]
-    out.add("best_of_random", *best_of(chunk_nats, chunk_wrong))
-    out.add("best_of_all", *best_of(all_nats, all_wrong))
-    out.add("best_of_all_oos", *cross_fitted(pred, mask, scored, candidates))
+    best_of_random, best_of_all, best_of_all_oos = BEST_OF
+    out.add(best_of_random, *best_of(chunk_nats, chunk_wrong))
+    out.add(best_of_all, *best_of(all_nats, all_wrong))
+    out.add(best_of_all_oos, *cross_fitted(pred, mask, scored, candidates))
     if pred.preference is not None:
         B, M, C = chunk_nats.shape
         i, j = pair_slots(M, B, random_nats.device)

@@ -8,7 +8,8 @@ under these conditions at the same budget ``W``:
 * ``recent``: the training-free structured cut, full coverage with the newest detail first
   (:func:`mcfn.core.variants.recent_cut`): the bar a learned focus must clear on natural text;
 * ``random``: a random compressed working context (the mean over ``M`` of them);
-* ``attn``: the training-free focus, refocused by the base model's own attention (:mod:`mcfn.tools.attention`);
+* ``attn``: the training-free focus, refocused by the base model's own attention
+  (:func:`mcfn.core.attention.attention_scores`);
 * ``match``: the training-free n-gram copy focus (:mod:`mcfn.core.match`);
 * ``lens``: LensNet's scores, read once from the block view (I12), and a few allocator steps (it may leave blocks
   out, down to truncation);
@@ -61,6 +62,7 @@ from tqdm import tqdm
 from mcfn.core.focus import refocus_budget
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
+from mcfn.core.policy import ATTN, FULL, LENS, policies
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import ProbeBatch, evaluation_probe, misfit
@@ -68,14 +70,26 @@ from mcfn.data.tokenizer import Tokenizer
 from mcfn.geometry import most_refocus_every
 from mcfn.seeding import derive_seed
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.eval_result import DepthAccuracy, EvalReport, LongRange, ProtocolResult, Skipped, TaskResult
+from mcfn.tools.eval_result import (
+    FULL_PLAIN,
+    DepthAccuracy,
+    EvalReport,
+    LongRange,
+    ProtocolResult,
+    Skipped,
+    TaskResult,
+)
 from mcfn.tools.eval_stats import Scores, accuracy_by_depth, record, summarise
+from mcfn.tools.headroom import BEST_OF
 from mcfn.tools.long_range import far_context_tokens
-from mcfn.tools.one_cut import predict_budget, tail_predictions
+from mcfn.tools.one_cut import NOGIST, predict_budget, tail_predictions
 from mcfn.tools.refocused import predict_chunked
 
-CONDITIONS = ("full", "recency", "recent", "random", "attn", "match", "lens", "lens_nogist", "best_of_random",
-              "best_of_all", "best_of_all_oos")  # fmt: skip
+
+def conditions() -> tuple[str, ...]:
+    """Every condition an evaluation reports, in the tables' order: each focus policy, then the gist ablation and
+    the best-of conditions (``full_plain``, with ``--reference``, comes last)."""
+    return (*(policy.name for policy in policies()), NOGIST, *BEST_OF)
 
 
 def default_budgets(layout: Layout) -> tuple[int, ...]:
@@ -158,9 +172,9 @@ class TaskBatch:
         scored = held_out.token_bytes[targets] * probe.answer[:, layout.T - layout.H :]
         horizon = probe.answer.long().argmax(-1)
         utility = corpus and system.lensnet is not None and not settings.brief
-        references = {"full": full_predictions(system.base, window, layout.H)}
+        references = {FULL.name: full_predictions(system.base, window, layout.H)}
         if reference is not None:
-            references["full_plain"] = full_predictions(reference, window, layout.H)
+            references[FULL_PLAIN] = full_predictions(reference, window, layout.H)
         near = settings.budgets[0] - settings.refocus_every  # what truncation keeps at a refocus, at the headline W
         longrange = scored * far_context_tokens(window, layout.H, near) if corpus else None
         doc = None if held_out.docs is None else held_out.docs[index]
@@ -219,7 +233,7 @@ def summarise_task(scores: TaskScores, task: str, settings: EvalSettings, layout
                 summarise(head, task, budgets[0], layout.T),
             )
         if task != "corpus":
-            condition = "lens" if lens else "attn"
+            condition = LENS.name if lens else ATTN.name
             depth = DepthAccuracy(condition, {w: accuracy_by_depth(scores.all[name, w], condition) for w in budgets})
         protocols[name] = ProtocolResult(rows, longrange, depth)
     return TaskResult(protocols)

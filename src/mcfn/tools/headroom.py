@@ -17,15 +17,18 @@ import torch
 from einops import repeat
 from torch import Tensor
 
+from mcfn.core.policy import RANDOM, Choice, policies
 from mcfn.tools.one_cut import Predictions
 
-CANDIDATES = ("recency", "attn", "match", "lens")  # besides the random cuts, where present
+BEST_OF = ("best_of_random", "best_of_all", "best_of_all_oos")  # the conditions this module defines
 
 
 def candidate_slots(pred: Predictions) -> list[int]:
-    """The context slots ``best_of_all`` picks from: the random cuts, then each single-cut condition present."""
-    random = pred.slots["random"]
-    return list(range(random.start, random.stop)) + [pred.slots[n].start for n in CANDIDATES if n in pred.slots]
+    """The context slots ``best_of_all`` picks from: the random cuts, then the cut of each policy present that
+    generation could refocus with (truncation and the scored ones; not the fixed rule)."""
+    random = pred.slots[RANDOM.name]
+    chosen = [p.name for p in policies() if p.choice in (Choice.TRUNCATION, Choice.SCORED) and p.name in pred.slots]
+    return list(range(random.start, random.stop)) + [pred.slots[name].start for name in chosen]
 
 
 def per_group(
@@ -46,7 +49,7 @@ def per_group(
 
 def per_chunk(pred: Predictions, mask: Tensor, scored: Tensor, slots: list[int] | None = None):
     """:func:`per_group` over chunks (``[B, S, C]``), for the random contexts unless ``slots`` says otherwise."""
-    random = pred.slots["random"]
+    random = pred.slots[RANDOM.name]
     slots = list(range(random.start, random.stop)) if slots is None else slots
     return per_group(pred, mask, scored, pred.chunk, int(pred.chunk.max()) + 1, slots)
 

@@ -6,7 +6,6 @@ far text a tail will copy is mostly not legible from before it (LABLOG has the m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from einops import rearrange, repeat
@@ -15,17 +14,18 @@ from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
 from mcfn.core.focus import refocus
-from mcfn.core.match import match_scorer
 from mcfn.core.model import GPT
 from mcfn.core.nodes import NodeTable
+from mcfn.core.policy import LENS, RANDOM, Choice, policies
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
-from mcfn.tools.attention import attention_scores
 from mcfn.tools.eval_batch import EvalBatch
 from mcfn.typecheck import typechecked
+
+NOGIST = f"{LENS.name}_nogist"  # the lens policy's cuts read with every gist zeroed: what the gists are worth
 
 
 @typechecked
@@ -50,16 +50,24 @@ def context_predictions(
 
 
 def budget_contexts(batch: EvalBatch, nodes: NodeTable, generator: torch.Generator) -> tuple[Tensor, dict[str, slice]]:
-    """The working contexts scored at one budget, ``[B, S, nodes]``, and each condition's slots; ``attn``,
-    ``match`` and ``lens`` choose theirs from what lies up to each window's horizon."""
-    B, M, device = batch.window.size(0), batch.settings.random_contexts, batch.window.device
-    noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
-    parts = {
-        "recency": recency_cut(nodes.layout, B, device),
-        "recent": repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B),
-        "random": compressed_cuts(noise, nodes.with_sizes(N=M)),
-        **focus_contexts(batch, nodes),
-    }
+    """The working contexts scored at one budget, ``[B, S, nodes]``, and each policy's slots; the scored policies
+    choose theirs from what lies up to each window's horizon, each refocused from the coarsest cut."""
+    system, window = batch.system, batch.window
+    B, M, device = window.size(0), batch.settings.random_contexts, window.device
+    parts = {}
+    for policy in policies(system):
+        if policy.choice is Choice.TRUNCATION:
+            parts[policy.name] = recency_cut(nodes.layout, B, device)
+        elif policy.choice is Choice.FIXED:
+            parts[policy.name] = repeat(recent_cut(nodes.layout, device), "n -> b 1 n", b=B)
+        elif policy.choice is Choice.RANDOM:
+            noise = draw_variant_noise(nodes.with_sizes(N=M).layout, B, generator, device)
+            parts[policy.name] = compressed_cuts(noise, nodes.with_sizes(N=M))
+        elif policy.scored:
+            start = repeat(system.coarsest, "n -> b 1 n", b=B)
+            scorer = policy.scorer(system, window, nodes.layout, nodes.layout.H)  # one cut serves all H
+            steps, horizon = batch.settings.refocus, batch.horizon
+            parts[policy.name] = refocus(scorer, batch.tree, window, start, nodes, iterations=steps, horizon=horizon)
     return stacked(parts)
 
 
@@ -70,32 +78,6 @@ def stacked(parts: dict[str, Tensor]) -> tuple[Tensor, dict[str, slice]]:
         slots[name] = slice(at, at + cut.size(1))
         at += cut.size(1)
     return torch.cat(list(parts.values()), dim=1), slots
-
-
-def focus_contexts(batch: EvalBatch, nodes: NodeTable) -> dict[str, Tensor]:
-    """The cuts ``[B, 1, nodes]`` that read each window up to its horizon: ``attn``, ``match``, and ``lens`` with a
-    LensNet; each refocused from the coarsest cut."""
-    system, window, layout = batch.system, batch.window, nodes.layout
-    start = repeat(system.coarsest, "n -> b 1 n", b=window.size(0))
-    scorers = {
-        "attn": partial(attention_scores, system.base, layout.H),
-        "match": match_scorer(window[:, : layout.T], layout.K, layout.H, layout.T),
-    }
-    if system.lensnet is not None:
-        scorers["lens"] = None
-    return {
-        name: refocus(
-            system.lensnet,
-            batch.tree,
-            window,
-            start,
-            nodes,
-            iterations=batch.settings.refocus,
-            scorer=scorer,
-            horizon=batch.horizon,
-        )
-        for name, scorer in scorers.items()
-    }
 
 
 @dataclass
@@ -119,12 +101,12 @@ def predict_budget(batch: EvalBatch, budget: int, generator: torch.Generator) ->
     nll, hit, wc = context_predictions(system, batch.tree, shown, window, nodes)
     preference = None
     if system.lensnet is not None:
-        ablated = context_predictions(system, batch.nogist, shown[:, slots["lens"]], window, nodes)
-        slots["lens_nogist"] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
+        ablated = context_predictions(system, batch.nogist, shown[:, slots[LENS.name]], window, nodes)
+        slots[NOGIST] = slice(nll.size(1), nll.size(1) + ablated[0].size(1))
         nll, hit = torch.cat([nll, ablated[0]], dim=1), torch.cat([hit, ablated[1]], dim=1)
         B, S = shown.shape[:2]
-        rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots["random"]]
-        random_wc, random = wc[rows.flatten()], shown[:, slots["random"]]
+        rows = rearrange(torch.arange(B * S, device=shown.device), "(b s) -> b s", b=B)[:, slots[RANDOM.name]]
+        random_wc, random = wc[rows.flatten()], shown[:, slots[RANDOM.name]]
         i, j = pair_slots(random.size(1), B, random.device)
         seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
         tokens = repeat(window[:, : nodes.layout.T], "b t -> (b s) t", s=random.size(1))

@@ -9,7 +9,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only: never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mcfn.tools.eval_result import DepthAccuracy, EvalReport  # noqa: E402
+from mcfn.core.policy import FULL, policies  # noqa: E402
+from mcfn.tools.eval_result import FULL_PLAIN, DepthAccuracy, EvalReport  # noqa: E402
+from mcfn.tools.headroom import BEST_OF  # noqa: E402
 
 
 def plot_budget_sweep(report: EvalReport, path: Path) -> None:
@@ -17,8 +19,10 @@ def plot_budget_sweep(report: EvalReport, path: Path) -> None:
     rows = sorted(report.head.sweep, key=lambda r: r.compression)
     x = [r.compression for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    styles = {"full": "k--", "full_plain": "k:", "recency": "o-", "random": "s-", "attn": "d-", "lens": "^-",
-              "best_of_all_oos": "v:"}  # fmt: skip
+    markers = iter("osd^x*<>ph" * 2)
+    styles = {FULL.name: "k--", FULL_PLAIN: "k:"}
+    styles |= {policy.name: f"{next(markers)}-" for policy in policies() if policy is not FULL}
+    styles[BEST_OF[-1]] = "v:"  # the out-of-sample best of every cut: the headroom
     for name, style in styles.items():
         if all(name in r.bpb for r in rows):  # only the conditions that were measured
             ax.plot(x, [r.bpb[name] for r in rows], style, label=name)

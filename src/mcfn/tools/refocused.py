@@ -31,6 +31,7 @@ from torch import Tensor
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import StreamView, refocus_budget
 from mcfn.core.nodes import NodeTable
+from mcfn.core.policy import LENS, Choice, policies, scored_policies
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
@@ -38,9 +39,7 @@ from mcfn.core.variants import recent_cut
 from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
 from mcfn.tools.counterfactual import label_edits, lens_view_scores, utility_corr
 from mcfn.tools.eval_batch import EvalBatch
-from mcfn.tools.one_cut import Predictions, stacked
-
-FOCUSES = ("attn", "match", "lens")  # the conditions that refocus with focus_cut
+from mcfn.tools.one_cut import NOGIST, Predictions, stacked
 
 
 @dataclass
@@ -82,13 +81,14 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
     slots, nll, hit = None, None, None
     preference = torch.zeros(B, n_chunks, M * (M - 1) // 2, device=device)
     utility = torch.full((B, n_chunks), torch.nan, dtype=torch.float64)
-    previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in FOCUSES}
-    cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in FOCUSES}
+    focuses = [policy.name for policy in scored_policies(system, batch.settings.brief)]
+    previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in focuses}
+    cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in focuses}
     for c in range(n_chunks):
         at = horizon + c * R
         for n in sorted(set((at[at < T] + 1).tolist())):
             rows = torch.nonzero(at + 1 == n).flatten()
-            carried = {name: [previous[name][row] for row in rows.tolist()] for name in FOCUSES}
+            carried = {name: [previous[name][row] for row in rows.tolist()] for name in focuses}
             part = predict_chunk(batch, rows, n, nodes, generator, carried)
             if slots is None:
                 slots = part.slots
@@ -126,29 +126,32 @@ def predict_chunk(
     protocol, M, brief = batch.settings.protocol, batch.settings.random_contexts, batch.settings.brief
     cv = chunk_view(tree, window, nodes, n, protocol.every)
     g = rows.numel()
-    parts: dict[str, Tensor] = {"recency": cv.recency(g)}
-    if not brief:
-        parts["recent"] = cv.window_cut(recent_cut(cv.view.layout, window.device)).expand(g, 1, -1)
-        random_view = cv.random(M, g, generator)
-        parts["random"] = cv.window_cut(random_view)
+    parts: dict[str, Tensor] = {}
     contexts: dict[str, list[WorkingContext]] = {}
     view_cuts: dict[str, Tensor] = {}
-    focuses = [name for name in FOCUSES if not (brief and name == "attn")]
-    for name in focuses if system.lensnet is not None else focuses[:-1]:
-        view_cuts[name], contexts[name] = refocus_rows(
-            system, name, cv.tree, cv.window, cv.view, protocol, carried[name]
-        )
-        parts[name] = cv.window_cut(view_cuts[name])
+    for policy in policies(system, brief):
+        if policy.choice is Choice.TRUNCATION:
+            parts[policy.name] = cv.recency(g)
+        elif policy.choice is Choice.FIXED:
+            parts[policy.name] = cv.window_cut(recent_cut(cv.view.layout, window.device)).expand(g, 1, -1)
+        elif policy.choice is Choice.RANDOM:
+            random_view = cv.random(M, g, generator)
+            parts[policy.name] = cv.window_cut(random_view)
+        elif policy.scored:
+            view_cuts[policy.name], contexts[policy.name] = refocus_rows(
+                system, policy, cv.tree, cv.window, cv.view, protocol, carried[policy.name]
+            )
+            parts[policy.name] = cv.window_cut(view_cuts[policy.name])
     shown, slots = stacked(parts)
     nll, hit = chunk_predictions(system, tree, shown, window, cv)
     preference, utility = None, None
     if system.lensnet is not None and not brief:
-        ablated = chunk_predictions(system, batch.nogist[rows], parts["lens"], window, cv)
-        slots["lens_nogist"] = slice(shown.size(1), shown.size(1) + 1)
+        ablated = chunk_predictions(system, batch.nogist[rows], parts[LENS.name], window, cv)
+        slots[NOGIST] = slice(shown.size(1), shown.size(1) + 1)
         nll, hit = torch.cat([nll, ablated[0]], 1), torch.cat([hit, ablated[1]], 1)
         preference = random_preferences(system, cv.tree, random_view, cv.window, cv.nodes, cv.view)
         if batch.utility:
-            utility = edit_correlations(system, tree, window, cv, view_cuts["lens"][:, 0])
+            utility = edit_correlations(system, tree, window, cv, view_cuts[LENS.name][:, 0])
     cuts = {name: parts[name][:, 0] for name in contexts}
     return Chunk(slots, nll, hit, preference, contexts, cuts, utility)
 

@@ -1,0 +1,121 @@
+"""Focus policies: how a working context is chosen over a history. One registry, :data:`POLICIES`, which every
+reader iterates: generation (``train.generate --context NAME``), both evaluation protocols, the report's opening
+lines, the tables, the plots and the LensNet stage's comparisons. To add a policy, :func:`register` one.
+
+A policy chooses its cut in one of five ways (:class:`Choice`):
+
+* ``full``: every token at LOD0, no budget (the bar every other policy is measured against);
+* ``recency``: truncation, the newest ``W - R`` tokens at each refocus;
+* ``recent``: the fixed rule (the tail, then coarser with distance) and ``random``: ``M`` random compressed cuts,
+  the evaluation's references (the best-of conditions pick among them); generation does not decode with them;
+* a *scored* policy (``attn``, ``match``, ``lens`` and any registered one): every node scored once from the block
+  view, read up to the horizon (I11), and the allocator settles a cut within the budget, cold from the coarsest
+  cut (:data:`~mcfn.core.focus.REFOCUS_STEPS`) or warm from the previous context (:func:`~mcfn.core.focus.focus_cut`).
+
+A scored policy's :attr:`FocusPolicy.scorer_of` builds its scorer for one view: ``(system, window, layout, reach)``,
+the window's tokens ``[g, >= layout.T]`` (only what lies up to each row's newest entry is read), the view's layout,
+and ``reach``, the number of predictions the cut serves (``R`` under generation's protocol, ``H`` under one cut).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from functools import partial
+
+from torch import Tensor
+
+from mcfn.core.attention import attention_scores
+from mcfn.core.focus import Scorer
+from mcfn.core.match import match_scorer
+from mcfn.core.nodes import Layout
+from mcfn.core.system import MegaContext
+
+ScorerOf = Callable[[MegaContext, Tensor, Layout, int], Scorer]
+
+
+class Choice(Enum):
+    FULL = "full"
+    TRUNCATION = "truncation"
+    FIXED = "fixed"
+    RANDOM = "random"
+    SCORED = "scored"
+
+
+@dataclass(frozen=True)
+class FocusPolicy:
+    """A named way to choose the working context (see the module's docstring)."""
+
+    name: str
+    choice: Choice
+    scorer_of: ScorerOf | None = None  # a scored policy's scorer for one view
+    needs_lensnet: bool = False  # scored by the run's LensNet: absent from a run without one
+    brief: bool = True  # scored by a run's brief final evaluation (full, recency, match and lens)
+
+    def __post_init__(self) -> None:
+        if (self.choice is Choice.SCORED) != (self.scorer_of is not None):
+            raise ValueError(f"focus policy {self.name!r}: a scored policy needs a scorer, and only a scored one")
+
+    @property
+    def scored(self) -> bool:
+        return self.choice is Choice.SCORED
+
+    @property
+    def generates(self) -> bool:
+        """Whether generation decodes with it (``train.generate --context``)."""
+        return self.choice not in (Choice.FIXED, Choice.RANDOM)
+
+    def available(self, system: MegaContext) -> bool:
+        return system.lensnet is not None or not self.needs_lensnet
+
+    def scorer(self, system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+        assert self.scorer_of is not None, f"{self.name} is not a scored policy"
+        return self.scorer_of(system, window, layout, reach)
+
+
+POLICIES: dict[str, FocusPolicy] = {}  # by name, in the order the tables list them
+
+
+def register(policy: FocusPolicy) -> FocusPolicy:
+    if policy.name in POLICIES:
+        raise ValueError(f"a focus policy named {policy.name!r} is registered already")
+    POLICIES[policy.name] = policy
+    return policy
+
+
+def policy_named(name: str) -> FocusPolicy:
+    return POLICIES[name]
+
+
+def policies(system: MegaContext | None = None, brief: bool = False) -> list[FocusPolicy]:
+    """The registered policies in order: those ``system`` can run (a scored one may need its LensNet), and with
+    ``brief`` only those a brief evaluation scores."""
+    return [p for p in POLICIES.values() if (system is None or p.available(system)) and (p.brief or not brief)]
+
+
+def scored_policies(system: MegaContext, brief: bool = False) -> list[FocusPolicy]:
+    """The scored policies ``system`` can run: those that refocus with :func:`~mcfn.core.focus.focus_cut`."""
+    return [p for p in policies(system, brief) if p.scored]
+
+
+def _attention(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+    return partial(attention_scores, system.base, system.layout.H)
+
+
+def _match(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+    return match_scorer(window[:, : layout.T], layout.K, reach, layout.T)
+
+
+def _lensnet(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+    assert system.lensnet is not None, "the lens policy needs the run's LensNet"
+    return system.lensnet.scorer(layout, window)
+
+
+FULL = register(FocusPolicy("full", Choice.FULL))
+RECENCY = register(FocusPolicy("recency", Choice.TRUNCATION))
+RECENT = register(FocusPolicy("recent", Choice.FIXED, brief=False))
+RANDOM = register(FocusPolicy("random", Choice.RANDOM, brief=False))
+ATTN = register(FocusPolicy("attn", Choice.SCORED, _attention, brief=False))
+MATCH = register(FocusPolicy("match", Choice.SCORED, _match))
+LENS = register(FocusPolicy("lens", Choice.SCORED, _lensnet, needs_lensnet=True))
