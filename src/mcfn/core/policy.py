@@ -36,11 +36,13 @@ ScorerOf = Callable[[MegaContext, Tensor, Layout, int], Scorer]
 
 
 class Choice(Enum):
-    FULL = "full"
-    TRUNCATION = "truncation"
-    FIXED = "fixed"
-    RANDOM = "random"
-    SCORED = "scored"
+    """How a policy chooses its cut."""
+
+    FULL = "full"  # every token, no budget
+    TRUNCATION = "truncation"  # the newest W - R tokens
+    FIXED = "fixed"  # the fixed rule, mcfn.core.variants.recent_cut
+    RANDOM = "random"  # M random compressed cuts
+    SCORED = "scored"  # a scorer of the block view, settled by the allocator
 
 
 @dataclass(frozen=True)
