@@ -85,7 +85,7 @@ def show_layout(args: argparse.Namespace, n: int, layout: str) -> None:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from mcfn.core.policy import FULL, policy_named
+    from mcfn.core.policy import FULL, POLICIES
     from mcfn.core.step import compile_step
     from mcfn.core.system import MegaContext
     from mcfn.inference.generation import Sampling, generate_full, generate_mc
@@ -99,13 +99,11 @@ def run(args: argparse.Namespace) -> None:
     ids = [tok.bos_id, *tok.encode(text)][: args.max_prompt_tokens]
     prompt = torch.tensor(ids, dtype=torch.int64, device=device)
     sampling = Sampling(args.temperature, args.top_k, args.seed)
-    model, policy = trained.model, policy_named(args.context)
+    model, policy = trained.model, POLICIES[args.context]
     compile_fn = partial(compile_step, mode=trained.cfg.train.compile_mode) if args.compile else None
     if policy is not FULL:
         if not isinstance(model, MegaContext):
             raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run); use --context full")
-        if not policy.available(model):
-            raise UserError(f"{args.ckpt} has no LensNet (mc.lens.enabled = false); choose another --context")
         every = trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every
         out, stats = generate_mc(
             model, prompt, args.max_new_tokens, every, args.refocus_steps, sampling, warm_steps=args.warm_steps,

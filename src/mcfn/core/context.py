@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
@@ -28,6 +30,9 @@ class WorkingContext(TensorClass):
     node: Tensor  # [R, W] int64: node id in the tree layout
     target: Tensor  # [R, W] int64: the token right after the span (I5); -1 for padding
     valid: Tensor  # [R, W] bool
+
+
+Scorer = Callable[[WorkingContext], Tensor]  # a focus policy's signed scores [r, w] of a context's entries
 
 
 @typechecked

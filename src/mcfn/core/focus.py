@@ -21,7 +21,6 @@ view's nodes onto a training window's tree).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +29,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.allocator import allocate, node_scores_of, shrink
-from mcfn.core.context import WorkingContext, assemble, seen_until
+from mcfn.core.context import Scorer, WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
@@ -40,7 +39,6 @@ from mcfn.typecheck import typechecked
 
 REFOCUS_STEPS = 4  # allocator steps of a cold refocus, from the coarsest cut: L + 2 settle every case tried (I12)
 WARM_STEPS = 1  # allocator steps of a warm one, from the previous context
-Scorer = Callable[[WorkingContext], Tensor]  # signed scores [r, w] of a working context's entries
 
 
 def tail_horizon(layout: Layout, rows: int, device: torch.device) -> Int[Tensor, " r"]:

@@ -23,7 +23,6 @@ covers at least K tokens, so a cut over T tokens has at most ``T/K`` units whate
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -32,7 +31,7 @@ from einops import rearrange, repeat
 from jaxtyping import Float, Int, Shaped
 from torch import Tensor, nn
 
-from mcfn.core.context import WorkingContext
+from mcfn.core.context import Scorer, WorkingContext
 from mcfn.core.match import match_votes
 from mcfn.core.model import ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
@@ -150,7 +149,7 @@ class LensNet(nn.Module):
         scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T), (0, 1))  # padding scores 0
         return scores.gather(1, unit) * wc.valid
 
-    def scorer(self, layout: Layout, window: Int[Tensor, "r t"]) -> Callable[[WorkingContext], Tensor]:
+    def scorer(self, layout: Layout, window: Int[Tensor, "r t"]) -> Scorer:
         """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows."""
         return partial(self, layout=layout, tokens=window[:, : layout.T])
 

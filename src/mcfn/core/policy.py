@@ -27,7 +27,7 @@ from functools import partial
 from torch import Tensor
 
 from mcfn.core.attention import attention_scores
-from mcfn.core.focus import Scorer
+from mcfn.core.context import Scorer
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
@@ -64,9 +64,15 @@ class FocusPolicy:
         return self.choice is Choice.SCORED
 
     @property
+    def refocuses(self) -> bool:
+        """Whether it chooses a cut within the budget at each refocus (truncation or a scored policy): what MC
+        decoding can run, and what the best-of candidates and the report's ``best_context`` choose among."""
+        return self.choice in (Choice.TRUNCATION, Choice.SCORED)
+
+    @property
     def generates(self) -> bool:
-        """Whether generation decodes with it (``train.generate --context``)."""
-        return self.choice not in (Choice.FIXED, Choice.RANDOM)
+        """Whether generation decodes with it (``train.generate --context``): a refocusing policy, or full context."""
+        return self.refocuses or self.choice is Choice.FULL
 
     def available(self, system: MegaContext) -> bool:
         return system.lensnet is not None or not self.needs_lensnet
@@ -84,10 +90,6 @@ def register(policy: FocusPolicy) -> FocusPolicy:
         raise ValueError(f"a focus policy named {policy.name!r} is registered already")
     POLICIES[policy.name] = policy
     return policy
-
-
-def policy_named(name: str) -> FocusPolicy:
-    return POLICIES[name]
 
 
 def policies(system: MegaContext | None = None, brief: bool = False) -> list[FocusPolicy]:

@@ -32,14 +32,14 @@ class LossWeights:
     @classmethod
     def of(cls, mc: MCConfig, device: torch.device) -> LossWeights:
         lens, teacher = mc.lens, mc.teacher
-        values = dict(
-            pref=PREF_WEIGHT,
-            budget=BUDGET_WEIGHT,
-            temperature=TEMPERATURE,
-            attention=lens.attention_weight,
-            full=teacher.full_weight,
-            recon=mc.gist.recon_weight,
-        )
+        values = {
+            "pref": PREF_WEIGHT,
+            "budget": BUDGET_WEIGHT,
+            "temperature": TEMPERATURE,
+            "attention": lens.attention_weight,
+            "full": teacher.full_weight,
+            "recon": mc.gist.recon_weight,
+        }
         return cls(**{name: torch.tensor(float(value), device=device) for name, value in values.items()})
 
     def values(self) -> dict[str, float]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from mcfn.core.focus import WARM_STEPS
 from mcfn.core.policy import FULL, LENS, RECENCY
 from mcfn.core.system import MegaContext
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
@@ -35,7 +36,7 @@ def decode_once(
     gc.collect()  # the previous mode's garbage is not collected on this one's time
     if mode == FULL.name:
         return generate_full(system.base, prompt, new_tokens, greedy, compile_fn)[1]
-    warm_steps = 0 if mode == "mc_cold" else 1
+    warm_steps = 0 if mode == "mc_cold" else WARM_STEPS
     policy = RECENCY if mode == RECENCY.name else LENS
     return generate_mc(
         system,

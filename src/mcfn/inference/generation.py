@@ -183,8 +183,10 @@ def decode_mc(
 ) -> tuple[Tensor, GenerationStats]:
     """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]`` with ``policy``'s contexts; ``choose(logits
     [vocab], i)`` gives the ``i``-th new token ``[1]``."""
-    if not (policy.scored or policy.choice is Choice.TRUNCATION) or not policy.available(system):
-        raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy on this run")
+    if not policy.refocuses:
+        raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy")
+    if not policy.available(system):
+        raise UserError(f"the {policy.name} policy needs the run's LensNet, and this run has none (mc.lens.enabled)")
     base, layout = system.base, system.layout
     decoder = TokenDecoder(base, compile_fn)
     budget = refocus_budget(layout, refocus.every)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mcfn.core.policy import Choice, policies
+from mcfn.core.policy import policies
 from mcfn.tools.eval_batch import EvalSettings
 
 
@@ -190,7 +190,7 @@ class EvalReport:
         """The focus policy within the budget that scored the lowest corpus bpb, by its ``train.generate --context``
         name: the policy to generate with."""
         bpb = self.head.head.bpb
-        chosen = [p.name for p in policies() if p.choice in (Choice.TRUNCATION, Choice.SCORED) and p.name in bpb]
+        chosen = [p.name for p in policies() if p.refocuses and p.name in bpb]
         return min(chosen, key=bpb.__getitem__)
 
     def scored(self, task: str) -> TaskResult | None:

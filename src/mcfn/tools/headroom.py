@@ -17,7 +17,7 @@ import torch
 from einops import repeat
 from torch import Tensor
 
-from mcfn.core.policy import RANDOM, Choice, policies
+from mcfn.core.policy import RANDOM, policies
 from mcfn.tools.one_cut import Predictions
 
 BEST_OF = ("best_of_random", "best_of_all", "best_of_all_oos")  # the conditions this module defines
@@ -27,7 +27,7 @@ def candidate_slots(pred: Predictions) -> list[int]:
     """The context slots ``best_of_all`` picks from: the random cuts, then the cut of each policy present that
     generation could refocus with (truncation and the scored ones; not the fixed rule)."""
     random = pred.slots[RANDOM.name]
-    chosen = [p.name for p in policies() if p.choice in (Choice.TRUNCATION, Choice.SCORED) and p.name in pred.slots]
+    chosen = [p.name for p in policies() if p.refocuses and p.name in pred.slots]
     return list(range(random.start, random.stop)) + [pred.slots[name].start for name in chosen]
 
 
