@@ -36,16 +36,17 @@ class CountingCompile:
 
 
 @contextmanager
-def one_graph(backend: str = "aot_eager") -> Iterator[CountingCompile]:
-    """A :class:`CountingCompile` for the block's compiled code; on leaving it, exactly one frame was compiled (no
-    graph break, no recompile), and the compiler's stance is back to its default. Use inside ``fresh_dynamo``."""
+def one_graph(backend: str = "aot_eager", functions: int = 1) -> Iterator[CountingCompile]:
+    """A :class:`CountingCompile` for the block's compiled code; on leaving it, exactly one frame was compiled for
+    each of the ``functions`` compiled (no graph break, no recompile), and the compiler's stance is back to its
+    default. Use inside ``fresh_dynamo``."""
     compile_fn = CountingCompile(CompileCounterWithBackend(backend))
     try:
         yield compile_fn
     finally:
         torch.compiler.set_stance("default")
     frames = compile_fn.counter.frame_count
-    assert frames == 1, f"{frames} frames: a graph break or a recompile"
+    assert frames == functions, f"{frames} frames for {functions} functions: a graph break or a recompile"
 
 
 def run_once(fn: Callable, args: Sequence, loss: Callable[[Any], torch.Tensor] | None, params: list) -> tuple:

@@ -15,9 +15,10 @@ from mcfn.config import MCConfig, OptimConfig
 from mcfn.core.system import process_batch
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
-from mcfn.inference.generation import generate_mc
+from mcfn.inference.decode import decoding_compiler
+from mcfn.inference.generation import generate_full, generate_mc
 from mcfn.shell.microbatch import fitting_micro_batch
-from mcfn.shell.optim import build_optimizers
+from mcfn.shell.optim import build_optimizers, skip_if_non_finite
 from train.run import main as run_main
 
 pytestmark = [
@@ -60,10 +61,11 @@ def test_mc_step_under_bf16_autocast_is_one_inductor_graph_equal_to_eager(fresh_
 
 
 def test_optimizers_on_cuda_are_fused_and_step():
-    """On a GPU, AdamW runs fused and Muon is torch's own; one step moves every parameter that had a gradient."""
+    """On a GPU, AdamW runs fused and Muon iterates in bf16 as torch's does; one step moves every parameter that had
+    a gradient, and a step flagged non-finite moves none, decided on the device."""
     system = make_system(T, K, L, W, H, N=2).to(CUDA)
     muon, adamw = build_optimizers(system, OptimConfig())
-    assert adamw.defaults["fused"] is True and type(muon) is torch.optim.Muon
+    assert adamw.defaults["fused"] is True and muon.ns_dtype == torch.bfloat16
     window, noise = next(cuda_batches(system, 1))
     before = [p.detach().clone() for p in system.parameters()]
     process_batch(system, window, noise, LossWeights.of(MCConfig(), CUDA)).total().backward()
@@ -72,6 +74,12 @@ def test_optimizers_on_cuda_are_fused_and_step():
         opt.step()
     moved = [not torch.equal(a, p) for a, p in zip(before, system.parameters(), strict=True)]
     assert any(had_grad) and all(m for m, g in zip(moved, had_grad, strict=True) if g)
+    after = [p.detach().clone() for p in system.parameters()]
+    process_batch(system, window, noise, LossWeights.of(MCConfig(), CUDA)).total().backward()
+    skip_if_non_finite([muon, adamw], torch.tensor(float("nan"), device=CUDA), torch.tensor(1.0, device=CUDA))
+    for opt in (muon, adamw):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(after, system.parameters(), strict=True))
 
 
 def test_automatic_micro_batch_halves_on_a_real_out_of_memory():
@@ -86,12 +94,17 @@ def test_automatic_micro_batch_halves_on_a_real_out_of_memory():
 
 
 def test_compiled_generation_on_cuda_decodes_what_eager_does(fresh_dynamo):
-    """The per-token step compiled by inductor on the GPU, across refocuses, decodes greedily what eager does."""
+    """The token step and the refill compiled by inductor and replayed as CUDA graphs, across refocuses, decode
+    greedily what eager does; so does full context's token step."""
     system = decisive(make_system(T, K, L, W, H, N=2, seed=3)).to(CUDA)
     prompt = torch.randint(0, VOCAB, (3 * W,), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    compile_fn = decoding_compiler("reduce-overhead")  # without inductor's CUDA graphs: the decoder captures its own
     eager, _ = generate_mc(system, prompt, 12, 4)
-    compiled, _ = generate_mc(system, prompt, 12, 4, compile_fn=lambda fn: torch.compile(fn, fullgraph=True))
-    assert compiled.tolist() == eager.tolist()
+    compiled, stats = generate_mc(system, prompt, 12, 4, compile_fn=compile_fn)
+    assert compiled.tolist() == eager.tolist() and stats.compile_s > 0
+    full_eager, _ = generate_full(system.base, prompt, 8)
+    full_compiled, _ = generate_full(system.base, prompt, 8, compile_fn=compile_fn)
+    assert full_compiled.tolist() == full_eager.tolist()
 
 
 def test_a_run_on_cuda_trains_tracks_the_pass_key_and_reports_its_mfu(tmp_path, profile):

@@ -26,7 +26,7 @@ from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
 from mcfn.inference import generation
-from mcfn.inference.decode import KVCache, TokenDecoder, extend
+from mcfn.inference.decode import REFILL_CHUNK, Decoder, KVCache, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
 from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context, view_tree
@@ -54,29 +54,55 @@ def test_kv_cache_extend_matches_full_forward():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_the_fixed_shape_token_step_matches_the_full_forward():
-    """Tokens decoded one by one into a cache larger than the text (unwritten slots masked) give the hidden
-    states of one forward over the whole text; a full cache refuses another token."""
+def test_the_token_step_matches_the_full_forward():
+    """Tokens decoded one by one into a cache larger than the text (unwritten slots never read) give the logits of
+    one forward over the whole text; a full cache refuses another token."""
     system = decisive_system()
     base = system.base
     tokens = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
     emb, pos = base.embed(tokens), torch.arange(20, dtype=torch.float32)[None]
-    want = base.hidden(emb, pos, torch.ones_like(pos))
-    cache, decoder = KVCache(base, 20, torch.device("cpu")), TokenDecoder(base)
-    extend(base, cache, emb[:, :7], pos[:, :7], torch.ones_like(pos[:, :7]))
-    got = torch.cat([decoder(cache, emb[:, i : i + 1], pos[:, i : i + 1]) for i in range(7, 20)], 1)
-    torch.testing.assert_close(got, want[:, 7:], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        want = base.logits(base.hidden(emb, pos, torch.ones_like(pos)))
+    decoder = Decoder(base, KVCache(base, 20, torch.device("cpu")))
+    extend(base, decoder.cache, emb[:, :7], pos[:, :7], torch.ones_like(pos[:, :7]))
+    got = torch.stack([decoder.token(tokens[0, i : i + 1], i) for i in range(7, 20)])
+    torch.testing.assert_close(got, want[0, 7:], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="holds 20"):
-        decoder(cache, emb[:, :1], pos[:, :1])
+        decoder.token(tokens[0, :1], 20)
+
+
+@pytest.mark.parametrize("kept", [0, 5, 70])
+def test_the_compiled_refill_in_padded_chunks_writes_what_eager_extending_writes(fresh_dynamo, kept):
+    """A refocus's refill compiled in fixed chunks of REFILL_CHUNK entries (the last one padded), after ``kept``
+    cached entries: the same last hidden state and the same cache slots as extending eagerly, and stale slots past
+    the kept prefix (a longer earlier context) never read."""
+    base = decisive_system().base
+    n = kept + REFILL_CHUNK + 7  # two chunks, the second padded
+    emb = torch.randn(1, n, base.cfg.n_embd, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(n, dtype=torch.float32)[None] * 2.0
+    span = torch.randint(1, 3, (1, n)).float()
+    eager = KVCache(base, n + REFILL_CHUNK, torch.device("cpu"))
+    want = extend(base, eager, emb, pos, span)
+    with one_graph("inductor") as compile_fn:
+        decoder = Decoder(base, KVCache(base, n + REFILL_CHUNK, torch.device("cpu")), compile_fn)
+        decoder.cache.tensors.k.normal_()  # stale slots: a refill must never read past what it wrote
+        decoder.cache.tensors.v.normal_()
+        extend(base, decoder.cache, emb[:, :kept], pos[:, :kept], span[:, :kept])
+        got = decoder.extend(emb[:, kept:], pos[:, kept:], span[:, kept:])
+    torch.testing.assert_close(got, want[:, -1:], atol=1e-4, rtol=1e-4)
+    for got_slots, want_slots in zip(decoder.cache.tensors[:2], eager.tensors[:2], strict=True):  # keys, values
+        torch.testing.assert_close(got_slots[:, :, :, :n], want_slots[:, :, :, :n])
+    assert decoder.cache.length == n
 
 
 def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
-    """``--compile``: the per-token step compiled by inductor once, for every token across refocuses (each
-    refocus's cache has capacity W) and for full decoding's own cache; the same greedy tokens as eager."""
+    """``--compile``: the token step and the refill compiled by inductor once each, for every token and refocus
+    (every refocus's cache has one capacity), and the token step for full decoding's own cache; the same greedy
+    tokens as eager."""
     system = decisive_system()
     prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
     eager, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS)
-    with one_graph("inductor") as compile_fn:
+    with one_graph("inductor", functions=2) as compile_fn:
         compiled, _ = generate_mc(system, prompt, REFOCUS + 1, REFOCUS, compile_fn=compile_fn)
         compile_fn.forbid_recompiles()
         compiled_more, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS, compile_fn=compile_fn)

@@ -11,7 +11,7 @@ from pathlib import Path
 from train.gpu_check import Step, main, run_step
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["bench", "run", "decode", "tests", "sweep"]
+STEPS = ["bench", "run", "tests", "decode", "sweep"]
 
 
 def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):

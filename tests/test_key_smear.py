@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mcfn.config import ModelConfig
 from mcfn.core.model import GPT, KeySmear, follows_its_token
-from mcfn.inference.decode import KVCache, TokenDecoder, extend
+from mcfn.inference.decode import Decoder, KVCache, extend
 from mcfn.inference.generation import generate_mc
 
 DIM = 32
@@ -107,28 +107,31 @@ def test_the_kv_cache_carries_the_key_smear_across_chunks_exactly(cuts):
 
 
 def test_the_token_step_carries_the_key_smear_and_a_refill_smears_the_kept_entry():
-    """Tokens decoded one at a time after a prefill give one forward's hidden states; cutting the cache back (what
-    a warm refocus does) and extending from there smears the newest kept entry, not the last one written."""
+    """Tokens decoded one at a time after a prefill give one forward's logits; cutting the cache back (what a warm
+    refocus does) and extending from there smears the newest kept entry, not the last one written."""
     model = smeared_model(2)
     emb, positions, span = mixed_row()
+    tokens = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(6))
+    emb[:, 9:] = model.embed(tokens[None]).detach()  # entries 9-13: tokens 32-36, one after the other
     with torch.no_grad():
         want = model.hidden(emb, positions, span)
-    cache, decoder = KVCache(model, 14, torch.device("cpu")), TokenDecoder(model)
-    extend(model, cache, emb[:, :9], positions[:, :9], span[:, :9])
-    got = [decoder(cache, emb[:, i : i + 1], positions[:, i : i + 1]) for i in range(9, 14)]
-    torch.testing.assert_close(torch.cat(got, 1), want[:, 9:], atol=1e-5, rtol=1e-5)
-    cache.length = 10  # keep entries 0-9: entry 10 (the token after token 9) must smear entry 9's keys again
-    refilled = extend(model, cache, emb[:, 10:], positions[:, 10:], span[:, 10:])
+        want_logits = model.logits(want)[0]
+    decoder = Decoder(model, KVCache(model, 14, torch.device("cpu")))
+    extend(model, decoder.cache, emb[:, :9], positions[:, :9], span[:, :9])
+    got = [decoder.token(tokens[i - 9 : i - 8], int(positions[0, i])) for i in range(9, 14)]
+    torch.testing.assert_close(torch.stack(got), want_logits[9:], atol=1e-4, rtol=1e-4)
+    decoder.cache.length = 10  # keep entries 0-9: entry 10 (the token after token 9) must smear entry 9's keys again
+    refilled = decoder.extend(emb[:, 10:], positions[:, 10:], span[:, 10:])
     torch.testing.assert_close(refilled, want[:, 10:], atol=1e-5, rtol=1e-5)
 
 
 def test_the_compiled_token_step_with_the_key_smear_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
-    """The token step reads the newest kept entry's raw keys as an input: one graph for every token across
-    refocuses, and the same greedy tokens as eager."""
+    """The token step and the refill read the newest kept entry's raw keys from the cache: one graph each for every
+    token and refocus, and the same greedy tokens as eager."""
     system = decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3, key_smear=True))
     prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
     eager, _ = generate_mc(system, prompt, 12, 4)
-    with one_graph("inductor") as compile_fn:
+    with one_graph("inductor", functions=2) as compile_fn:
         first, _ = generate_mc(system, prompt, 5, 4, compile_fn=compile_fn)
         compile_fn.forbid_recompiles()
         compiled, _ = generate_mc(system, prompt, 12, 4, compile_fn=compile_fn)

@@ -1,4 +1,5 @@
-"""The optimizers: every parameter in one group, tensor learning rates, the schedule, the float32 Muon."""
+"""The optimizers: every parameter in one group, tensor learning rates, the schedule, the batched Muon, the skip of
+a non-finite step on the device."""
 
 import pytest
 import torch
@@ -10,11 +11,12 @@ from mcfn.config import ModelConfig, OptimConfig
 from mcfn.core.model import GPT
 from mcfn.shell.optim import (
     FINAL_LR_FRAC,
-    Float32Muon,
+    BatchedMuon,
     build_optimizers,
     clip_gradients,
     lr_multiplier,
     set_lr_multiplier,
+    skip_if_non_finite,
 )
 
 
@@ -52,28 +54,73 @@ def test_property_schedule_holds_then_warms_down(total, warmdown):
         assert mults[-1] == pytest.approx(FINAL_LR_FRAC)
 
 
-def test_float32_muon_follows_torch_muon_and_shares_its_state_format():
+def muon_pair(ns_dtype: torch.dtype) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], BatchedMuon]:
+    """Matrices of three shapes (two of one, a tall one), twice: ours under :class:`BatchedMuon`, theirs to step
+    with torch's Muon."""
     torch.manual_seed(0)
-    ours = torch.nn.Parameter(torch.randn(48, 24))
-    theirs = torch.nn.Parameter(ours.detach().clone())
-    start = ours.detach().clone()
-    opt_ours, opt_theirs = Float32Muon([ours], lr=0.02), torch.optim.Muon([theirs], lr=0.02)
+    shapes = [(24, 24), (24, 24), (48, 24), (24, 96)]
+    ours = [torch.nn.Parameter(torch.randn(*shape)) for shape in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    return ours, theirs, BatchedMuon(ours, ns_dtype, lr=0.02, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+def test_batched_muon_follows_torch_muon_and_shares_its_state_format(ns_dtype):
+    """Same-shape matrices stepped at once give torch's per-matrix Muon: equal up to float rounding where both
+    iterate in bf16 (as on a GPU), and up to torch's bf16 rounding where ours iterates in fp32 (on a CPU)."""
+    ours, theirs, opt_ours = muon_pair(ns_dtype)
+    opt_theirs = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.01)
+    start = [p.detach().clone() for p in theirs]
     for _ in range(3):
-        grad = torch.randn(48, 24)
-        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
         opt_ours.step()
         opt_theirs.step()
-    moved = (theirs - start).abs().max()
-    assert moved > 0.01
-    assert (ours - theirs).abs().max() < 0.05 * moved  # equal up to torch's bf16 rounding
+    for a, b, s0 in zip(ours, theirs, start, strict=True):
+        moved = (b - s0).abs().max()
+        assert moved > 0.01
+        assert (a - b).abs().max() < (0.02 if ns_dtype == torch.bfloat16 else 0.05) * moved
     state = opt_theirs.state_dict()
     opt_ours.load_state_dict(state)  # checkpoints move freely between the two
     assert opt_ours.state_dict()["state"][0].keys() == state["state"][0].keys()
 
 
-def test_cpu_training_gets_the_float32_muon():
+def test_a_non_finite_step_changes_no_parameter_and_no_optimizer_state_and_reads_nothing_back():
+    """With the flag up (a NaN loss), both optimizers step on the device and leave the parameters and their
+    moments as they were; the next finite step updates as if the bad one had never come."""
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
-    assert type(build_optimizers(model, OptimConfig())[0]) is Float32Muon
+    twin = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
+    twin.load_state_dict(model.state_dict())
+    ours, clean = build_optimizers(model, OptimConfig()), build_optimizers(twin, OptimConfig())
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def step(net, optimizers, loss_scale: float) -> torch.Tensor:
+        loss = torch.nn.functional.cross_entropy(net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        (loss * loss_scale).backward()
+        bad = skip_if_non_finite(optimizers, loss * loss_scale, torch.tensor(1.0))
+        for opt in optimizers:
+            opt.step()
+        net.zero_grad(set_to_none=True)
+        return bad
+
+    assert not step(model, ours, 1.0) and not step(twin, clean, 1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [{k: v.clone() for k, v in st.items()} for opt in ours for st in opt.state.values()]
+    assert step(model, ours, float("nan"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    after = [st for opt in ours for st in opt.state.values()]
+    assert all(torch.equal(m[k], a[k]) for m, a in zip(moments, after, strict=True) for k in m)
+    step(model, ours, 1.0)
+    step(twin, clean, 1.0)
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_cpu_training_gets_the_batched_muon_in_float32_and_fused_adamw():
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
+    muon, adamw = build_optimizers(model, OptimConfig())
+    assert type(muon) is BatchedMuon and muon.ns_dtype == torch.float32 and adamw.defaults["fused"] is True
 
 
 def test_a_lensnet_gradient_spike_does_not_scale_the_base_models_step():

@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the result here")
     p.add_argument("--steps", type=int, default=10, help="timed steps of each kind (medians are reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    p.add_argument("--phase-steps", type=int, default=5, help="timed steps of each phase alone (0: no phases)")
     p.add_argument("--eager", action="store_true", help="do not compile")
     p.add_argument(
         "--typecheck-cost",
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     decode.add_argument(
         "--refocus-every", type=int, help="tokens decoded between refocuses (MC; default: the run's mc.refocus_every)"
     )
+    decode.add_argument("--modes", default="mc,mc_cold,recency,full", help="which decoding modes to time")
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
     sweep.add_argument("--window", type=int, default=128, help="tokens each position of the bounded teacher reads")
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.steps,
                 args.warmup,
                 mode,
+                args.phase_steps,
                 progress=bench_progress,
                 lens_entries=args.lens_entries,
             )
@@ -174,9 +177,9 @@ def sweep_point(spec: dict) -> None:
 def decode_benchmark(args: argparse.Namespace) -> None:
     import torch
 
-    from mcfn.core.step import compile_step
     from mcfn.core.system import MegaContext
-    from mcfn.inference.decode_bench import format_decode_table, run_decode_benchmark
+    from mcfn.inference.decode import decoding_compiler
+    from mcfn.inference.decode_bench import MODES, format_decode_table, run_decode_benchmark
     from mcfn.shell.devices import resolve_device
     from mcfn.shell.restore import load_trained
 
@@ -185,6 +188,9 @@ def decode_benchmark(args: argparse.Namespace) -> None:
         text = args.prompt_file.read_text(encoding="utf-8") if args.prompt_file else None
     except (ValueError, OSError, UnicodeDecodeError) as e:
         raise UserError(f"--lengths must be integers and --prompt-file readable UTF-8 text: {e}") from None
+    modes = tuple(args.modes.split(","))
+    if not set(modes) <= set(MODES):
+        raise UserError(f"--modes takes {', '.join(MODES)}; got {args.modes}")
     if text is None or min(lengths) < 1 or args.new_tokens < 1 or args.repeats < 1:
         raise UserError("--decode needs --prompt-file, and --lengths, --new-tokens, --repeats >= 1")
     trained = load_trained(args.decode, resolve_device("auto"))
@@ -194,7 +200,7 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     ids = torch.tensor([tok.bos_id, *tok.encode(text)], device=trained.token_bytes.device)
     if ids.numel() < max(lengths):
         raise UserError(f"{args.prompt_file} gives {ids.numel()} tokens; --lengths asks for {max(lengths)}")
-    compile_fn = None if args.eager else (lambda fn: compile_step(fn, mode=trained.cfg.train.compile_mode))
+    compile_fn = None if args.eager else decoding_compiler(trained.cfg.train.compile_mode)
     refocus_every = trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every
     rows = run_decode_benchmark(
         trained.model,
@@ -205,6 +211,7 @@ def decode_benchmark(args: argparse.Namespace) -> None:
         refocus_every,
         compile_fn,
         progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
+        modes=modes,
     )
     print(
         f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, refocus every {refocus_every}, "

@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from mcfn.core.policy import FULL, POLICIES
-    from mcfn.core.step import compile_step
     from mcfn.core.system import MegaContext
+    from mcfn.inference.decode import decoding_compiler
     from mcfn.inference.generation import Sampling, generate_full, generate_mc
     from mcfn.shell.devices import resolve_device
     from mcfn.shell.restore import load_trained
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
     prompt = torch.tensor(ids, dtype=torch.int64, device=device)
     sampling = Sampling(args.temperature, args.top_k, args.seed)
     model, policy = trained.model, POLICIES[args.context]
-    compile_fn = partial(compile_step, mode=trained.cfg.train.compile_mode) if args.compile else None
+    compile_fn = decoding_compiler(trained.cfg.train.compile_mode) if args.compile else None
     if policy is not FULL:
         if not isinstance(model, MegaContext):
             raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run); use --context full")

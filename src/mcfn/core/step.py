@@ -15,7 +15,7 @@ from torch import Tensor
 
 from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
-from mcfn.typecheck import typechecked
+from mcfn.typecheck import typechecked, unchecked
 
 
 @typechecked
@@ -25,7 +25,7 @@ def split_window(window: Int[Tensor, "b t1"]) -> tuple[Int[Tensor, "b t"], Int[T
 
 
 def compile_step(fn: Callable, mode: str) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(unchecked(fn), fullgraph=True, dynamic=False, mode=mode)
 
 
 def plain_step(model: GPT, window: Tensor) -> StepOutput:

@@ -1,15 +1,17 @@
 """Decode speed of MegaContext against full context, measured in one process: ``python -m train.bench --decode``.
 
-For each prompt length, greedy generation of ``new_tokens`` tokens in four modes, run in turn ``repeats``
-times so that the machine's drift falls on all of them alike; each figure is the median over the repeats:
+For each prompt length, greedy generation of ``new_tokens`` tokens in up to four modes (``modes``; all by default),
+run in turn ``repeats`` times so that the machine's drift falls on all of them alike; each figure is the median over
+the repeats:
 
 * ``mc``: streaming MegaContext, warm refocuses (the default of ``train.generate``);
 * ``mc_cold``: every refocus from the coarsest cut, with a fresh cache (``--warm-steps 0``);
 * ``recency``: the newest ``W - R`` tokens at each refocus (``train.generate --context recency``), truncation;
 * ``full``: the whole prompt at LOD0 with a KV cache over all of it.
 
-With ``compile_fn`` the per-token step is compiled (once per cache shape; the first repeat pays for it, and
-tokens/s never counts compilation).
+With ``compile_fn`` the token step and the refill are compiled (once per cache shape) and, on a GPU, replayed as
+CUDA graphs; tokens/s and refocus times never count the compilation. A refocus's cost is reported whole (choosing
+the context and refilling the cache, per refocus) and split: choosing it (LensNet and the allocator).
 """
 
 from __future__ import annotations
@@ -59,14 +61,19 @@ def run_decode_benchmark(
     refocus_every: int,
     compile_fn: Callable[[Callable], Callable] | None = None,
     progress: Callable[[str], None] = lambda line: None,
+    modes: tuple[str, ...] = MODES,
 ) -> list[dict[str, Any]]:
-    """One row per prompt length (the first ``length`` of ``ids``): per mode the median tokens/s, prompt
-    read time and (MegaContext) refocus time per new token and the share of cache entries refocuses kept."""
+    """One row per prompt length (the first ``length`` of ``ids``): per mode the median tokens/s and prompt read
+    time, and for MegaContext's modes the refocus time per new token and per refocus and the share of cache entries
+    refocuses kept; the ratios of ``mc`` to full context and to truncation where both ran."""
+    unknown = set(modes) - set(MODES)
+    if unknown or not modes:
+        raise ValueError(f"decode modes are {', '.join(MODES)}; got {', '.join(modes) or 'none'}")
     rows = []
     for length in lengths:
-        runs: dict[str, list[GenerationStats]] = {mode: [] for mode in MODES}
+        runs: dict[str, list[GenerationStats]] = {mode: [] for mode in modes}
         for r in range(repeats):
-            for mode in MODES:
+            for mode in modes:
                 stats = decode_once(system, mode, ids[:length], new_tokens, refocus_every, compile_fn)
                 runs[mode].append(stats)
                 progress(f"{length} tokens, {mode}, repeat {r + 1}/{repeats}: {stats.tokens_per_s:.1f} tok/s")
@@ -76,31 +83,43 @@ def run_decode_benchmark(
             row[f"{mode}_prompt_s"] = statistics.median(s.prefill_s for s in stats)
             if mode != FULL.name:
                 row[f"{mode}_refocus_ms_per_token"] = 1e3 * statistics.median(s.refocus_s / s.new_tokens for s in stats)
+                row[f"{mode}_refocus_ms_per_refocus"] = statistics.median(s.refocus_ms for s in stats)
                 row[f"{mode}_cache_kept"] = statistics.median(s.cache_kept for s in stats)
-        mc = runs["mc"]
-        row["mc_refocuses_per_token"] = statistics.median(len(s.layouts) / s.new_tokens for s in mc)
-        row["mc_recomputed_per_refocus"] = statistics.median(s.recomputed_entries / len(s.layouts) for s in mc)
-        row["mc_focus_ms_per_refocus"] = 1e3 * statistics.median(s.focus_s / len(s.layouts) for s in mc)
-        row["mc_over_full"] = row["mc_tok_s"] / row["full_tok_s"]
-        row["mc_over_recency"] = row["mc_tok_s"] / row["recency_tok_s"]
+        if mc := runs.get("mc"):
+            row["mc_refocuses_per_token"] = statistics.median(len(s.layouts) / s.new_tokens for s in mc)
+            row["mc_recomputed_per_refocus"] = statistics.median(s.recomputed_entries / len(s.layouts) for s in mc)
+            row["mc_focus_ms_per_refocus"] = 1e3 * statistics.median(s.focus_s / len(s.layouts) for s in mc)
+            for other in (FULL.name, RECENCY.name):
+                if other in runs:
+                    row[f"mc_over_{other}"] = row["mc_tok_s"] / row[f"{other}_tok_s"]
         rows.append(row)
     return rows
 
 
+COLUMNS = (  # (key, heading, format): the table shows the columns whose keys the rows have
+    ("mc_tok_s", "MC tok/s", "{:.0f}"),
+    ("mc_cold_tok_s", "MC cold tok/s", "{:.0f}"),
+    ("recency_tok_s", "recency tok/s", "{:.0f}"),
+    ("full_tok_s", "full tok/s", "{:.0f}"),
+    ("mc_over_recency", "MC / recency", "{:.2f}"),
+    ("mc_over_full", "MC / full", "{:.2f}"),
+    ("mc_refocus_ms_per_refocus", "MC ms/refocus", "{:.2f}"),
+    ("mc_focus_ms_per_refocus", "of which LensNet + allocator", "{:.2f}"),
+    ("mc_cold_refocus_ms_per_refocus", "MC cold ms/refocus", "{:.2f}"),
+    ("mc_refocuses_per_token", "refocuses/token", "{:.4f}"),
+    ("mc_recomputed_per_refocus", "entries recomputed/refocus", "{:.1f}"),
+    ("mc_cache_kept", "cache kept", "{:.0%}"),
+    ("mc_prompt_s", "MC prompt read s", "{:.2f}"),
+    ("full_prompt_s", "full prompt read s", "{:.2f}"),
+)
+
+
 def format_decode_table(rows: list[dict[str, Any]]) -> str:
+    columns = [c for c in COLUMNS if c[0] in rows[0]]
     lines = [
-        "| prompt tokens | MC tok/s | MC cold tok/s | recency tok/s | full tok/s | MC / recency | MC / full "
-        "| MC refocus ms/token (cold) | refocuses/token | entries recomputed/refocus | LensNet + allocator ms/refocus "
-        "| cache kept | MC prompt read | full prompt read |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| prompt tokens | " + " | ".join(heading for _, heading, _ in columns) + " |",
+        "| ---: |" + " ---: |" * len(columns),
     ]
     for r in rows:
-        lines.append(
-            f"| {r['prompt_tokens']:,} | {r['mc_tok_s']:.0f} | {r['mc_cold_tok_s']:.0f} | {r['recency_tok_s']:.0f} "
-            f"| {r['full_tok_s']:.0f} | {r['mc_over_recency']:.2f} | {r['mc_over_full']:.2f} "
-            f"| {r['mc_refocus_ms_per_token']:.2f} ({r['mc_cold_refocus_ms_per_token']:.2f}) "
-            f"| {r['mc_refocuses_per_token']:.4f} | {r['mc_recomputed_per_refocus']:.1f} "
-            f"| {r['mc_focus_ms_per_refocus']:.2f} "
-            f"| {100 * r['mc_cache_kept']:.0f}% | {r['mc_prompt_s']:.2f} s | {r['full_prompt_s']:.2f} s |"
-        )
+        lines.append(f"| {r['prompt_tokens']:,} | " + " | ".join(fmt.format(r[k]) for k, _, fmt in columns) + " |")
     return "\n".join(lines)

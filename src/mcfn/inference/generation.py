@@ -40,7 +40,7 @@ from mcfn.core.model import GPT
 from mcfn.core.policy import LENS, Choice, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
-from mcfn.inference.decode import KVCache, TokenDecoder, extend
+from mcfn.inference.decode import REFILL_CHUNK, Decoder, KVCache, extend
 from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context, recency_context
 from mcfn.typecheck import typechecked
@@ -63,7 +63,7 @@ class GenerationStats:
     decode_s: float = 0.0  # every new token, refocuses included
     refocus_s: float = 0.0  # of decode_s: rebuilding the working context and its cache
     focus_s: float = 0.0  # of refocus_s: choosing the cut (scoring and the allocator; mc)
-    compile_s: float = 0.0  # of decode_s: the compiled token step's first call (compilation included)
+    compile_s: float = 0.0  # of decode_s: the compiled graphs' first calls (compilation and capture included)
     reused_entries: int = 0  # context entries whose cached keys and values a refocus kept (mc)
     recomputed_entries: int = 0  # context entries a refocus ran through the model (mc)
     layouts: list[str] = field(default_factory=list)  # the LOD layout at each refocus (mc)
@@ -74,10 +74,23 @@ class GenerationStats:
         return self.reused_entries / max(1, self.reused_entries + self.recomputed_entries)
 
     @property
+    def refocus_ms(self) -> float:
+        """Milliseconds a refocus took on average, choosing the context and refilling the cache (mc)."""
+        return 1e3 * self.refocus_s / max(1, len(self.layouts))
+
+    @property
     def tokens_per_s(self) -> float:
         """New tokens per second of decoding, compilation excluded."""
         seconds = self.decode_s - self.compile_s
         return self.new_tokens / seconds if seconds > 0 else float("nan")
+
+
+def settled(device: torch.device) -> float:
+    """``perf_counter`` once the device's queued work is done: on a GPU the token graphs replay asynchronously, and
+    a host clock alone times their launches, not their work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator) -> Tensor:
@@ -107,16 +120,16 @@ def shared_prefix(cached: Int[Tensor, "n 2"], entries: Int[Tensor, "m 2"]) -> in
 
 @typechecked
 def refill(
-    base: GPT, cache: KVCache, cached: Int[Tensor, "n 2"], wc: WorkingContext, stats: GenerationStats
+    decoder: Decoder, cached: Int[Tensor, "n 2"], wc: WorkingContext, stats: GenerationStats
 ) -> tuple[Float[Tensor, "1 r d"], Int[Tensor, "m 2"]]:
-    """Bring the cache, holding the entries ``cached [n, 2]`` (start, LOD), to the context ``wc [1, m]``: keep
-    the entries up to the first one that differs and run the rest through the model. Returns the hidden
-    states of the entries it ran ``[1, m - kept, D]`` and the context's (start, LOD) ``[m, 2]``."""
+    """Bring the decoder's cache, holding the entries ``cached [n, 2]`` (start, LOD), to the context ``wc [1, m]``:
+    keep the entries up to the first one that differs and run the rest through the model. Returns hidden states
+    whose last is the context's last entry's ``[1, r, D]`` and the context's (start, LOD) ``[m, 2]``."""
     entries = torch.stack([wc.start[0], wc.lod[0]], -1)
     # Keep at least one entry out of the prefix: its hidden state gives the next token.
     keep = min(shared_prefix(cached, entries), entries.size(0) - 1)
-    cache.length = keep
-    hidden = extend(base, cache, wc.emb[:, keep:], wc.position[:, keep:], wc.span[:, keep:].float())
+    decoder.cache.length = keep
+    hidden = decoder.extend(wc.emb[:, keep:], wc.position[:, keep:], wc.span[:, keep:].float())
     stats.reused_entries += keep
     stats.recomputed_entries += entries.size(0) - keep
     return hidden, entries
@@ -188,55 +201,60 @@ def decode_mc(
     if not policy.available(system):
         raise UserError(f"the {policy.name} policy needs the run's LensNet, and this run has none (mc.lens.enabled)")
     base, layout = system.base, system.layout
-    decoder = TokenDecoder(base, compile_fn)
     budget = refocus_budget(layout, refocus.every)
     device = prompt.device
     stats = GenerationStats(prompt_tokens=prompt.numel())
-    t0 = time.perf_counter()
+    t0 = settled(device)
     stream = StreamingTree(system, device)
     stream.append(prompt)
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = settled(device) - t0
 
-    t0 = time.perf_counter()
+    t0 = settled(device)
     produced: list[Tensor] = []
-    wc, cache = None, KVCache(base, layout.W, device)  # the cache holds the context and R new tokens
+    # The cache holds the context, the R tokens decoded after it and a refill's padding.
+    decoder = Decoder(base, KVCache(base, layout.W + REFILL_CHUNK, device), compile_fn)
+    wc = None
     cached = torch.zeros(0, 2, dtype=torch.int64, device=device)  # (start, LOD) of each cache entry
     while len(produced) < max_new_tokens:
-        t_refocus = time.perf_counter()
+        t_refocus = settled(device)
         warm = refocus.warm_steps > 0 and wc is not None
         if policy.choice is Choice.TRUNCATION:
             wc = recency_context(stream, budget)
         else:
             steps = refocus.warm_steps if warm else refocus.steps
             wc = focused_context(system, stream, budget, policy, steps, refocus.every, wc if warm else None)
-        stats.focus_s += time.perf_counter() - t_refocus
+        stats.focus_s += settled(device) - t_refocus
         layout_text = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), layout.K)
         stats.layouts.append(layout_text)
         if on_refocus is not None:
             on_refocus(len(stream), layout_text)
         emb, positions, spans = wc.emb, wc.position, wc.span.float()
+        compiling = decoder.compile_s
         if use_cache:
-            hidden, cached = refill(base, cache, cached if warm else cached[:0], wc, stats)
+            hidden, cached = refill(decoder, cached if warm else cached[:0], wc, stats)
         else:
             hidden = base.hidden(emb, positions, spans)
-        stats.refocus_s += time.perf_counter() - t_refocus
+        logits = base.logits(hidden[:, -1:])[0, 0]
+        # Like tokens/s, the refocus time leaves out the refill graph's compilation (its first call).
+        stats.refocus_s += settled(device) - t_refocus - (decoder.compile_s - compiling)
         # Decoded tokens join the tree at the next refocus, the only reader: one GistNet call per level.
         decoded: list[Tensor] = []
         for _ in range(min(refocus.every, max_new_tokens - len(produced))):
-            token = choose(base.logits(hidden[:, -1:])[0, 0], len(produced) + len(decoded))
+            token = choose(logits, len(produced) + len(decoded))
             decoded.append(token)
-            new_emb, new_pos, one = token_entry(base, token, len(stream) + len(decoded) - 1)
+            position = len(stream) + len(decoded) - 1
             if use_cache:
-                hidden = decoder(cache, new_emb, new_pos)
+                logits = decoder.token(token, position)
             else:
+                new_emb, new_pos, one = token_entry(base, token, position)
                 emb = torch.cat([emb, new_emb], 1)
                 positions, spans = torch.cat([positions, new_pos], 1), torch.cat([spans, one], 1)
-                hidden = base.hidden(emb, positions, spans)
+                logits = base.logits(base.hidden(emb, positions, spans)[:, -1:])[0, 0]
         new = torch.arange(len(stream), len(stream) + len(decoded), device=device)
         cached = torch.cat([cached, torch.stack([new, torch.zeros_like(new)], -1)])
         stream.append(torch.cat(decoded))
         produced += decoded
-    stats.decode_s, stats.compile_s = time.perf_counter() - t0, decoder.compile_s
+    stats.decode_s, stats.compile_s = settled(device) - t0, decoder.compile_s
     stats.new_tokens = len(produced)
     return torch.cat(produced) if produced else prompt.new_zeros(0), stats
 
@@ -251,24 +269,23 @@ def generate_full(
 ) -> tuple[Tensor, GenerationStats]:
     """Decode with every token at LOD0 and a KV cache over the whole text (the comparison for ``mc``)."""
     device, n = prompt.device, prompt.numel()
-    decoder = TokenDecoder(base, compile_fn)
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stats = GenerationStats(prompt_tokens=n)
-    cache = KVCache(base, n + max_new_tokens, device)
-    t0 = time.perf_counter()
+    decoder = Decoder(base, KVCache(base, n + max_new_tokens + REFILL_CHUNK, device), compile_fn)
+    t0 = settled(device)
     for lo in range(0, n, PREFILL_CHUNK):
         ids = prompt[lo : lo + PREFILL_CHUNK][None]
         pos = torch.arange(lo, lo + ids.size(1), device=device, dtype=torch.float32)[None]
-        hidden = extend(base, cache, base.embed(ids), pos, torch.ones_like(pos))
-    stats.prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+        hidden = extend(base, decoder.cache, base.embed(ids), pos, torch.ones_like(pos))
+    logits = base.logits(hidden[:, -1:])[0, 0]
+    stats.prefill_s = settled(device) - t0
+    t0 = settled(device)
     produced: list[Tensor] = []
     for i in range(max_new_tokens):
-        token = pick_token(base.logits(hidden[:, -1:])[0, 0], sampling, generator)
+        token = pick_token(logits, sampling, generator)
         produced.append(token)
         if i + 1 < max_new_tokens:
-            emb, position, _ = token_entry(base, token, n + i)
-            hidden = decoder(cache, emb, position)
-    stats.decode_s, stats.compile_s = time.perf_counter() - t0, decoder.compile_s
+            logits = decoder.token(token, n + i)
+    stats.decode_s, stats.compile_s = settled(device) - t0, decoder.compile_s
     stats.new_tokens = len(produced)
     return torch.cat(produced) if produced else prompt.new_zeros(0), stats

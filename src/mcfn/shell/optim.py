@@ -1,9 +1,10 @@
 """Optimizers and the learning-rate schedule.
 
-Muon (torch's own) for the 2-D matrices inside the blocks; AdamW for the embedding and the head, whose
-rows are looked up or read out one token at a time and do not suit orthogonalised updates, and for the
-attention heads' scalar gains. Learning rates live in the param groups as 0-d tensors updated in place, so
-nothing that changes during training is a Python number baked into a graph.
+Muon (torch's, batched over same-shape matrices) for the 2-D matrices inside the blocks; fused AdamW for the
+embedding and the head, whose rows are looked up or read out one token at a time and do not suit orthogonalised
+updates, and for the attention heads' scalar gains. A non-finite step is skipped on the device (no host sync).
+Learning rates live in the param groups as 0-d tensors updated in place, so nothing that changes during training
+is a Python number baked into a graph.
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ from torch import Tensor, nn
 from mcfn.config import OptimConfig
 
 
-class Float32Muon(torch.optim.Muon):
-    """torch's Muon with its Newton–Schulz orthogonalisation in fp32 instead of bf16, for the CPU.
+class BatchedMuon(torch.optim.Muon):
+    """torch's Muon, stepping every matrix of one shape at once: one batched Newton–Schulz iteration per shape
+    instead of one per matrix, so an update is a few dozen kernels, not thousands (on a GPU torch's per-matrix loop
+    is launch-bound: BENCHMARKS.md). Everything else is torch's Muon: param groups, hyperparameters, the
+    ``momentum_buffer`` state and so the checkpoint format.
 
-    ``torch.optim.Muon`` casts every update to bf16 for the iteration. On a CPU without bf16 matrix
-    units that is emulated, and the optimizer step then costs more than the compiled forward and backward
-    (BENCHMARKS.md, "Muon on the CPU"). Everything else is torch's Muon:
-    param groups, hyperparameters, the ``momentum_buffer`` state and so the checkpoint format.
-    GPUs keep torch's own implementation.
+    ``ns_dtype``: the iteration's dtype, bf16 as torch's on a GPU, fp32 on a CPU (bf16 matrix products are
+    emulated there, and then the update costs more than the forward and backward: BENCHMARKS.md, "Muon on the
+    CPU"). ``found_inf`` (a 0-d tensor on the parameters' device, or None), as torch's fused AdamW reads it: where
+    it is nonzero the step changes neither the parameters nor the momentum, decided on the device, no host sync.
     """
+
+    def __init__(self, params, ns_dtype: torch.dtype, **kwargs):
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+        self.found_inf: Tensor | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -31,28 +39,50 @@ class Float32Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (a, b, c), momentum = float(group["lr"]), group["ns_coefficients"], group["momentum"]
+            by_shape: dict[torch.Size, list[Tensor]] = {}
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
-                buf.lerp_(p.grad, 1 - momentum)
-                update = (p.grad.lerp(buf, momentum) if group["nesterov"] else buf).float()
-                tall = update.size(0) > update.size(1)
-                x = update.T if tall else update
-                x = x / x.norm().clamp(min=group["eps"])  # spectral norm at most 1
-                for _ in range(group["ns_steps"]):
-                    gram = x @ x.T
-                    x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-                x = x.T if tall else x
-                rows, cols = p.shape
-                if group["adjust_lr_fn"] == "match_rms_adamw":
-                    scale = 0.2 * max(rows, cols) ** 0.5
-                else:  # torch's default, "original"
-                    scale = max(1.0, rows / cols) ** 0.5
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(x.to(p.dtype), alpha=-lr * scale)
+                if p.grad is not None:
+                    by_shape.setdefault(p.shape, []).append(p)
+            for params in by_shape.values():
+                self.step_matrices(params, group)
         return loss
+
+    def step_matrices(self, params: list[Tensor], group: dict) -> None:
+        """One update of ``k`` same-shape matrices ``[r, c]``, stacked ``[k, r, c]``."""
+        lr, (a, b, c), momentum = float(group["lr"]), group["ns_coefficients"], group["momentum"]
+        for p in params:  # not setdefault: its default would allocate a zero matrix at every step
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        grad, buf = torch.stack([p.grad for p in params]), torch.stack(bufs)
+        keep = None if self.found_inf is None else (self.found_inf == 0)
+        if keep is not None:  # a non-finite gradient reaches nothing: zeroed, and the momentum kept as it was
+            grad = torch.where(keep, grad, 0.0)
+            buf = torch.where(keep, buf.lerp(grad, 1 - momentum), buf)
+        else:
+            buf.lerp_(grad, 1 - momentum)
+        torch._foreach_copy_(bufs, list(buf.unbind(0)))
+        update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        rows, cols = params[0].shape
+        x = update.to(self.ns_dtype)
+        x = x.mT if rows > cols else x
+        x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=group["eps"])  # spectral norm at most 1
+        for _ in range(group["ns_steps"]):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = x.mT if rows > cols else x
+        if group["adjust_lr_fn"] == "match_rms_adamw":
+            scale = 0.2 * max(rows, cols) ** 0.5
+        else:  # torch's default, "original"
+            scale = max(1.0, rows / cols) ** 0.5
+        step = x.to(params[0].dtype) * (-lr * scale)
+        if keep is not None:
+            step = step * keep
+        decay = 1 - lr * group["weight_decay"]
+        if decay != 1.0:
+            decay_t = torch.where(keep, decay, 1.0) if keep is not None else decay
+            torch._foreach_mul_(params, decay_t)
+        torch._foreach_add_(params, list(step.unbind(0)))
 
 
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
@@ -64,8 +94,8 @@ FINAL_LR_FRAC = 0.05  # the learning-rate multiplier the warmdown reaches at the
 
 
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
-    """Muon for every 2-D matrix inside the networks (fp32 orthogonalisation off CUDA); AdamW for embeddings,
-    the output heads and the attention gains."""
+    """Muon for every 2-D matrix inside the networks (batched; fp32 orthogonalisation off CUDA); fused AdamW for
+    embeddings, the output heads and the attention gains."""
     embeddings, heads, gains, matrices = [], [], [], []
     for name, p in model.named_parameters():
         if name.endswith(EMBEDDINGS):
@@ -79,9 +109,8 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
         else:
             raise ValueError(f"no optimizer rule for parameter {name} of shape {tuple(p.shape)}")
     lr = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    fused = heads[0].is_cuda
-    muon_cls = torch.optim.Muon if fused else Float32Muon
-    muon = muon_cls(matrices, lr=lr(cfg.matrix_lr), weight_decay=0.0)
+    ns_dtype = torch.bfloat16 if heads[0].is_cuda else torch.float32
+    muon = BatchedMuon(matrices, ns_dtype, lr=lr(cfg.matrix_lr), weight_decay=0.0)
     adamw = torch.optim.AdamW(
         [
             {"params": embeddings, "lr": lr(cfg.embedding_lr)},
@@ -90,8 +119,7 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
         ],
         betas=ADAM_BETAS,
         weight_decay=0.0,
-        fused=fused,
-        foreach=False if not fused else None,
+        fused=True,  # one kernel a step, on the CPU too; it reads found_inf (skip_if_non_finite)
     )
     optimizers = [muon, adamw]
     for opt, names in zip(optimizers, (["matrix"], ["embedding", "unembedding", "gain"]), strict=True):
@@ -122,6 +150,16 @@ def set_lr_multiplier(optimizers: list[torch.optim.Optimizer], mult: float) -> N
 
 
 GRAD_CLIP = 1.0  # the largest gradient norm of LensNet's parameters, and of the rest's
+
+
+def skip_if_non_finite(optimizers: list[torch.optim.Optimizer], loss: Tensor, grad_norm: Tensor) -> Tensor:
+    """Make the next step of every optimizer a no-op on the device when the loss or the gradient norm is not
+    finite, without reading either back; returns that flag (0-d bool). Both optimizers read ``found_inf``: fused
+    AdamW as torch's gradient scaler sets it, :class:`BatchedMuon` likewise."""
+    bad = ~torch.isfinite(loss.float() + grad_norm.float())
+    for opt in optimizers:
+        opt.found_inf = bad.float()  # type: ignore[attr-defined]
+    return bad
 
 
 def clip_gradients(model: nn.Module, clip: float = GRAD_CLIP) -> tuple[Tensor, Tensor]:

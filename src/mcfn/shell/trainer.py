@@ -39,7 +39,7 @@ from mcfn.shell.devices import resolve_device
 from mcfn.shell.distributed import average_gradients, init_world, shutdown
 from mcfn.shell.memory import SNAPSHOT_STEPS, MemoryHistory, check_memory_snapshot
 from mcfn.shell.microbatch import check_micro_batch, fitting_micro_batch, out_of_memory_message
-from mcfn.shell.optim import clip_gradients, current_lrs, lr_multiplier, set_lr_multiplier
+from mcfn.shell.optim import clip_gradients, current_lrs, lr_multiplier, set_lr_multiplier, skip_if_non_finite
 from mcfn.shell.outcome import LOD_MAPS_NAME, finish
 from mcfn.shell.session import Progress, Session, open_session, save_state
 from mcfn.shell.stopping import StopRequest
@@ -99,6 +99,7 @@ class Trainer:
         snapshot = cfg.memory_snapshot and s.world.is_main
         self.history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, SNAPSHOT_STEPS)
         self.compile_cache = open_compile_cache(s)
+        self.unread_flags: list[tuple[int, Tensor]] = []  # (step, its update was skipped): read at logged steps
 
     def train(self) -> Progress:
         """Evaluate, checkpoint, train, log, stop: one global step at a time until ``train.steps``."""
@@ -118,6 +119,8 @@ class Trainer:
                     break
                 logged = step % cfg.log_every == 0 or step == cfg.steps - 1
                 result = self.optimizer_step(step, logged)
+                if logged or result.stop_requested:
+                    self.account_skips(step)
                 if logged:
                     record.update(self.step_record(result, step))
                 if s.world.is_main and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
@@ -172,8 +175,8 @@ class Trainer:
 
     def optimizer_step(self, step: int, logged: bool) -> StepResult:
         """One update: forward and backward over the micro-batches, the all-reduce, clipping, and the optimizers
-        unless the loss or gradient is non-finite. Phase times are taken on logged steps only (synchronising the
-        device there, never elsewhere)."""
+        (a no-op where the loss or gradient is non-finite). Phase times are taken on logged steps only
+        (synchronising the device there, never elsewhere)."""
         s = self.s
         mult = lr_multiplier(step, s.cfg.train.steps, s.cfg.optim)
         set_lr_multiplier(s.optimizers, mult)
@@ -189,35 +192,41 @@ class Trainer:
         loss, stop_requested = average_gradients(list(s.model.parameters()), loss, signalled, s.world)
         times.append(clock(s, logged))
         grad_norm, lens_norm = clip_gradients(s.model)
-        # One host sync per step: a non-finite loss or gradient must not reach the weights.
-        if bool(torch.isfinite(loss + grad_norm)):
-            for opt in s.optimizers:
-                opt.step()
-            self.progress.bad_in_a_row = 0
-        else:
-            self.skip_update(step)
+        # A non-finite loss or gradient makes the update a no-op on the device: no host sync here. The flag is
+        # read back with the next logged step's metrics (account_skips).
+        self.unread_flags.append((step, skip_if_non_finite(s.optimizers, loss, grad_norm)))
+        for opt in s.optimizers:
+            opt.step()
         s.model.zero_grad(set_to_none=True)
         self.progress.window_steps += 1
         times.append(clock(s, logged))
         return StepResult(loss, out, grad_norm, lens_norm, stop_requested, window, mult, times)
 
-    def skip_update(self, step: int) -> None:
-        """Count a non-finite step; after :data:`MAX_BAD_STEPS` in a row, checkpoint the last good state and stop."""
+    def account_skips(self, step: int) -> None:
+        """Read back the non-finite flags of the steps since the last call (one transfer) and count the skipped
+        updates; after :data:`MAX_BAD_STEPS` in a row, checkpoint (skipped updates changed nothing: these are the
+        last good parameters) and stop. Called at logged steps and before a signal's stop, so a run of bad steps
+        is seen within ``train.log_every`` steps."""
         s, progress = self.s, self.progress
-        progress.skipped += 1
-        progress.bad_in_a_row += 1
-        self.bar.write(f"step {step:5d} | non-finite loss: update skipped ({progress.skipped} so far)", file=sys.stderr)
-        bad = progress.bad_in_a_row
-        if bad < MAX_BAD_STEPS:
+        if not self.unread_flags:
             return
-        s.model.zero_grad(set_to_none=True)
-        save_state(s, step + 1)
-        s.log.log({"step": step, "train/skipped_steps": progress.skipped})
-        raise RunAborted(
-            f"the loss was non-finite {bad} steps in a row (steps {step - bad + 1}-{step}); the last good "
-            f"parameters are checkpointed in {s.ckpt_path} (step {step + 1}). Lower the learning rates "
-            f"(optim.*_lr) or check the data"
-        )
+        steps, flags = zip(*self.unread_flags, strict=True)
+        self.unread_flags.clear()
+        for bad_step, bad in zip(steps, torch.stack(flags).tolist(), strict=True):
+            progress.bad_in_a_row = progress.bad_in_a_row + 1 if bad else 0
+            if not bad:
+                continue
+            progress.skipped += 1
+            self.bar.write(f"step {bad_step:5d} | non-finite loss: update skipped ({progress.skipped} so far)",
+                           file=sys.stderr)  # fmt: skip
+            if (run := progress.bad_in_a_row) >= MAX_BAD_STEPS:
+                save_state(s, step + 1)
+                s.log.log({"step": step, "train/skipped_steps": progress.skipped})
+                raise RunAborted(
+                    f"the loss was non-finite {run} steps in a row (steps {bad_step - run + 1}-{bad_step}); the last "
+                    f"good parameters are checkpointed in {s.ckpt_path} (step {step + 1}). Lower the learning rates "
+                    f"(optim.*_lr) or check the data"
+                )
 
     def validate(self, step: int) -> dict[str, float]:
         """Validation bits per byte of the current parameters, shown on the bar and returned for the record with

@@ -87,7 +87,9 @@ def run_benchmark(
         lens = lens_forward_ms(cfg, vocab, device, lens_entries, timer, compile_fn, steps, warmup)
         progress(key_values(lens))
     bound = partial(process_batch, system, *mc_inputs(), weights)
-    phases = time_phases(bound, system, compile_fn, timer, autocast, warmup, phase_steps, progress)
+    phases = {}
+    if phase_steps:
+        phases = time_phases(bound, system, compile_fn, timer, autocast, warmup, phase_steps, progress)
     shapes = {"B": B, "T": layout.T, "K": layout.K, "LODmax": layout.L, "W": layout.W, "H": layout.H, "N": layout.N,
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.aux_width}  # fmt: skip
@@ -163,7 +165,7 @@ def benchmark_result(
     timed: dict, phases: dict, shapes: dict, device: torch.device, compile_mode: str | None, supervised: int
 ) -> dict[str, Any]:
     mc_med, plain_med = timed["mc_ms"], timed["plain_ms"]
-    glue = phases["variants_ms"] + phases["assemble_ms"] + phases["losses_ms"]
+    glue = phases["variants_ms"] + phases["assemble_ms"] + phases["losses_ms"] if phases else float("nan")
     cuda = device.type == "cuda"
     # Peak memory in MB: the CUDA allocator's, or the process's resident set on the CPU.
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
