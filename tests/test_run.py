@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from builders import one_line_error, tiny_sections, write_profile
 
 from mcfn.profile import config_from_saved
@@ -68,7 +69,9 @@ def test_megacontext_run_logs_its_metrics(tmp_path, profile):
     assert step["mc/variants_per_sample"] == 3 and step["mc/tokens_covered_mean"] > 16
     assert {"val/bpb", "val/bpb_recency", "time/val_s"} <= records[0].keys()
     assert json.loads((out / "summary.json").read_text())["mode"] == "mc"
-    assert {"time/data_ms", "time/fwd_bwd_ms", "time/optim_ms", "train/lr/matrix", "train/lr/embedding"} <= step.keys()
+    phases = ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms")
+    assert {*phases, "time/log_ms", "train/lr/matrix", "train/lr/embedding"} <= step.keys()
+    assert step["time/step_ms"] == pytest.approx(sum(step[k] for k in phases), rel=1e-3)  # logging apart
     # The LOD maps of step 0 and of the last step: recency (the last W=16 tokens: 4 blocks of K=4), then
     # full-coverage cuts.
     maps = (out / "lod_maps.txt").read_text().splitlines()

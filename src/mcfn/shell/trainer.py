@@ -123,6 +123,7 @@ class Trainer:
                     self.account_skips(step)
                 if logged:
                     record.update(self.step_record(result, step))
+                    record["time/log_ms"] = (time.perf_counter() - result.clock[-1]) * 1e3  # read-backs, formatting
                 if s.world.is_main and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     self.write_lod_maps(result.window, step)  # and after the last step: the report shows it
                 self.bar.update(1)
@@ -257,7 +258,7 @@ class Trainer:
         scalars = {"loss": result.loss, **result.out.losses, **result.out.metrics, **norm}
         values = dict(zip(scalars, torch.stack([t.detach().float() for t in scalars.values()]).tolist(), strict=True))
         now = time.perf_counter()
-        step_ms = (now - t0) * 1e3
+        step_ms = (t_optim - t0) * 1e3  # data, forward + backward, update: logging is time/log_ms
         if progress.first_step_ms is None:
             progress.first_step_ms = step_ms
         else:

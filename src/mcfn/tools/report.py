@@ -10,7 +10,7 @@ from mcfn.tools.eval_result import EvalReport
 from mcfn.tools.plots import Series, plot_panels
 
 REPORT_NAME = "report.md"
-PHASES = ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms")
+PHASES = ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms", "time/log_ms")
 
 
 def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
