@@ -3,9 +3,7 @@ objective, traces on disk and the stage that trains on them (issue 53)."""
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 
 import pytest
 import torch
@@ -185,96 +183,3 @@ def test_traces_are_written_read_back_and_refused_for_another_checkpoint_or_conf
         with pytest.raises(UserError, match="another checkpoint or config") as refused:
             Traces.load(tmp_path / "t.pt", other)
         assert "\n" not in str(refused.value)
-
-
-def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, capsys):
-    from train.lens import main as lens_main
-
-    def one_line(argv) -> str:
-        assert lens_main(argv) == 2
-        return capsys.readouterr().err.strip().splitlines()[-1]
-
-    assert one_line(["--run", str(tmp_path)]).startswith("error: no checkpoint")
-    assert one_line(["--run", str(tmp_path), "--rounds", "0"]).startswith("error: ")
-
-
-def test_the_stage_trains_lensnet_on_a_run_and_writes_it_back(decoding_run, tmp_path):
-    """``train.lens`` on a tiny run: the traces on disk, the figures per round, the policy kept the one of lowest
-    held-out chunk NLL among the run's own, match's cut and each round's, and unless the run's own was best the
-    checkpoint's LensNet and config (the match prior on) replaced, so that ``train.eval`` and ``train.generate``
-    read the new policy."""
-    from mcfn.shell.checkpoint import Checkpoint
-    from train.lens import main as lens_main
-
-    run = tmp_path / "run"
-    shutil.copytree(decoding_run[0], run)
-    before = Checkpoint.read(run)
-    argv = ["--run", str(run), "--rounds", "2", "--windows", "2", "--held-out", "2", "--epochs", "1"]
-    assert lens_main(argv) == 0
-    summary = json.loads((run / "lens_stage.json").read_text())
-    assert [r["round"] for r in summary["rounds"]] == [1, 2]
-    assert all(-1 <= r["held_out"]["utility_corr"] <= 1 and r["states"] > 0 for r in summary["rounds"])
-    assert sorted(p.name for p in (run / "lens_traces").iterdir()) == ["round1.pt", "round2.pt"]
-    after = Checkpoint.read(run)
-    assert after.state["lens_stage"]["rounds"] == summary["rounds"]
-    held = [summary["run_policy"]["nll_lens"], summary["before"]["nll_lens"]]
-    held += [r["held_out"]["nll_lens"] for r in summary["rounds"]]
-    kept = summary["kept_round"]
-    assert held[0 if kept == "run" else kept + 1] == min(held), "the policy kept is the best held out"
-    changed = [k for k in before.state["model"] if not torch.equal(before.state["model"][k], after.state["model"][k])]
-    if kept == "run":  # the run's own LensNet was best: nothing changes but the figures
-        assert not changed and not after.cfg.mc.lens.match_prior
-    else:
-        assert after.cfg.mc.lens.match_prior and not before.cfg.mc.lens.match_prior
-        assert changed and all(k.startswith("lensnet.") for k in changed)
-
-
-def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tmp_path, monkeypatch):
-    """With round 1 the best held out and round 2 trained further, the checkpoint's LensNet is round 1's, byte for
-    byte, not the last round's: the kept round's weights are a copy, not the live network's."""
-    from mcfn.shell import lens_stage
-    from mcfn.shell.checkpoint import Checkpoint
-
-    run = tmp_path / "run"
-    shutil.copytree(decoding_run[0], run)
-    held = {"run": 9.0, 0: 8.0, 1: 1.0, 2: 5.0}  # round 1 best, then the run's own, match's cut and round 2 worse
-
-    def measure(self, r, system=None):
-        return {"utility_corr": 0.0, "se": 0.0, "states": 1, "nll_lens": held[r], "nll_match": 0.0, "nll_recency": 0.0}
-
-    after_round, train_round = {}, lens_stage.Stage.round
-
-    def round_and_keep(self, r, run_dir):
-        figures = train_round(self, r, run_dir)
-        after_round[r] = {k: v.clone() for k, v in self.system.lensnet.state_dict().items()}
-        return figures
-
-    monkeypatch.setattr(lens_stage.Stage, "measure", measure)
-    monkeypatch.setattr(lens_stage.Stage, "round", round_and_keep)
-    settings = lens_stage.StageSettings(rounds=2, windows=2, held_out=1, epochs=2)
-    _, summary = lens_stage.run_stage(run, settings, torch.device("cpu"), lambda _: None)
-    assert summary["kept_round"] == 1
-    written = {k.removeprefix("lensnet."): v for k, v in Checkpoint.read(run).state["model"].items()
-               if k.startswith("lensnet.")}  # fmt: skip
-    assert any(not torch.equal(after_round[1][k], after_round[2][k]) for k in written), "round 2 must differ"
-    assert all(torch.equal(written[k], after_round[1][k]) for k in written)
-
-
-def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
-    """``train.lens_rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
-    then scores the stage's LensNet and says which context to generate with. The final evaluation is brief: its
-    edits are not labelled (``train.eval`` labels them, ``test_report_has_every_condition_and_the_headline``)."""
-    from train.run import main as run_main
-
-    out = tmp_path / "run"
-    overrides = ["--set", "train.lens_rounds=1", "--set", "train.final_eval_batches=2"]
-    assert run_main(["--profile", str(profile), "--out", str(out), "--steps", "2", *overrides]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert [r["round"] for r in summary["lens_stage"]["rounds"]] == [1] and summary["lens_stage"]["kept_round"] in (
-        0,
-        1,
-    )
-    report = json.loads((out / "eval.json").read_text())
-    assert report["brief"] and report["utility_corr"] is None and "lens" in report["bpb"]
-    assert report["best_context"] in ("lens", "match", "recency")  # what a brief evaluation scores within W
-    assert f"Generate with `--context {report['best_context']}`" in (out / "eval.md").read_text()

@@ -1,8 +1,9 @@
 """Train LensNet on what each choice costs: ``python -m train.lens --run DIR [--rounds N] [--windows N] ...``.
 
 The LensNet stage (``mcfn.shell.lens_stage``) on an existing MegaContext run: rounds of counterfactual traces under
-generation's protocol and LensNet training on them, the held-out utility correlation after each round. The trained
-LensNet goes back into the run's checkpoint; ``train.eval --ckpt DIR`` then scores it. Bad input (no checkpoint, a
+generation's protocol and LensNet training on them from the run's own, each round's policy measured on selection
+windows; the policy kept (never one that loses what the run's LensNet knew) goes back into the run's checkpoint,
+beside the original LensNet; ``train.eval --ckpt DIR`` then scores it. Bad input (no checkpoint, a
 plain run, traces of another checkpoint) ends with a one-line ``error:`` message and exit code 2.
 """
 
@@ -24,7 +25,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run", type=Path, required=True, help="the run directory (or its checkpoint.pt)")
     p.add_argument("--rounds", type=int, default=d.rounds, help="rounds of trace, train, measure")
     p.add_argument("--windows", type=int, default=d.windows, help="fresh training windows traced per round")
-    p.add_argument("--held-out", type=int, default=d.held_out, help="validation windows measured after each round")
+    p.add_argument(
+        "--held-out",
+        type=int,
+        default=d.held_out,
+        help="validation windows that select the kept policy (as many report it)",
+    )
     p.add_argument("--epochs", type=int, default=d.epochs, help="passes over every round's traces so far")
     p.add_argument("--lr", type=float, default=d.lr, help="LensNet's AdamW learning rate")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

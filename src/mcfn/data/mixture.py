@@ -68,11 +68,20 @@ class MixedSampler:
         self.sampler, self.tok, self.tail, self.mix, self.tasks, self.seed = sampler, tok, tail, mix, tasks, seed
         self.window = sampler.window
 
+    def draw(self, index: int, batch_size: int) -> tuple[random.Random, list[tuple[int, str]]]:
+        """Batch ``index``'s rows that carry a task, with its name, and the generator that then writes them."""
+        rng = random.Random(derive_seed(self.seed, "train_mix", index))
+        return rng, [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.mix]
+
+    def tasked(self, index: int, batch_size: int) -> list[bool]:
+        """Which rows of batch ``index`` carry a long-range task (without building the batch)."""
+        rows = {row for row, _ in self.draw(index, batch_size)[1]}
+        return [row in rows for row in range(batch_size)]
+
     def batch(self, index: int, batch_size: int) -> Tensor:
         """``[batch_size, T + 1]`` windows for batch ``index``: the sampler's, a share of them rewritten."""
         windows = self.sampler.batch(index, batch_size)
-        rng = random.Random(derive_seed(self.seed, "train_mix", index))
-        chosen = [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.mix]
+        rng, chosen = self.draw(index, batch_size)
         for row, name in chosen:
             if name in REPEATS:
                 windows[row] = REPEATS[name](windows[row], self.tail, rng)

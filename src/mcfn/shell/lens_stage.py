@@ -1,18 +1,24 @@
-"""The LensNet stage: LensNet learns from what each choice costs (issue 53, ``../shared/seeds/003``).
+"""The LensNet stage: LensNet learns from what each choice costs (issue 53, ``../shared/seeds/003``), and never
+loses what the run's LensNet knew (issue 66).
 
 After a run's plain and MC phases, the base model and GistNet are fixed, and LensNet is trained in rounds on its own
 counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces`):
 
-1. **trace**: walk fresh training windows (the run's own mix: corpus text and long-range tasks) under generation's
-   protocol with the current policy, and label every single edit of each chunk's cut with its ΔNLL;
+1. **trace**: walk fresh training windows (the run's own mix: corpus text and long-range tasks, the probes at the
+   run's ``data.mix`` share) under generation's protocol with the current policy, and label every single edit of
+   each chunk's cut with its ΔNLL;
 2. **train**: a few epochs of the ranking loss (:func:`mcfn.core.edits.ranking_loss`) over every round's traces so
    far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model;
-3. **measure**: the held-out ``utility_corr`` on validation windows never traced.
+3. **measure**: the policy on the *selection* windows (validation windows of the same mix, never traced).
 
-LensNet starts afresh with the match prior (``mc.lens.match_prior``): round 1's policy is ``match``'s cut, and
-what the labels teach is added to it, so that where they say nothing the policy keeps ``match``'s order (and past
-every copy, truncation's). The trained LensNet and the stage's figures go back into the run's checkpoint, with
-``mc.lens.match_prior`` set, so that ``train.eval`` and ``train.generate`` read the new policy.
+Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as
+``lens_original`` the first time a stage writes back, so a second stage starts from it again). The candidates are
+the run's own, ``match``'s cut (a fresh LensNet with the match prior and a zero head) and each round's. A candidate is
+refused when it is more than :data:`PROBE_SE` standard errors worse than the run's own on the probe windows (paired
+by window: a policy that loses retrieval) or worse than ``match`` on the corpus windows; the lowest selection NLL among
+the rest is kept, and when every one is refused the run's own stays. The figures the stage reports for the kept
+policy and the run's own come from *report* windows, disjoint from the selection windows, which chose nothing. The
+stage reads no test split.
 """
 
 from __future__ import annotations
@@ -31,10 +37,14 @@ from tqdm import tqdm
 from mcfn.config import RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
+from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.data.loader import WindowSampler
+from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
+from mcfn.profile import config_from_saved
 from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.shell.session import training_sampler
@@ -46,15 +56,65 @@ TRACES_DIR = "lens_traces"
 FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
 
 
+PROBE_SE = 2.0  # a candidate this many standard errors worse than the run's own LensNet on the probes is refused
+
+
 @dataclass(frozen=True)
 class StageSettings:
     rounds: int = 3  # trace, train, measure
     windows: int = 64  # training windows traced per round
-    held_out: int = 32  # validation windows whose states give the round's utility_corr
+    held_out: int = 32  # validation windows that select the policy kept, and as many others that report it
     epochs: int = 6  # passes over every round's traces so far
     lr: float = 1e-3
     states_per_batch: int = 16
     random_cuts: int = 2  # random candidates per state, beside the policy, its edits, match and recency
+
+
+@dataclass(frozen=True)
+class Held:
+    """A policy on held-out windows: its mean chunk NLL per window ``[w]`` (nats per prediction), which windows carry
+    a long-range task ``[w]``, and the traced states' summary (:func:`utility_summary`)."""
+
+    nll: torch.Tensor
+    probe: torch.Tensor
+    summary: dict[str, float]
+
+    @property
+    def mean(self) -> float:
+        return float(self.nll.mean())
+
+
+def window_nll(states: list[State], windows: int) -> torch.Tensor:
+    """The policy's mean chunk NLL over each window's states ``[windows]``."""
+    total, count = torch.zeros(windows, dtype=torch.float64), torch.zeros(windows, dtype=torch.float64)
+    for state in states:
+        total[state.window] += float(state.labelled.nll[LENS.name][0])
+        count[state.window] += 1
+    return total / count.clamp(min=1)
+
+
+def probe_rows(sampler: WindowSampler | MixedSampler, first: int, count: int) -> torch.Tensor:
+    """Which of the one-window batches ``first .. first + count - 1`` carry a long-range task ``[count]`` (a probe or
+    a repeat: windows whose answers lie in the far past)."""
+    if not isinstance(sampler, MixedSampler):
+        return torch.zeros(count, dtype=torch.bool)
+    return torch.tensor([sampler.tasked(first + i, 1)[0] for i in range(count)])
+
+
+def refusal(candidate: Held, own: Held, match: Held) -> str | None:
+    """Why ``candidate`` may not be kept, or None: more than :data:`PROBE_SE` standard errors worse than the run's
+    own LensNet on the probe windows (the mean of the paired per-window differences), or a higher mean NLL than
+    ``match``'s cut on the corpus windows."""
+    probe, text = candidate.probe, ~candidate.probe
+    if int(probe.sum()) >= 2:
+        diff = candidate.nll[probe] - own.nll[probe]
+        se = float(diff.std()) / int(probe.sum()) ** 0.5
+        if float(diff.mean()) > max(PROBE_SE * se, 0.0):
+            return f"worse than the run's own LensNet on the probes by {float(diff.mean()):.4f} ± {se:.4f} nats"
+    if bool(text.any()) and float(candidate.nll[text].mean()) > float(match.nll[text].mean()):
+        return (f"worse than match on the corpus ({float(candidate.nll[text].mean()):.4f} against "
+                f"{float(match.nll[text].mean()):.4f} nats)")  # fmt: skip
+    return None
 
 
 def with_match_prior(cfg: RunConfig) -> RunConfig:
@@ -128,41 +188,57 @@ def train_on_traces(
     return sum(losses) / max(1, len(losses))
 
 
-def stage_system(ckpt: Checkpoint, cfg: RunConfig, device: torch.device) -> MegaContext:
-    """The run's system under ``cfg`` (its config with the match prior) with a fresh LensNet: its first policy is
-    ``match``'s cut."""
-    torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
+def run_system(ckpt: Checkpoint, device: torch.device) -> tuple[MegaContext, RunConfig]:
+    """The run's system with its own LensNet (the original one, where an earlier stage replaced it) and config."""
+    original = ckpt.state.get("lens_original")
+    cfg = config_from_saved(original["config"]) if original else ckpt.cfg
     system = MegaContext(cfg).to(device)
     system.load_state_dict(ckpt.state["model"])
+    if original:
+        system.lensnet.load_state_dict(original["lensnet"])
+    return system.eval(), cfg
+
+
+def match_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
+    """``match``'s cut as a candidate: the run's system with the match prior and a fresh LensNet (zero head)."""
+    cfg = with_match_prior(cfg)
+    torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
+    system = MegaContext(cfg).to(device)
+    system.load_state_dict(own.state_dict())
     system.lensnet.reset_parameters()  # the match prior's head starts at zero
-    return system.eval()
+    return system.eval(), cfg
 
 
 class Stage:
-    """The stage on one run: its fixed system, sampler and held-out windows, and the traces so far."""
+    """The stage on one run: the run's own system (fixed), the one it trains (starting from it), the sampler, the
+    selection and report windows, and the traces so far."""
 
     def __init__(self, ckpt: Checkpoint, corpus: Corpus, settings: StageSettings, device: torch.device):
         self.ckpt, self.settings, self.device = ckpt, settings, device
-        self.cfg = cfg = with_match_prior(ckpt.cfg)
-        self.system = stage_system(ckpt, cfg, device)
-        self.protocol = Refocus(cfg.mc.refocus_every)  # as generation and the evaluation refocus
+        self.own, self.cfg = run_system(ckpt, device)
+        self.system = copy.deepcopy(self.own)  # rounds start from the run's own LensNet
+        self.protocol = Refocus(self.cfg.mc.refocus_every)  # as generation and the evaluation refocus
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
-        self.sampler = training_sampler(cfg, corpus)
+        self.sampler = training_sampler(self.cfg, corpus)
         # Held out: the run's own mix (text and long-range tasks) over the validation split, so that a policy that
-        # loses retrieval is not kept for what it gains on text.
-        held_out = training_sampler(cfg, corpus, held_out=True)
-        self.val_windows = [held_out.batch(i, 1).to(device) for i in range(settings.held_out)]
+        # loses retrieval is seen. Windows 0..h-1 select the policy kept and h..2h-1 report it: no figure reported
+        # comes from a window that chose.
+        held_out, h = training_sampler(self.cfg, corpus, held_out=True), settings.held_out
+        self.windows = {"selection": [held_out.batch(i, 1).to(device) for i in range(h)],
+                        "report": [held_out.batch(h + i, 1).to(device) for i in range(h)]}  # fmt: skip
+        self.probes = {"selection": probe_rows(held_out, 0, h), "report": probe_rows(held_out, h, h)}
         self.traces: list[Traces] = []
 
-    def measure(self, r: int | str, system: MegaContext | None = None) -> dict[str, float]:
-        """A policy (by default the stage's current one) on the held-out windows: its utility_corr and chunk NLLs."""
-        system = self.system if system is None else system
-        with tqdm(total=len(self.val_windows), desc=f"lens {r}: held out", unit="window", file=sys.stderr) as bar:
-            states = trace(system, self.val_windows, self.protocol, self.settings.random_cuts, 0, bar)[2]
-        return utility_summary(states)
+    def measure(self, r: int | str, system: MegaContext | None = None, split: str = "selection") -> Held:
+        """A policy (by default the stage's current one) on the selection (or report) windows."""
+        system, windows = self.system if system is None else system, self.windows[split]
+        with tqdm(total=len(windows), desc=f"lens {r}: {split}", unit="window", file=sys.stderr) as bar:
+            states = trace(system, windows, self.protocol, self.settings.random_cuts, 0, bar)[2]
+        return Held(window_nll(states, len(windows)), self.probes[split], utility_summary(states))
 
-    def round(self, r: int, run_dir: Path) -> dict[str, object]:
-        """Trace fresh training windows with the current policy, save them, train on every round's traces."""
+    def round(self, r: int, run_dir: Path) -> tuple[dict[str, object], Held]:
+        """Trace fresh training windows with the current policy, save them, train on every round's traces; the
+        round's figures and the trained policy on the selection windows."""
         settings, seed = self.settings, self.cfg.train.seed
         started = time.perf_counter()
         first = FIRST_TRACE_BATCH + (r - 1) * settings.windows
@@ -180,8 +256,10 @@ class Stage:
         trained = time.perf_counter()
         held = self.measure(r)
         seconds = {"trace": traced - started, "train": trained - traced, "held_out": time.perf_counter() - trained}
-        return {"round": r, "states": len(states), "traced_utility_corr": utility_summary(states)["utility_corr"],
-                "loss": loss, "held_out": held, "seconds": seconds}  # fmt: skip
+        probes = int(probe_rows(self.sampler, first, settings.windows).sum())
+        return {"round": r, "states": len(states), "traced_probe_windows": probes, "loss": loss,
+                "traced_utility_corr": utility_summary(states)["utility_corr"], "held_out": figures(held),
+                "seconds": seconds}, held  # fmt: skip
 
 
 def run_stage(
@@ -192,9 +270,7 @@ def run_stage(
     corpus: Corpus | None = None,
 ) -> tuple[MegaContext, dict[str, object]]:
     """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand):
-    the trained system and the stage's figures, both also saved in the run's checkpoint. The policy kept is the one
-    with the lowest held-out chunk NLL among the run's own LensNet (``"run"``), ``match``'s cut (round 0) and each
-    round's."""
+    the system with the policy kept and the stage's figures, both also saved in the run's checkpoint."""
     if settings.rounds < 1 or settings.windows < 1 or settings.held_out < 1 or settings.epochs < 0:
         raise UserError("the LensNet stage needs rounds, windows and held-out windows >= 1, and epochs >= 0")
     ckpt = Checkpoint.read(run_dir)
@@ -203,48 +279,73 @@ def run_stage(
     corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
     ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
     stage = Stage(ckpt, corpus, settings, device)
-    own = MegaContext(ckpt.cfg).to(device)
-    own.load_state_dict(ckpt.state["model"])
-    run_policy = stage.measure("run", own.eval())
-    say(f"[lens] the run's own LensNet: {held_out_line(run_policy)}")
-    before = stage.measure(0)
-    say(f"[lens] before training (match's cut): {held_out_line(before)}")
-    best = (before["nll_lens"], 0, copy.deepcopy(stage.system.lensnet.state_dict()))
+    matched, match_cfg = match_system(stage.own, stage.cfg, device)
+    own, match = stage.measure("run", stage.own), stage.measure(0, matched)
+    say(f"[lens] the run's own LensNet{' (the original)' if 'lens_original' in ckpt.state else ''}: {held_line(own)}")
+    say(f"[lens] match's cut: {held_line(match)}")
+    candidates: dict[str | int, tuple[Held, MegaContext | dict, RunConfig]] = {
+        "run": (own, stage.own, stage.cfg), MATCH.name: (match, matched, match_cfg)}  # fmt: skip
     rounds = []
     for r in range(1, settings.rounds + 1):
-        figures = stage.round(r, run_dir)
-        held, seconds = figures["held_out"], figures["seconds"]
-        rounds.append(figures)
+        round_figures, held = stage.round(r, run_dir)
+        seconds = round_figures["seconds"]
+        rounds.append(round_figures)
         say(
-            f"[lens] round {r}: {figures['states']} states traced in {seconds['trace']:.0f} s, trained in "
-            f"{seconds['train']:.0f} s (loss {figures['loss']:.4f}); {held_out_line(held)}"
+            f"[lens] round {r}: {round_figures['states']} states traced in {seconds['trace']:.0f} s, trained in "
+            f"{seconds['train']:.0f} s (loss {round_figures['loss']:.4f}); {held_line(held)}"
         )
-        if held["nll_lens"] < best[0]:
-            best = (held["nll_lens"], r, copy.deepcopy(stage.system.lensnet.state_dict()))
-    kept, system = ("run", own) if run_policy["nll_lens"] <= best[0] else (best[1], stage.system)
-    if kept != "run":
-        system.lensnet.load_state_dict(best[2])
-    which = "the run's own LensNet" if kept == "run" else f"round {kept}'s policy"
-    say(f"[lens] kept {which} (held-out chunk NLL {min(best[0], run_policy['nll_lens']):.4f})")
-    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": run_policy,
-               "before": before, "rounds": rounds, "kept_round": kept}  # fmt: skip
-    write_back(ckpt, None if kept == "run" else (system, stage.cfg), summary)
+        candidates[r] = (held, copy.deepcopy(stage.system.lensnet.state_dict()), stage.cfg)
+    refused = {name: why for name, (held, _, _) in candidates.items() if (why := refusal(held, own, match))}
+    for name, why in refused.items():
+        say(f"[lens] refused {describe(name)}: {why}")
+    allowed = [name for name in candidates if name not in refused]
+    kept = min(allowed, key=lambda name: candidates[name][0].mean) if allowed else "run"
+    system, kept_cfg = kept_system(stage, candidates[kept][1:])
+    why = "every candidate was refused, so " if not allowed else ""
+    say(f"[lens] {why}kept {describe(kept)} (selection chunk NLL {candidates[kept][0].mean:.4f})")
+    report = {"run": figures(stage.measure("run", stage.own, "report"))}
+    report["kept"] = report["run"] if kept == "run" else figures(stage.measure(kept, system, "report"))
+    kept_nll, own_nll = report["kept"]["mean_nll"], report["run"]["mean_nll"]
+    say(f"[lens] on the report windows (they chose nothing): kept {kept_nll:.4f}, the run's own {own_nll:.4f}")
+    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": figures(own),
+               MATCH.name: figures(match), "rounds": rounds, "refused": {str(k): v for k, v in refused.items()},
+               "kept_round": kept, "report": report}  # fmt: skip
+    write_back(ckpt, stage, system, kept_cfg, summary)
     return system, summary
 
 
-def write_back(ckpt: Checkpoint, policy: tuple[MegaContext, RunConfig] | None, summary: dict) -> None:
-    """The stage's figures into the run's checkpoint, and the policy kept with its config unless it is the run's."""
+def kept_system(stage: Stage, kept: tuple[MegaContext | dict, RunConfig]) -> tuple[MegaContext, RunConfig]:
+    """The system of the candidate kept: a system itself, or a round's LensNet weights in the stage's system."""
+    policy, cfg = kept
+    if isinstance(policy, MegaContext):
+        return policy, cfg
+    stage.system.lensnet.load_state_dict(policy)
+    return stage.system, cfg
+
+
+def describe(name: str | int) -> str:
+    return {"run": "the run's own LensNet", MATCH.name: "match's cut"}.get(name, f"round {name}'s policy")
+
+
+def figures(held: Held) -> dict[str, float]:
+    return held.summary | {"mean_nll": held.mean, "probe_windows": int(held.probe.sum())}
+
+
+def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConfig, summary: dict) -> None:
+    """The stage's figures and the policy kept (its LensNet and config) into the run's checkpoint, beside the run's
+    original LensNet and config, written the first time and never replaced: a second stage starts from them."""
     state = load_checkpoint(ckpt.path)
-    if policy is not None:
-        system, cfg = policy
-        state["model"] = {k: v.cpu() for k, v in system.state_dict().items()}
-        state["config"] = cfg.to_dict()
+    state.setdefault("lens_original", {"lensnet": {k: v.cpu() for k, v in stage.own.lensnet.state_dict().items()},
+                                       "config": stage.cfg.to_dict()})  # fmt: skip
+    state["model"] = {k: v.cpu() for k, v in system.state_dict().items()}
+    state["config"] = cfg.to_dict()
     state["lens_stage"] = summary
     save_checkpoint(ckpt.path, state)
 
 
-def held_out_line(held: dict[str, float]) -> str:
+def held_line(held: Held) -> str:
+    s = held.summary
     return (
-        f"held-out utility_corr {held['utility_corr']:.3f} ± {held['se']:.3f} over {held['states']} states; "
-        f"chunk NLL lens {held['nll_lens']:.4f}, match {held['nll_match']:.4f}, recency {held['nll_recency']:.4f}"
+        f"chunk NLL {held.mean:.4f} over {held.nll.numel()} windows ({int(held.probe.sum())} with a task); "
+        f"utility_corr {s['utility_corr']:.3f} ± {s['se']:.3f} over {s['states']} states"
     )

@@ -1,0 +1,154 @@
+"""The LensNet stage (``train.lens``): it starts from the run's own LensNet, keeps the original beside what it writes,
+refuses a policy that loses what the run's LensNet knew, selects on windows that report nothing, and reads no test
+split."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from mcfn.shell import lens_stage
+from mcfn.shell.checkpoint import Checkpoint
+from mcfn.shell.lens_stage import Held, StageSettings, refusal, run_stage
+from train.lens import main as lens_main
+
+TINY = ["--rounds", "2", "--windows", "2", "--held-out", "2", "--epochs", "1"]
+
+
+def held(probes: list[float], text: list[float]) -> Held:
+    """A policy's per-window NLLs: the probe windows first, then the corpus windows."""
+    nll = torch.tensor(probes + text, dtype=torch.float64)
+    probe = torch.tensor([True] * len(probes) + [False] * len(text))
+    return Held(nll, probe, {"utility_corr": 0.0, "se": 0.0, "states": len(probes) + len(text)})
+
+
+def test_a_candidate_that_loses_the_pass_key_or_trails_match_on_the_corpus_is_refused():
+    own = held([1.0, 1.1, 0.9, 1.0], [2.0, 2.1])
+    match = held([2.5, 2.6, 2.4, 2.5], [2.0, 2.1])
+    forgets = held([3.0, 3.2, 2.9, 3.1], [1.5, 1.6])  # better on the corpus, but the far past is lost
+    keeps = held([1.02, 1.08, 0.93, 0.99], [1.9, 2.0])  # level with the run's own on the probes, better on the corpus
+    trails = held([1.0, 1.1, 0.9, 1.0], [2.2, 2.3])  # worse than match on the corpus
+    assert "probes" in refusal(forgets, own, match)
+    assert refusal(keeps, own, match) is None
+    assert "corpus" in refusal(trails, own, match)
+    assert refusal(own, own, match) is None  # the run's own is level with itself; here no worse than match
+
+
+def lensnet_weights(state: dict) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("lensnet."): v for k, v in state.items() if k.startswith("lensnet.")}
+
+
+def test_the_stage_starts_from_the_run_keeps_its_original_and_a_second_stage_finds_it(decoding_run, tmp_path):
+    """``train.lens`` twice on a tiny run: the policy kept is the lowest selection NLL among the candidates not
+    refused (the run's own, match's cut, each round's); the checkpoint carries the run's original LensNet and config
+    beside the policy kept; a second stage measures the same original (its figures equal the first's)."""
+    run = tmp_path / "run"
+    shutil.copytree(decoding_run[0], run)
+    before = Checkpoint.read(run)
+    assert lens_main(["--run", str(run), *TINY]) == 0
+    first = json.loads((run / "lens_stage.json").read_text())
+    assert [r["round"] for r in first["rounds"]] == [1, 2]
+    assert sorted(p.name for p in (run / "lens_traces").iterdir()) == ["round1.pt", "round2.pt"]
+    means = {"run": first["run_policy"]["mean_nll"], "match": first["match"]["mean_nll"]}
+    means |= {r["round"]: r["held_out"]["mean_nll"] for r in first["rounds"]}
+    allowed = [name for name in means if str(name) not in first["refused"]]
+    assert first["kept_round"] == (min(allowed, key=means.get) if allowed else "run")
+    after = Checkpoint.read(run)
+    original = after.state["lens_original"]
+    assert all(torch.equal(v, original["lensnet"][k]) for k, v in lensnet_weights(before.state["model"]).items())
+    assert original["config"] == before.state["config"]
+    changed = [k for k in before.state["model"] if not torch.equal(before.state["model"][k], after.state["model"][k])]
+    assert all(k.startswith("lensnet.") for k in changed)
+    assert after.cfg.mc.lens.match_prior == (first["kept_round"] == "match")
+    assert lens_main(["--run", str(run), *TINY]) == 0
+    second = json.loads((run / "lens_stage.json").read_text())
+    assert second["run_policy"] == first["run_policy"]  # the original again, not the first stage's policy
+    assert Checkpoint.read(run).state["lens_original"]["config"] == before.state["config"]
+
+
+def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tmp_path, monkeypatch):
+    """With round 1 the best on the selection windows and round 2 trained further, the checkpoint's LensNet is round
+    1's, byte for byte, not the last round's: the kept round's weights are a copy, not the live network's."""
+    run = tmp_path / "run"
+    shutil.copytree(decoding_run[0], run)
+    nll = {"run": 9.0, 0: 8.0, 1: 1.0, 2: 5.0}  # round 1 best; the run's own trails match's cut and is refused
+
+    def measure(self, r, system=None, split="selection"):
+        return held([], [nll.get(r, 1.0)] * 2)
+
+    after_round, train_round = {}, lens_stage.Stage.round
+
+    def round_and_keep(self, r, run_dir):
+        figures = train_round(self, r, run_dir)
+        after_round[r] = {k: v.clone() for k, v in self.system.lensnet.state_dict().items()}
+        return figures
+
+    monkeypatch.setattr(lens_stage.Stage, "measure", measure)
+    monkeypatch.setattr(lens_stage.Stage, "round", round_and_keep)
+    _, summary = run_stage(run, StageSettings(rounds=2, windows=2, held_out=1, epochs=2), torch.device("cpu"), print)
+    assert summary["kept_round"] == 1 and set(summary["refused"]) == {"run"}
+    written = lensnet_weights(Checkpoint.read(run).state["model"])
+    assert any(not torch.equal(after_round[1][k], after_round[2][k]) for k in written), "round 2 must differ"
+    assert all(torch.equal(written[k], after_round[1][k]) for k in written)
+
+
+class Unread:
+    """A split that fails the test when anything reads it."""
+
+    def __getattr__(self, name):
+        pytest.fail(f"the LensNet stage read the test split ({name})")
+
+
+def test_selection_report_and_traced_windows_are_disjoint_and_the_test_split_is_never_read(
+    decoding_run, tmp_path, monkeypatch
+):
+    run = tmp_path / "run"
+    shutil.copytree(decoding_run[0], run)
+    ckpt = Checkpoint.read(run)
+    corpus = dataclasses.replace(lens_stage.prepare_corpus(ckpt.cfg.data), test=Unread())
+    seen = {}
+    real = lens_stage.Stage.__init__
+
+    def keep(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        seen["stage"] = self
+
+    monkeypatch.setattr(lens_stage.Stage, "__init__", keep)
+    run_stage(run, StageSettings(rounds=1, windows=3, held_out=3, epochs=1), torch.device("cpu"), print, corpus)
+    stage = seen["stage"]
+    rows = {name: {tuple(w[0].tolist()) for w in stage.windows[name]} for name in ("selection", "report")}
+    rows["traced"] = {tuple(w.tolist()) for w in stage.traces[0].windows}
+    assert all(len(r) == 3 for r in rows.values())
+    assert not (
+        rows["selection"] & rows["report"] or rows["selection"] & rows["traced"] or rows["report"] & rows["traced"]
+    )
+
+
+def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, capsys):
+    def one_line(argv) -> str:
+        assert lens_main(argv) == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert one_line(["--run", str(tmp_path)]).startswith("error: no checkpoint")
+    assert one_line(["--run", str(tmp_path), "--rounds", "0"]).startswith("error: ")
+
+
+def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
+    """``train.lens_rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
+    then scores the policy the stage kept and says which context to generate with. The final evaluation is brief:
+    its edits are not labelled (``train.eval`` labels them, ``test_report_has_every_condition_and_the_headline``)."""
+    from train.run import main as run_main
+
+    out = tmp_path / "run"
+    overrides = ["--set", "train.lens_rounds=1", "--set", "train.final_eval_batches=2"]
+    assert run_main(["--profile", str(profile), "--out", str(out), "--steps", "2", *overrides]) == 0
+    stage = json.loads((out / "summary.json").read_text())["lens_stage"]
+    assert [r["round"] for r in stage["rounds"]] == [1] and stage["kept_round"] in ("run", "match", 1)
+    report = json.loads((out / "eval.json").read_text())
+    assert report["brief"] and report["utility_corr"] is None and "lens" in report["bpb"]
+    assert report["best_context"] in ("lens", "match", "recency")  # what a brief evaluation scores within W
+    assert f"Generate with `--context {report['best_context']}`" in (out / "eval.md").read_text()
