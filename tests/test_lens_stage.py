@@ -13,29 +13,21 @@ import torch
 
 from mcfn.shell import lens_stage
 from mcfn.shell.checkpoint import Checkpoint
-from mcfn.shell.lens_stage import Held, StageSettings, refusal, run_stage
+from mcfn.shell.lens_stage import Judged, StageSettings, refusal, run_stage
 from train.lens import main as lens_main
 
 TINY = ["--rounds", "2", "--windows", "2", "--held-out", "2", "--epochs", "1"]
 
 
-def held(probes: list[float], text: list[float]) -> Held:
-    """A policy's per-window NLLs: the probe windows first, then the corpus windows."""
-    nll = torch.tensor(probes + text, dtype=torch.float64)
-    probe = torch.tensor([True] * len(probes) + [False] * len(text))
-    return Held(nll, probe, {"utility_corr": 0.0, "se": 0.0, "states": len(probes) + len(text)})
-
-
 def test_a_candidate_that_loses_the_pass_key_or_trails_match_on_the_corpus_is_refused():
-    own = held([1.0, 1.1, 0.9, 1.0], [2.0, 2.1])
-    match = held([2.5, 2.6, 2.4, 2.5], [2.0, 2.1])
-    forgets = held([3.0, 3.2, 2.9, 3.1], [1.5, 1.6])  # better on the corpus, but the far past is lost
-    keeps = held([1.02, 1.08, 0.93, 0.99], [1.9, 2.0])  # level with the run's own on the probes, better on the corpus
-    trails = held([1.0, 1.1, 0.9, 1.0], [2.2, 2.3])  # worse than match on the corpus
-    assert "probes" in refusal(forgets, own, match)
-    assert refusal(keeps, own, match) is None
-    assert "corpus" in refusal(trails, own, match)
-    assert refusal(own, own, match) is None  # the run's own is level with itself; here no worse than match
+    own = Judged(lens_bpb=1.30, match_bpb=1.25, passkey=0.94, probes=32)
+    forgets = Judged(lens_bpb=1.20, match_bpb=1.25, passkey=0.50, probes=32)  # better on text, retrieval lost
+    level = Judged(lens_bpb=1.22, match_bpb=1.25, passkey=0.91, probes=32)  # within 2 SE of the run's own
+    trails = Judged(lens_bpb=1.28, match_bpb=1.25, passkey=0.97, probes=32)  # retrieves, but worse than match
+    assert "pass key" in refusal(forgets, own)
+    assert refusal(level, own) is None
+    assert "corpus" in refusal(trails, own)
+    assert "corpus" in refusal(own, own)  # the run's own may be refused too: then it stays, and the stage says why
 
 
 def lensnet_weights(state: dict) -> dict[str, torch.Tensor]:
@@ -53,8 +45,8 @@ def test_the_stage_starts_from_the_run_keeps_its_original_and_a_second_stage_fin
     first = json.loads((run / "lens_stage.json").read_text())
     assert [r["round"] for r in first["rounds"]] == [1, 2]
     assert sorted(p.name for p in (run / "lens_traces").iterdir()) == ["round1.pt", "round2.pt"]
-    means = {"run": first["run_policy"]["mean_nll"], "match": first["match"]["mean_nll"]}
-    means |= {r["round"]: r["held_out"]["mean_nll"] for r in first["rounds"]}
+    means = {"run": first["run_policy"]["lens_bpb"], "match": first["match"]["lens_bpb"]}
+    means |= {r["round"]: r["selection"]["lens_bpb"] for r in first["rounds"]}
     allowed = [name for name in means if str(name) not in first["refused"]]
     assert first["kept_round"] == (min(allowed, key=means.get) if allowed else "run")
     after = Checkpoint.read(run)
@@ -75,10 +67,10 @@ def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tm
     1's, byte for byte, not the last round's: the kept round's weights are a copy, not the live network's."""
     run = tmp_path / "run"
     shutil.copytree(decoding_run[0], run)
-    nll = {"run": 9.0, 0: 8.0, 1: 1.0, 2: 5.0}  # round 1 best; the run's own trails match's cut and is refused
+    bpb = {"run": 9.0, "match": 8.0, 1: 1.0, 2: 5.0}  # round 1 best; match's own bits per byte 10: none refused
 
     def measure(self, r, system=None, split="selection"):
-        return held([], [nll.get(r, 1.0)] * 2)
+        return Judged(lens_bpb=bpb[r], match_bpb=10.0, passkey=None, probes=0)
 
     after_round, train_round = {}, lens_stage.Stage.round
 
@@ -90,7 +82,7 @@ def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tm
     monkeypatch.setattr(lens_stage.Stage, "measure", measure)
     monkeypatch.setattr(lens_stage.Stage, "round", round_and_keep)
     _, summary = run_stage(run, StageSettings(rounds=2, windows=2, held_out=1, epochs=2), torch.device("cpu"), print)
-    assert summary["kept_round"] == 1 and set(summary["refused"]) == {"run"}
+    assert summary["kept_round"] == 1 and not summary["refused"]
     written = lensnet_weights(Checkpoint.read(run).state["model"])
     assert any(not torch.equal(after_round[1][k], after_round[2][k]) for k in written), "round 2 must differ"
     assert all(torch.equal(written[k], after_round[1][k]) for k in written)
@@ -118,11 +110,12 @@ def test_selection_report_and_traced_windows_are_disjoint_and_the_test_split_is_
         seen["stage"] = self
 
     monkeypatch.setattr(lens_stage.Stage, "__init__", keep)
-    run_stage(run, StageSettings(rounds=1, windows=3, held_out=3, epochs=1), torch.device("cpu"), print, corpus)
+    settings = StageSettings(rounds=1, windows=3, held_out=3, epochs=1)
+    run_stage(run, settings, torch.device("cpu"), print, corpus)
     stage = seen["stage"]
-    rows = {name: {tuple(w[0].tolist()) for w in stage.windows[name]} for name in ("selection", "report")}
+    rows = {name: {tuple(row.tolist()) for w in stage.held[name].windows for row in w} for name in stage.held}
     rows["traced"] = {tuple(w.tolist()) for w in stage.traces[0].windows}
-    assert all(len(r) == 3 for r in rows.values())
+    assert all(len(r) == 3 for r in rows.values()) and stage.held["selection"].split == "validation"
     assert not (
         rows["selection"] & rows["report"] or rows["selection"] & rows["traced"] or rows["report"] & rows["traced"]
     )

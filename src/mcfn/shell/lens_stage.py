@@ -13,18 +13,20 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
 
 Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as
 ``lens_original`` the first time a stage writes back, so a second stage starts from it again). The candidates are
-the run's own, ``match``'s cut (a fresh LensNet with the match prior and a zero head) and each round's. A candidate is
-refused when it is more than :data:`PROBE_SE` standard errors worse than the run's own on the probe windows (paired
-by window: a policy that loses retrieval) or worse than ``match`` on the corpus windows; the lowest selection NLL among
-the rest is kept, and when every one is refused the run's own stays. The figures the stage reports for the kept
-policy and the run's own come from *report* windows, disjoint from the selection windows, which chose nothing. The
-stage reads no test split.
+the run's own, ``match``'s cut (a fresh LensNet with the match prior and a zero head) and each round's, each judged
+as the run's final evaluation judges a policy (generation's protocol at the run's ``W``, on the corpus and the pass
+key) on *selection* windows of the validation split. A candidate is refused when its pass key accuracy is more than
+:data:`PROBE_SE` standard errors below the run's own (it lost retrieval) or its corpus bits per byte are above
+``match``'s; the lowest corpus bits per byte among the rest is kept, and when every one is refused the run's own
+stays. The figures the stage reports for the kept policy and the run's own come from *report* windows, disjoint
+validation windows that chose nothing. The stage reads no test split.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -41,7 +43,7 @@ from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus, prepare_corpus
-from mcfn.data.loader import WindowSampler
+from mcfn.data.loader import WindowSampler, evaluation_windows
 from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
@@ -51,12 +53,15 @@ from mcfn.shell.session import training_sampler
 from mcfn.shell.traces import Traces, fingerprint
 from mcfn.tools.chunks import chunk_view
 from mcfn.tools.counterfactual import TRACED, State, trace_window
+from mcfn.tools.eval_batch import EvalSettings
+from mcfn.tools.evaluation import HeldOut, evaluate
 
 TRACES_DIR = "lens_traces"
 FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
 
 
-PROBE_SE = 2.0  # a candidate this many standard errors worse than the run's own LensNet on the probes is refused
+PROBE_SE = 2.0  # a candidate this many standard errors below the run's own LensNet on the pass key is refused
+JUDGED_TASKS = ("corpus", "passkey")  # as the run's final evaluation judges a policy
 
 
 @dataclass(frozen=True)
@@ -71,49 +76,48 @@ class StageSettings:
 
 
 @dataclass(frozen=True)
-class Held:
-    """A policy on held-out windows: its mean chunk NLL per window ``[w]`` (nats per prediction), which windows carry
-    a long-range task ``[w]``, and the traced states' summary (:func:`utility_summary`)."""
+class Judged:
+    """A policy on held-out windows as the final evaluation judges it: LensNet's corpus bits per byte beside
+    ``match``'s, and its pass key accuracy over ``probes`` windows (None where the pass key does not fit)."""
 
-    nll: torch.Tensor
-    probe: torch.Tensor
-    summary: dict[str, float]
+    lens_bpb: float
+    match_bpb: float
+    passkey: float | None
+    probes: int
 
-    @property
-    def mean(self) -> float:
-        return float(self.nll.mean())
+    def to_json(self) -> dict[str, float | int | None]:
+        return dataclasses.asdict(self)
 
 
-def window_nll(states: list[State], windows: int) -> torch.Tensor:
-    """The policy's mean chunk NLL over each window's states ``[windows]``."""
-    total, count = torch.zeros(windows, dtype=torch.float64), torch.zeros(windows, dtype=torch.float64)
-    for state in states:
-        total[state.window] += float(state.labelled.nll[LENS.name][0])
-        count[state.window] += 1
-    return total / count.clamp(min=1)
+def judge(system: MegaContext, held: HeldOut, refocus_every: int) -> Judged:
+    """``system``'s LensNet under generation's protocol at its ``W``, on the corpus and the pass key of ``held``."""
+    settings = EvalSettings((system.layout.W,), tasks=JUDGED_TASKS, probe_batches=len(held.windows),
+                            refocus_every=refocus_every, brief=True)  # fmt: skip
+    report = evaluate(system, held, settings)
+    corpus, passkey = report.corpus.refocus.head, report.scored(JUDGED_TASKS[1])
+    accuracy = passkey.refocus.head.accuracy if passkey is not None else None
+    lens, match = LENS.name, MATCH.name
+    return Judged(corpus.bpb[lens], corpus.bpb[match], None if accuracy is None else accuracy[lens],
+                  sum(w.size(0) for w in held.windows))  # fmt: skip
 
 
 def probe_rows(sampler: WindowSampler | MixedSampler, first: int, count: int) -> torch.Tensor:
-    """Which of the one-window batches ``first .. first + count - 1`` carry a long-range task ``[count]`` (a probe or
-    a repeat: windows whose answers lie in the far past)."""
+    """Which of the one-window batches ``first .. first + count - 1`` carry a long-range task ``[count]``."""
     if not isinstance(sampler, MixedSampler):
         return torch.zeros(count, dtype=torch.bool)
     return torch.tensor([sampler.tasked(first + i, 1)[0] for i in range(count)])
 
 
-def refusal(candidate: Held, own: Held, match: Held) -> str | None:
-    """Why ``candidate`` may not be kept, or None: more than :data:`PROBE_SE` standard errors worse than the run's
-    own LensNet on the probe windows (the mean of the paired per-window differences), or a higher mean NLL than
-    ``match``'s cut on the corpus windows."""
-    probe, text = candidate.probe, ~candidate.probe
-    if int(probe.sum()) >= 2:
-        diff = candidate.nll[probe] - own.nll[probe]
-        se = float(diff.std()) / int(probe.sum()) ** 0.5
-        if float(diff.mean()) > max(PROBE_SE * se, 0.0):
-            return f"worse than the run's own LensNet on the probes by {float(diff.mean()):.4f} ± {se:.4f} nats"
-    if bool(text.any()) and float(candidate.nll[text].mean()) > float(match.nll[text].mean()):
-        return (f"worse than match on the corpus ({float(candidate.nll[text].mean()):.4f} against "
-                f"{float(match.nll[text].mean()):.4f} nats)")  # fmt: skip
+def refusal(candidate: Judged, own: Judged) -> str | None:
+    """Why ``candidate`` may not be kept, or None: a pass key accuracy more than :data:`PROBE_SE` standard errors
+    (of the difference of two proportions) below the run's own, or corpus bits per byte above ``match``'s."""
+    if candidate.passkey is not None and own.passkey is not None:
+        p, q, n = candidate.passkey, own.passkey, candidate.probes
+        se = math.sqrt((p * (1 - p) + q * (1 - q)) / n)
+        if q - p > max(PROBE_SE * se, 0.0):
+            return f"answers the pass key {p:.2f} against the run's own {q:.2f} (± {se:.2f})"
+    if candidate.lens_bpb > candidate.match_bpb:
+        return f"{candidate.lens_bpb:.4f} bits per byte on the corpus against match's {candidate.match_bpb:.4f}"
     return None
 
 
@@ -220,23 +224,24 @@ class Stage:
         self.protocol = Refocus(self.cfg.mc.refocus_every)  # as generation and the evaluation refocus
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
         self.sampler = training_sampler(self.cfg, corpus)
-        # Held out: the run's own mix (text and long-range tasks) over the validation split, so that a policy that
-        # loses retrieval is seen. Windows 0..h-1 select the policy kept and h..2h-1 report it: no figure reported
-        # comes from a window that chose.
-        held_out, h = training_sampler(self.cfg, corpus, held_out=True), settings.held_out
-        self.windows = {"selection": [held_out.batch(i, 1).to(device) for i in range(h)],
-                        "report": [held_out.batch(h + i, 1).to(device) for i in range(h)]}  # fmt: skip
-        self.probes = {"selection": probe_rows(held_out, 0, h), "report": probe_rows(held_out, h, h)}
+        # Validation windows, as the final evaluation draws them: the first half select the policy kept, the second
+        # report it, so that no figure reported comes from a window that chose.
+        h, batch = settings.held_out, self.cfg.train.batch_size
+        windows, docs = (torch.cat(x) for x in evaluation_windows(corpus.val, self.cfg.data.seq_len + 1, 2 * h, 1))
+        if windows.size(0) < 2:
+            raise UserError("the validation split has too few windows for the LensNet stage to select and report")
+        half = min(h, windows.size(0) // 2)
+        token_bytes = corpus.tokenizer.token_bytes(self.cfg.model.vocab_size).to(device)
+        self.held = {name: HeldOut(list(windows[part].to(device).split(batch)), token_bytes, corpus.tokenizer,
+                                   list(docs[part].split(batch)), "validation")
+                     for name, part in (("selection", slice(0, half)), ("report", slice(half, 2 * half)))}  # fmt: skip
         self.traces: list[Traces] = []
 
-    def measure(self, r: int | str, system: MegaContext | None = None, split: str = "selection") -> Held:
-        """A policy (by default the stage's current one) on the selection (or report) windows."""
-        system, windows = self.system if system is None else system, self.windows[split]
-        with tqdm(total=len(windows), desc=f"lens {r}: {split}", unit="window", file=sys.stderr) as bar:
-            states = trace(system, windows, self.protocol, self.settings.random_cuts, 0, bar)[2]
-        return Held(window_nll(states, len(windows)), self.probes[split], utility_summary(states))
+    def measure(self, r: int | str, system: MegaContext | None = None, split: str = "selection") -> Judged:
+        """A policy (by default the stage's current one, ``r`` names it) on the selection (or report) windows."""
+        return judge(self.system if system is None else system, self.held[split], self.cfg.mc.refocus_every)
 
-    def round(self, r: int, run_dir: Path) -> tuple[dict[str, object], Held]:
+    def round(self, r: int, run_dir: Path) -> tuple[dict[str, object], Judged]:
         """Trace fresh training windows with the current policy, save them, train on every round's traces; the
         round's figures and the trained policy on the selection windows."""
         settings, seed = self.settings, self.cfg.train.seed
@@ -258,7 +263,7 @@ class Stage:
         seconds = {"trace": traced - started, "train": trained - traced, "held_out": time.perf_counter() - trained}
         probes = int(probe_rows(self.sampler, first, settings.windows).sum())
         return {"round": r, "states": len(states), "traced_probe_windows": probes, "loss": loss,
-                "traced_utility_corr": utility_summary(states)["utility_corr"], "held_out": figures(held),
+                "traced_utility_corr": utility_summary(states)["utility_corr"], "selection": held.to_json(),
                 "seconds": seconds}, held  # fmt: skip
 
 
@@ -280,10 +285,10 @@ def run_stage(
     ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
     stage = Stage(ckpt, corpus, settings, device)
     matched, match_cfg = match_system(stage.own, stage.cfg, device)
-    own, match = stage.measure("run", stage.own), stage.measure(0, matched)
-    say(f"[lens] the run's own LensNet{' (the original)' if 'lens_original' in ckpt.state else ''}: {held_line(own)}")
-    say(f"[lens] match's cut: {held_line(match)}")
-    candidates: dict[str | int, tuple[Held, MegaContext | dict, RunConfig]] = {
+    own, match = stage.measure("run", stage.own), stage.measure(MATCH.name, matched)
+    say(f"[lens] the run's own LensNet{' (the original)' if 'lens_original' in ckpt.state else ''}: {judged_line(own)}")
+    say(f"[lens] match's cut: {judged_line(match)}")
+    candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = {
         "run": (own, stage.own, stage.cfg), MATCH.name: (match, matched, match_cfg)}  # fmt: skip
     rounds = []
     for r in range(1, settings.rounds + 1):
@@ -292,24 +297,24 @@ def run_stage(
         rounds.append(round_figures)
         say(
             f"[lens] round {r}: {round_figures['states']} states traced in {seconds['trace']:.0f} s, trained in "
-            f"{seconds['train']:.0f} s (loss {round_figures['loss']:.4f}); {held_line(held)}"
+            f"{seconds['train']:.0f} s (loss {round_figures['loss']:.4f}); {judged_line(held)}"
         )
         candidates[r] = (held, copy.deepcopy(stage.system.lensnet.state_dict()), stage.cfg)
-    refused = {name: why for name, (held, _, _) in candidates.items() if (why := refusal(held, own, match))}
+    refused = {name: why for name, (held, _, _) in candidates.items() if (why := refusal(held, own))}
     for name, why in refused.items():
         say(f"[lens] refused {describe(name)}: {why}")
     allowed = [name for name in candidates if name not in refused]
-    kept = min(allowed, key=lambda name: candidates[name][0].mean) if allowed else "run"
+    kept = min(allowed, key=lambda name: candidates[name][0].lens_bpb) if allowed else "run"
     system, kept_cfg = kept_system(stage, candidates[kept][1:])
     why = "every candidate was refused, so " if not allowed else ""
-    say(f"[lens] {why}kept {describe(kept)} (selection chunk NLL {candidates[kept][0].mean:.4f})")
-    report = {"run": figures(stage.measure("run", stage.own, "report"))}
-    report["kept"] = report["run"] if kept == "run" else figures(stage.measure(kept, system, "report"))
-    kept_nll, own_nll = report["kept"]["mean_nll"], report["run"]["mean_nll"]
-    say(f"[lens] on the report windows (they chose nothing): kept {kept_nll:.4f}, the run's own {own_nll:.4f}")
-    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": figures(own),
-               MATCH.name: figures(match), "rounds": rounds, "refused": {str(k): v for k, v in refused.items()},
-               "kept_round": kept, "report": report}  # fmt: skip
+    say(f"[lens] {why}kept {describe(kept)} ({candidates[kept][0].lens_bpb:.4f} bits per byte on the selection)")
+    report = {"run": stage.measure("run", stage.own, "report")}
+    report["kept"] = report["run"] if kept == "run" else stage.measure(kept, system, "report")
+    say(f"[lens] on the report windows, which chose nothing: kept {judged_line(report['kept'])}; the run's own "
+        f"{judged_line(report['run'])}")  # fmt: skip
+    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": own.to_json(),
+               MATCH.name: match.to_json(), "rounds": rounds, "refused": {str(k): v for k, v in refused.items()},
+               "kept_round": kept, "report": {k: v.to_json() for k, v in report.items()}}  # fmt: skip
     write_back(ckpt, stage, system, kept_cfg, summary)
     return system, summary
 
@@ -327,10 +332,6 @@ def describe(name: str | int) -> str:
     return {"run": "the run's own LensNet", MATCH.name: "match's cut"}.get(name, f"round {name}'s policy")
 
 
-def figures(held: Held) -> dict[str, float]:
-    return held.summary | {"mean_nll": held.mean, "probe_windows": int(held.probe.sum())}
-
-
 def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConfig, summary: dict) -> None:
     """The stage's figures and the policy kept (its LensNet and config) into the run's checkpoint, beside the run's
     original LensNet and config, written the first time and never replaced: a second stage starts from them."""
@@ -343,9 +344,6 @@ def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConf
     save_checkpoint(ckpt.path, state)
 
 
-def held_line(held: Held) -> str:
-    s = held.summary
-    return (
-        f"chunk NLL {held.mean:.4f} over {held.nll.numel()} windows ({int(held.probe.sum())} with a task); "
-        f"utility_corr {s['utility_corr']:.3f} ± {s['se']:.3f} over {s['states']} states"
-    )
+def judged_line(judged: Judged) -> str:
+    passkey = "" if judged.passkey is None else f", pass key {judged.passkey:.2f} over {judged.probes} windows"
+    return f"corpus {judged.lens_bpb:.4f} bits per byte (match {judged.match_bpb:.4f}){passkey}"
