@@ -13,7 +13,8 @@ import torch
 
 from mcfn.shell import lens_stage
 from mcfn.shell.checkpoint import Checkpoint
-from mcfn.shell.lens_stage import Judged, StageSettings, refusal, run_stage
+from mcfn.shell.lens_judge import Judged, refusal
+from mcfn.shell.lens_stage import StageSettings, run_stage
 from train.lens import main as lens_main
 
 TINY = ["--rounds", "2", "--windows", "2", "--held-out", "2", "--epochs", "1"]

@@ -9,24 +9,22 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
    each chunk's cut with its ΔNLL;
 2. **train**: a few epochs of the ranking loss (:func:`mcfn.core.edits.ranking_loss`) over every round's traces so
    far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model;
-3. **measure**: the policy on the *selection* windows (validation windows of the same mix, never traced).
+3. **measure**: the policy on the *selection* windows (validation windows, never traced).
 
 Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as
 ``lens_original`` the first time a stage writes back, so a second stage starts from it again). The candidates are
 the run's own, ``match``'s cut (a fresh LensNet with the match prior and a zero head) and each round's, each judged
-as the run's final evaluation judges a policy (generation's protocol at the run's ``W``, on the corpus and the pass
-key) on *selection* windows of the validation split. A candidate is refused when its pass key accuracy is more than
-:data:`PROBE_SE` standard errors below the run's own (it lost retrieval) or its corpus bits per byte are above
-``match``'s; the lowest corpus bits per byte among the rest is kept, and when every one is refused the run's own
-stays. The figures the stage reports for the kept policy and the run's own come from *report* windows, disjoint
-validation windows that chose nothing. The stage reads no test split.
+as the run's final evaluation judges a policy on *selection* windows of the validation split, and refused where it
+lost retrieval or trails ``match`` on text (:mod:`mcfn.shell.lens_judge`); the lowest corpus bits per byte among
+the rest is kept, and when every one is refused the run's own stays. The figures the stage reports for the kept
+policy and the run's own come from *report* windows, disjoint validation windows that chose nothing. The stage reads
+no test split.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +37,7 @@ from tqdm import tqdm
 from mcfn.config import RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
-from mcfn.core.policy import LENS, MATCH
+from mcfn.core.policy import MATCH
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus, prepare_corpus
@@ -49,19 +47,15 @@ from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
 from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from mcfn.shell.lens_judge import Judged, judge, judged_line, refusal
 from mcfn.shell.session import training_sampler
 from mcfn.shell.traces import Traces, fingerprint
 from mcfn.tools.chunks import chunk_view
 from mcfn.tools.counterfactual import TRACED, State, trace_window
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.evaluation import HeldOut, evaluate
+from mcfn.tools.evaluation import HeldOut
 
 TRACES_DIR = "lens_traces"
 FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
-
-
-PROBE_SE = 2.0  # a candidate this many standard errors below the run's own LensNet on the pass key is refused
-JUDGED_TASKS = ("corpus", "passkey")  # as the run's final evaluation judges a policy
 
 
 @dataclass(frozen=True)
@@ -75,50 +69,11 @@ class StageSettings:
     random_cuts: int = 2  # random candidates per state, beside the policy, its edits, match and recency
 
 
-@dataclass(frozen=True)
-class Judged:
-    """A policy on held-out windows as the final evaluation judges it: LensNet's corpus bits per byte beside
-    ``match``'s, and its pass key accuracy over ``probes`` windows (None where the pass key does not fit)."""
-
-    lens_bpb: float
-    match_bpb: float
-    passkey: float | None
-    probes: int
-
-    def to_json(self) -> dict[str, float | int | None]:
-        return dataclasses.asdict(self)
-
-
-def judge(system: MegaContext, held: HeldOut, refocus_every: int) -> Judged:
-    """``system``'s LensNet under generation's protocol at its ``W``, on the corpus and the pass key of ``held``."""
-    settings = EvalSettings((system.layout.W,), tasks=JUDGED_TASKS, probe_batches=len(held.windows),
-                            refocus_every=refocus_every, brief=True)  # fmt: skip
-    report = evaluate(system, held, settings)
-    corpus, passkey = report.corpus.refocus.head, report.scored(JUDGED_TASKS[1])
-    accuracy = passkey.refocus.head.accuracy if passkey is not None else None
-    lens, match = LENS.name, MATCH.name
-    return Judged(corpus.bpb[lens], corpus.bpb[match], None if accuracy is None else accuracy[lens],
-                  sum(w.size(0) for w in held.windows))  # fmt: skip
-
-
 def probe_rows(sampler: WindowSampler | MixedSampler, first: int, count: int) -> torch.Tensor:
     """Which of the one-window batches ``first .. first + count - 1`` carry a long-range task ``[count]``."""
     if not isinstance(sampler, MixedSampler):
         return torch.zeros(count, dtype=torch.bool)
     return torch.tensor([sampler.tasked(first + i, 1)[0] for i in range(count)])
-
-
-def refusal(candidate: Judged, own: Judged) -> str | None:
-    """Why ``candidate`` may not be kept, or None: a pass key accuracy more than :data:`PROBE_SE` standard errors
-    (of the difference of two proportions) below the run's own, or corpus bits per byte above ``match``'s."""
-    if candidate.passkey is not None and own.passkey is not None:
-        p, q, n = candidate.passkey, own.passkey, candidate.probes
-        se = math.sqrt((p * (1 - p) + q * (1 - q)) / n)
-        if q - p > max(PROBE_SE * se, 0.0):
-            return f"answers the pass key {p:.2f} against the run's own {q:.2f} (± {se:.2f})"
-    if candidate.lens_bpb > candidate.match_bpb:
-        return f"{candidate.lens_bpb:.4f} bits per byte on the corpus against match's {candidate.match_bpb:.4f}"
-    return None
 
 
 def with_match_prior(cfg: RunConfig) -> RunConfig:
@@ -342,8 +297,3 @@ def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConf
     state["config"] = cfg.to_dict()
     state["lens_stage"] = summary
     save_checkpoint(ckpt.path, state)
-
-
-def judged_line(judged: Judged) -> str:
-    passkey = "" if judged.passkey is None else f", pass key {judged.passkey:.2f} over {judged.probes} windows"
-    return f"corpus {judged.lens_bpb:.4f} bits per byte (match {judged.match_bpb:.4f}){passkey}"
