@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcfn.shell import lens_stage
-from mcfn.shell.checkpoint import Checkpoint
+from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.shell.lens_judge import Judged, refusal
 from mcfn.shell.lens_stage import StageSettings, run_stage
 from train.lens import main as lens_main
@@ -57,6 +57,11 @@ def test_the_stage_starts_from_the_run_keeps_its_original_and_a_second_stage_fin
     changed = [k for k in before.state["model"] if not torch.equal(before.state["model"][k], after.state["model"][k])]
     assert all(k.startswith("lensnet.") for k in changed)
     assert after.cfg.mc.lens.match_prior == (first["kept_round"] == "match")
+    # Whatever this stage kept, make the checkpoint's LensNet differ from the original, as a kept round's would.
+    state = load_checkpoint(run / "checkpoint.pt")
+    state["model"] = {k: v + 0.1 if k.startswith("lensnet.") and v.is_floating_point() else v
+                      for k, v in state["model"].items()}  # fmt: skip
+    save_checkpoint(run / "checkpoint.pt", state)
     assert lens_main(["--run", str(run), *TINY]) == 0
     second = json.loads((run / "lens_stage.json").read_text())
     assert second["run_policy"] == first["run_policy"]  # the original again, not the first stage's policy
@@ -70,8 +75,12 @@ def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tm
     shutil.copytree(decoding_run[0], run)
     bpb = {"run": 9.0, "match": 8.0, 1: 1.0, 2: 5.0}  # round 1 best; match's own bits per byte 10: none refused
 
-    def measure(self, r, system=None, split="selection"):
-        return Judged(lens_bpb=bpb[r], match_bpb=10.0, passkey=None, probes=0)
+    def measure(self, system=None, split="selection"):
+        if system is self.own:
+            name = "run"
+        else:  # no system: the stage's own, the current round's policy; another: match's cut (or, reported, the kept)
+            name = "match" if system is not None else len(self.traces)
+        return Judged(lens_bpb=bpb[name], match_bpb=10.0, passkey=None, probes=0)
 
     after_round, train_round = {}, lens_stage.Stage.round
 

@@ -201,19 +201,18 @@ class Decoder:
         self.position_in = torch.zeros(1, 1, device=device)
         self.chunk = (torch.zeros(1, c, d, device=device), torch.zeros(1, c, device=device),
                       torch.ones(1, c, device=device))  # fmt: skip
-        self.graphs: tuple[Replay, Replay] | None = None
+        self.token_graph: Replay | None = None
+        self.refill_graph: Replay | None = None
         if compile_fn is not None:
             step, refill = compile_fn(token_logits), compile_fn(write_and_attend)
-            tensors = cache.tensors
-            self.graphs = (
-                Replay(partial(step, model, tensors, self.start, self.token_in, self.position_in), device),
-                Replay(partial(refill, model, tensors, self.start, *self.chunk), device),
-            )
+            inputs = (model, cache.tensors, self.start)
+            self.token_graph = Replay(partial(step, *inputs, self.token_in, self.position_in), device)
+            self.refill_graph = Replay(partial(refill, *inputs, *self.chunk), device)
 
     @property
     def compile_s(self) -> float:
         """The compiled graphs' first calls, compilation and capture included (0 eagerly)."""
-        return sum(g.first_s or 0.0 for g in self.graphs) if self.graphs is not None else 0.0
+        return sum(g.first_s or 0.0 for g in (self.token_graph, self.refill_graph) if g is not None)
 
     @torch.no_grad()
     def extend(
@@ -222,7 +221,7 @@ class Decoder:
         """Append ``n`` entries after the cache's ``length``; hidden states whose last is the last entry's (``m =
         n`` eagerly, 1 compiled: the one the next token reads)."""
         cache, n = self.cache, emb.size(1)
-        if self.graphs is None:
+        if self.refill_graph is None:
             return extend(self.model, cache, emb, positions, spans)
         end = cache.end_after(n)
         cache.end_after(-(-n // REFILL_CHUNK) * REFILL_CHUNK)  # the padded last chunk needs room too
@@ -231,7 +230,7 @@ class Decoder:
             m, at = min(REFILL_CHUNK, n - lo), slice(lo, lo + REFILL_CHUNK)
             self.start.fill_(cache.length + lo)
             emb_in[:, :m], positions_in[:, :m], spans_in[:, :m] = emb[:, at], positions[:, at], spans[:, at]
-            hidden = self.graphs[1]()
+            hidden = self.refill_graph()
         cache.length = end
         return hidden[:, m - 1 : m]
 
@@ -244,10 +243,10 @@ class Decoder:
         self.start.fill_(cache.length)
         self.token_in.copy_(token)
         self.position_in.fill_(float(position))
-        if self.graphs is None:
+        if self.token_graph is None:
             logits = token_logits(self.model, cache.tensors, self.start, self.token_in, self.position_in, end)
         else:
-            logits = self.graphs[0]()
+            logits = self.token_graph()
         cache.length = end
         return logits
 

@@ -271,7 +271,7 @@ def generate_full(
     device, n = prompt.device, prompt.numel()
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stats = GenerationStats(prompt_tokens=n)
-    decoder = Decoder(base, KVCache(base, n + max_new_tokens + REFILL_CHUNK, device), compile_fn)
+    decoder = Decoder(base, KVCache(base, n + max_new_tokens, device), compile_fn)  # no refill: no padding
     t0 = settled(device)
     for lo in range(0, n, PREFILL_CHUNK):
         ids = prompt[lo : lo + PREFILL_CHUNK][None]

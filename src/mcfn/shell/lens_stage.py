@@ -51,7 +51,7 @@ from mcfn.shell.lens_judge import Judged, judge, judged_line, refusal
 from mcfn.shell.session import training_sampler
 from mcfn.shell.traces import Traces, fingerprint
 from mcfn.tools.chunks import chunk_view
-from mcfn.tools.counterfactual import TRACED, State, trace_window
+from mcfn.tools.counterfactual import State, trace_window
 from mcfn.tools.evaluation import HeldOut
 
 TRACES_DIR = "lens_traces"
@@ -100,14 +100,10 @@ def trace(
 
 
 def utility_summary(states: list[State]) -> dict[str, float]:
-    """The mean of the states' ``utility_corr`` with its standard error, and the policy's mean chunk NLL beside
-    ``match``'s and ``recency``'s on the same states."""
+    """The mean of the states' ``utility_corr`` with its standard error."""
     corr = torch.tensor([s.utility_corr for s in states], dtype=torch.float64)
     corr = corr[corr.isfinite()]
-    nll = {name: float(torch.stack([s.labelled.nll[name][0] for s in states]).mean()) for name in
-           TRACED}  # fmt: skip
-    return {"utility_corr": float(corr.mean()), "se": float(corr.std() / corr.numel() ** 0.5), "states": len(states),
-            **{f"nll_{k}": v for k, v in nll.items()}}  # fmt: skip
+    return {"utility_corr": float(corr.mean()), "se": float(corr.std() / corr.numel() ** 0.5), "states": len(states)}
 
 
 def train_on_traces(
@@ -192,8 +188,8 @@ class Stage:
                      for name, part in (("selection", slice(0, half)), ("report", slice(half, 2 * half)))}  # fmt: skip
         self.traces: list[Traces] = []
 
-    def measure(self, r: int | str, system: MegaContext | None = None, split: str = "selection") -> Judged:
-        """A policy (by default the stage's current one, ``r`` names it) on the selection (or report) windows."""
+    def measure(self, system: MegaContext | None = None, split: str = "selection") -> Judged:
+        """A policy (by default the stage's current one) on the selection (or report) windows."""
         return judge(self.system if system is None else system, self.held[split], self.cfg.mc.refocus_every)
 
     def round(self, r: int, run_dir: Path) -> tuple[dict[str, object], Judged]:
@@ -214,11 +210,11 @@ class Stage:
             loss = train_on_traces(self.system, self.traces, settings, self.protocol,
                                    derive_seed(seed, "lens_stage", r), bar)  # fmt: skip
         trained = time.perf_counter()
-        held = self.measure(r)
+        held = self.measure()
         seconds = {"trace": traced - started, "train": trained - traced, "held_out": time.perf_counter() - trained}
         probes = int(probe_rows(self.sampler, first, settings.windows).sum())
         return {"round": r, "states": len(states), "traced_probe_windows": probes, "loss": loss,
-                "traced_utility_corr": utility_summary(states)["utility_corr"], "selection": held.to_json(),
+                "traced_utility": utility_summary(states), "selection": held.to_json(),
                 "seconds": seconds}, held  # fmt: skip
 
 
@@ -240,7 +236,7 @@ def run_stage(
     ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
     stage = Stage(ckpt, corpus, settings, device)
     matched, match_cfg = match_system(stage.own, stage.cfg, device)
-    own, match = stage.measure("run", stage.own), stage.measure(MATCH.name, matched)
+    own, match = stage.measure(stage.own), stage.measure(matched)
     say(f"[lens] the run's own LensNet{' (the original)' if 'lens_original' in ckpt.state else ''}: {judged_line(own)}")
     say(f"[lens] match's cut: {judged_line(match)}")
     candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = {
@@ -263,8 +259,8 @@ def run_stage(
     system, kept_cfg = kept_system(stage, candidates[kept][1:])
     why = "every candidate was refused, so " if not allowed else ""
     say(f"[lens] {why}kept {describe(kept)} ({candidates[kept][0].lens_bpb:.4f} bits per byte on the selection)")
-    report = {"run": stage.measure("run", stage.own, "report")}
-    report["kept"] = report["run"] if kept == "run" else stage.measure(kept, system, "report")
+    report = {"run": stage.measure(stage.own, "report")}
+    report["kept"] = report["run"] if kept == "run" else stage.measure(system, "report")
     say(f"[lens] on the report windows, which chose nothing: kept {judged_line(report['kept'])}; the run's own "
         f"{judged_line(report['run'])}")  # fmt: skip
     summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": own.to_json(),
@@ -291,8 +287,9 @@ def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConf
     """The stage's figures and the policy kept (its LensNet and config) into the run's checkpoint, beside the run's
     original LensNet and config, written the first time and never replaced: a second stage starts from them."""
     state = load_checkpoint(ckpt.path)
-    state.setdefault("lens_original", {"lensnet": {k: v.cpu() for k, v in stage.own.lensnet.state_dict().items()},
-                                       "config": stage.cfg.to_dict()})  # fmt: skip
+    if "lens_original" not in state:
+        lensnet = {k: v.cpu() for k, v in stage.own.lensnet.state_dict().items()}
+        state["lens_original"] = {"lensnet": lensnet, "config": stage.cfg.to_dict()}
     state["model"] = {k: v.cpu() for k, v in system.state_dict().items()}
     state["config"] = cfg.to_dict()
     state["lens_stage"] = summary

@@ -54,13 +54,11 @@ class BatchedMuon(torch.optim.Muon):
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
         bufs = [self.state[p]["momentum_buffer"] for p in params]
-        grad, buf = torch.stack([p.grad for p in params]), torch.stack(bufs)
-        keep = None if self.found_inf is None else (self.found_inf == 0)
-        if keep is not None:  # a non-finite gradient reaches nothing: zeroed, and the momentum kept as it was
-            grad = torch.where(keep, grad, 0.0)
-            buf = torch.where(keep, buf.lerp(grad, 1 - momentum), buf)
-        else:
-            buf.lerp_(grad, 1 - momentum)
+        found_inf = torch.zeros((), device=params[0].device) if self.found_inf is None else self.found_inf
+        keep = found_inf == 0
+        # A non-finite gradient reaches nothing: zeroed, the momentum kept as it was, the step and decay nought.
+        grad, buf = torch.where(keep, torch.stack([p.grad for p in params]), 0.0), torch.stack(bufs)
+        buf = torch.where(keep, buf.lerp(grad, 1 - momentum), buf)
         torch._foreach_copy_(bufs, list(buf.unbind(0)))
         update = grad.lerp(buf, momentum) if group["nesterov"] else buf
         rows, cols = params[0].shape
@@ -75,14 +73,9 @@ class BatchedMuon(torch.optim.Muon):
             scale = 0.2 * max(rows, cols) ** 0.5
         else:  # torch's default, "original"
             scale = max(1.0, rows / cols) ** 0.5
-        step = x.to(params[0].dtype) * (-lr * scale)
-        if keep is not None:
-            step = step * keep
-        decay = 1 - lr * group["weight_decay"]
-        if decay != 1.0:
-            decay_t = torch.where(keep, decay, 1.0) if keep is not None else decay
-            torch._foreach_mul_(params, decay_t)
-        torch._foreach_add_(params, list(step.unbind(0)))
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, torch.where(keep, 1 - lr * group["weight_decay"], 1.0))
+        torch._foreach_add_(params, list((x.to(params[0].dtype) * torch.where(keep, -lr * scale, 0.0)).unbind(0)))
 
 
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
