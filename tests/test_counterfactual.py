@@ -136,9 +136,12 @@ def test_property_one_ranking_step_orders_the_edits_as_their_measured_worth(delt
 @given(deltas, st.data())
 def test_property_the_ranking_loss_is_the_pair_loss_written_out(delta, data):
     """From any scores, the ranking loss is the sum over ordered pairs with Δ_i > Δ_j of |Δ_i − Δ_j| times the
-    logistic loss of scoring j above i, over the sum of those weights: a double loop by hand. A signed pair weight
-    (Δ_i − Δ_j over every pair) or an unweighted one gives another number."""
+    logistic loss of scoring j above i, over the sum of those weights, the unedited cut (score 0, Δ 0) among the
+    items: a double loop by hand. A signed pair weight (Δ_i − Δ_j over every pair), an unweighted one or a list
+    without the unedited cut gives another number."""
     scores = data.draw(st.lists(st.floats(-3, 3), min_size=len(delta), max_size=len(delta)))
+    got = ranking_loss(torch.tensor([scores]), torch.tensor([delta]), torch.ones(1, len(delta), dtype=torch.bool))
+    delta, scores = [0.0, *delta], [0.0, *scores]
     total, weights = 0.0, 0.0
     for i, di in enumerate(delta):
         for j, dj in enumerate(delta):
@@ -146,8 +149,17 @@ def test_property_the_ranking_loss_is_the_pair_loss_written_out(delta, data):
                 weight = abs(di - dj)
                 total += weight * math.log1p(math.exp(-(scores[i] - scores[j])))
                 weights += weight
-    got = ranking_loss(torch.tensor([scores]), torch.tensor([delta]), torch.ones(1, len(delta), dtype=torch.bool))
     assert float(got) == pytest.approx(total / weights, rel=1e-5, abs=1e-6)
+
+
+def test_the_ranking_loss_asks_that_an_edit_helps_exactly_when_predicted_to():
+    """Scores that order the edits as their ΔNLL lose more once shifted so that a harmful edit looks helpful (or a
+    helpful one harmful): the unedited cut anchors them. Without it the loss would not see a shift."""
+    delta = torch.tensor([[0.3, 0.1, -0.2, -0.4]])
+    valid = torch.ones_like(delta, dtype=torch.bool)
+    right = ranking_loss(10 * delta, delta, valid)
+    for shift in (-3.0, 3.0):
+        assert ranking_loss(10 * delta + shift, delta, valid) > right + 0.01
 
 
 def test_an_edits_predicted_worth_is_what_it_gains_minus_what_it_gives_up():

@@ -11,7 +11,7 @@ from pathlib import Path
 from train.gpu_check import Step, main, run_step
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["bench", "run", "tests", "decode", "sweep"]
+STEPS = ["bench", "run", "tests", "decode", "decode_r64", "sweep"]
 
 
 def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):
@@ -32,6 +32,8 @@ def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):
     assert figures["run"]["steps"] == 3 and figures["run"]["graph_breaks"] == 0
     assert figures["run"]["fwd_bwd_ms_median"] > 0 and figures["run"]["optim_ms_median"] > 0
     assert {row["prompt_tokens"] for row in figures["decode"]["rows"]} == {256, 512}
+    assert [row["prompt_tokens"] for row in figures["decode_r64"]["rows"]] == [512]
+    assert "full_tok_s" not in figures["decode_r64"]["rows"][0]  # MC alone
     assert {row["condition"] for row in figures["sweep"]["rows"]} == {"plain", "mc"}
     assert (out / "gpu_check.md").read_text().startswith("# GPU check")
     log = (out / "gpu_check.log").read_text()

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from mcfn.shell import lens_stage
+from mcfn.shell import lens_stage, traces
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.shell.lens_judge import Judged, refusal
 from mcfn.shell.lens_stage import StageSettings, run_stage
@@ -155,3 +155,17 @@ def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tm
     assert report["brief"] and report["utility_corr"] is None and "lens" in report["bpb"]
     assert report["best_context"] in ("lens", "match", "recency")  # what a brief evaluation scores within W
     assert f"Generate with `--context {report['best_context']}`" in (out / "eval.md").read_text()
+
+
+def test_the_stage_traces_corpus_text_and_tasks_half_and_half_whatever_the_runs_mix(decoding_run):
+    """With ``data.mix`` 1 every training window of the run carries a task; the stage's traces are half corpus text,
+    where its judge weighs a policy against match."""
+    from mcfn.data.corpus import prepare_corpus
+
+    cfg = Checkpoint.read(decoding_run[0]).cfg
+    corpus = prepare_corpus(cfg.data)
+    for mix, expected in ((1.0, traces.TRACE_TASK_SHARE), (0.3, traces.TRACE_TASK_SHARE), (0.0, 0.0)):
+        data = dataclasses.replace(cfg.data, mix=mix, mix_tasks="repeat")  # a task the tiny run's tail fits
+        sampler = traces.trace_sampler(dataclasses.replace(cfg, data=data), corpus)
+        share = float(traces.probe_rows(sampler, traces.FIRST_TRACE_BATCH, 400).float().mean())
+        assert abs(share - expected) < 0.08, (mix, share)

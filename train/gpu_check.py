@@ -1,7 +1,8 @@
 """The GPU check: every GPU measurement in one call, each under its own time cap, within one budget.
 
 ``scripts/gpu_check.sh`` runs this (``python -m train.gpu_check --out DIR``). In order, each step a process of its
-own, its output appended to ``DIR/gpu_check.log``; the step figures come first, since a lease is short:
+own (their commands: ``train.gpu_steps``), its output appended to ``DIR/gpu_check.log``; the step figures come
+first, since a lease is short:
 
 1. ``bench``: ``train.bench --profile gpu-h100`` (B = 8) compiled with ``default``: MC and plain step (forward +
    backward), their ratio, the MFU and peak memory, printed as soon as known (the phases, measured on 2026-11-26,
@@ -12,9 +13,10 @@ own, its output appended to ``DIR/gpu_check.log``; the step figures come first, 
    against the bench's forward + backward;
 3. ``tests``: the CUDA tests (``pytest -m cuda``), in parallel processes where pytest-xdist is there: before the
    decode figures, since they hold the CUDA-graph decoding to eager's tokens;
-4. ``decode``: ``train.bench --decode`` with the run's checkpoint on prompts of 1k, 16k and 128k tokens, MC
-   against full context: tokens/s and the cost of a refocus (its choice and its refill);
-5. ``sweep``: with what time is left, ``--sweep-T`` of the ``gpu-h100`` model up to T = 65536, warmed first.
+4. ``decode``: ``train.bench --decode`` with the run's checkpoint on prompts of 16k and 128k tokens, MC
+   against full context: tokens/s and the cost of a refocus (its choice and its refill); ``decode_r64``: MC alone
+   with a refocus every 64 tokens instead of the run's 16;
+5. ``sweep``: with what time is left, ``--sweep-T`` of the ``gpu-h100`` model up to T = 65536, eagerly at B = 1.
 
 After every step ``gpu_check.json`` (each step's status, seconds and figures) and ``gpu_check.md`` are rewritten,
 so a call cut short still leaves what finished. A step past its cap is killed and marked ``timeout``; a step that
@@ -41,85 +43,14 @@ import sysconfig
 import tarfile
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from train.gpu_steps import Step, steps
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE_LIMIT = 16 * 2**20  # the largest file the device tool brings back
-# Prompt tokens: the issue's targets are at 16k and 128k. On 2026-11-27 four lengths (65536 too) outran 210 s.
-DECODE_LENGTHS = (1024, 16384, 131072)
 PROMPT_CHARS = 1_000_000  # of Python's standard library: comfortably over 131,072 tokens at about 3.5 characters each
-
-
-@dataclass
-class Step:
-    name: str
-    cap_s: float
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    min_s: float = 0.0  # skipped when less than this is left of the budget
-    fresh: Path | None = None  # a folder removed first, so that a second call starts this step anew
-
-
-def steps(dry: bool, work: Path) -> list[Step]:
-    """The five steps, the figures first; dry: tiny shapes on the CPU, eagerly, on this repository's own text."""
-    py, run_dir, prompt = [sys.executable], work / "run", work / "prompt.txt"
-    cuda_tests = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", str(REPO / "tests" / "test_cuda.py")]
-    logs = {"TORCH_LOGS": "graph_breaks,recompiles"}
-    if dry:
-        tiny = ["--set", "train.batch_size=1", "--set", "data.vocab_size=512", "--set", "data.seq_len=256",
-                "--set", "mc.budget=128"]  # fmt: skip
-        data = ["--data", f"text:{REPO / 'src'}", "--set", "data.min_doc_chars=200"]
-        return [
-            Step("bench", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--steps", "1",
-                                    "--warmup", "1", "--lens-entries", "512", "--json", str(work / "bench.json"),
-                                    *tiny]),
-            Step("run", 120, py + ["-m", "train.run", "--profile", "cpu-long", "--steps", "3", "--out", str(run_dir),
-                                  *data, *tiny, "--set", "train.log_every=1", *run_settings(1)], logs,
-                  fresh=run_dir),
-            Step("tests", 120, py + cuda_tests),
-            Step("decode", 90, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
-                                     "--eager", "--lengths", "256,512", "--modes", "mc,full", "--new-tokens", "4",
-                                     "--repeats", "1", "--json", str(work / "decode.json")]),
-            Step("sweep", 90, py + ["-m", "train.bench", "--profile", "cpu-long", "--eager", "--sweep-T", "256",
-                                    "--conditions", "plain,mc", "--steps", "1", "--warmup", "1", "--out",
-                                    str(work / "sweep"), *tiny], min_s=10),
-        ]  # fmt: skip
-    default = ["--set", "train.compile_mode=default"]
-    xdist = ["-n", "4"] if importable("xdist") else []
-    # B = 8 in the bench: at the profile's 32 the whole-batch MC step ran out of the H200's 140 GB. The run uses
-    # B = 8 too: at 32 its micro-batch search compiles the step once for each size it tries (minutes each), and at
-    # the bench's shapes inductor's caches on the machine may serve the compile the bench just did.
-    return [
-        Step("bench", 200, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--phase-steps", "0",
-                                 "--set", "train.batch_size=8", "--json", str(work / "bench.json")]),
-        Step("run", 180, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
-                               str(run_dir), *default, "--set", "train.batch_size=8", *run_settings(4)], logs,
-             fresh=run_dir),
-        Step("tests", 120, py + cuda_tests + xdist),
-        Step("decode", 240, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
-                                  "--lengths", ",".join(map(str, DECODE_LENGTHS)), "--modes", "mc,full",
-                                  "--new-tokens", "64", "--repeats", "2", "--json", str(work / "decode.json")],
-             {"TORCH_LOGS": "recompiles"}),
-        Step("sweep", 600, py + ["-m", "train.bench", "--profile", "gpu-h100", *default, "--sweep-T",
-                                 "2048,8192,32768,65536", "--conditions", "plain,mc", "--steps", "3", "--warmup", "1",
-                                 "--warm-first", "--point-cap", "120", "--set", "train.batch_size=4", "--out",
-                                 str(work / "sweep")], min_s=90),
-    ]  # fmt: skip
-
-
-def run_settings(eval_batches: int) -> list[str]:
-    """A throughput run: no wandb, no final evaluation, validation at the start and the end only."""
-    sets = ["train.wandb=disabled", "train.final_eval_batches=0", "train.eval_every=1000",
-            f"train.eval_batches={eval_batches}"]  # fmt: skip
-    return [a for s in sets for a in ("--set", s)]
-
-
-def importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
 
 
 def write_prompt(path: Path, chars: int) -> None:
@@ -156,9 +87,10 @@ def figures(name: str, work: Path, log: str) -> dict[str, Any]:
                 "recompiles": len(re.findall(r"Recompiling function", log)),
             }
         )
-    if name == "decode":
-        rows = json.loads((work / "decode.json").read_text())
-        flat = "; ".join(f"{r['prompt_tokens']}: {r['mc_tok_s']:.0f} / {r['full_tok_s']:.0f}" for r in rows)
+    if name.startswith("decode"):
+        rows = json.loads((work / f"{name}.json").read_text())
+        flat = "; ".join(f"{r['prompt_tokens']}: {r['mc_tok_s']:.0f} / {r.get('full_tok_s', float('nan')):.0f}"
+                         for r in rows)  # fmt: skip
         refocus = "; ".join(f"{r['prompt_tokens']}: {r['mc_refocus_ms_per_refocus']:.1f} "
                             f"({r['mc_focus_ms_per_refocus']:.1f})" for r in rows)  # fmt: skip
         return {"tok_s_mc_over_full": flat, "refocus_ms_of_which_focus": refocus,

@@ -1,4 +1,5 @@
 """Train LensNet on what each choice costs: ``python -m train.lens --run DIR [--rounds N] [--windows N] ...``.
+``--reliability N`` measures instead how much signal the stage's labels carry (``mcfn.shell.lens_labels``).
 
 The LensNet stage (``mcfn.shell.lens_stage``) on an existing MegaContext run: rounds of counterfactual traces under
 generation's protocol and LensNet training on them from the run's own, each round's policy measured on selection
@@ -33,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--epochs", type=int, default=d.epochs, help="passes over every round's traces so far")
     p.add_argument("--lr", type=float, default=d.lr, help="LensNet's AdamW learning rate")
+    p.add_argument(
+        "--reliability",
+        type=int,
+        metavar="N",
+        help="instead of the stage: how much signal its labels carry, on N traced windows (lens_labels.json)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     return p.parse_args(argv)
 
@@ -42,8 +49,14 @@ def run(args: argparse.Namespace) -> None:
     from mcfn.shell.lens_stage import StageSettings, run_stage
     from mcfn.shell.trainer import say
 
-    settings = StageSettings(args.rounds, args.windows, args.held_out, args.epochs, args.lr)
     run_dir = args.run if args.run.is_dir() else args.run.parent
+    if args.reliability is not None:
+        from mcfn.shell.lens_labels import label_reliability
+
+        figures = label_reliability(run_dir, args.reliability, args.held_out, resolve_device(args.device), say)
+        (run_dir / "lens_labels.json").write_text(json.dumps(figures, indent=2))
+        return
+    settings = StageSettings(args.rounds, args.windows, args.held_out, args.epochs, args.lr)
     _, summary = run_stage(run_dir, settings, resolve_device(args.device), say)
     (run_dir / "lens_stage.json").write_text(json.dumps(summary, indent=2))
 

@@ -100,9 +100,14 @@ def edit_worth(
 def ranking_loss(
     predicted: Float[Tensor, "s e"], delta: Float[Tensor, "s e"], valid: Bool[Tensor, "s e"]
 ) -> Float[Tensor, ""]:
-    """The pairwise ranking loss of each state's edits: for every pair whose measured ΔNLL differs, the logistic
-    loss of predicting them in the wrong order, weighted by how much they differ (``|Δ_i − Δ_j|``), so that the
-    pairs that matter most teach most. Normalised by the total weight: its scale does not depend on the nats."""
+    """The pairwise ranking loss of each state's edits and the unedited cut (worth 0, measured 0): for every pair
+    whose measured ΔNLL differs, the logistic loss of predicting them in the wrong order, weighted by how much they
+    differ (``|Δ_i − Δ_j|``), so that the pairs that matter most teach most. Normalised by the total weight: its
+    scale does not depend on the nats."""
+    # The unedited cut is in every list, predicted and measured at 0: an edit's predicted worth must then be
+    # positive exactly when it helps, which is what the allocator acts on, not only rank above the others.
+    predicted, delta = (F.pad(x, (1, 0)) for x in (predicted, delta))
+    valid = F.pad(valid, (1, 0), value=True)
     gap = delta[:, :, None] - delta[:, None, :]  # > 0: i measured better than j
     weight = gap.clamp(min=0) * (valid[:, :, None] & valid[:, None, :])
     margin = predicted[:, :, None] - predicted[:, None, :]

@@ -1,8 +1,8 @@
 """Decode speed of MegaContext against full context, measured in one process: ``python -m train.bench --decode``.
 
 For each prompt length, greedy generation of ``new_tokens`` tokens in up to four modes (``modes``; all by default),
-run in turn ``repeats`` times so that the machine's drift falls on all of them alike; each figure is the median over
-the repeats:
+run in turn ``repeats`` times so that the machine's drift falls on all of them alike (after one untimed run of each);
+each figure is the median over the repeats:
 
 * ``mc``: streaming MegaContext, warm refocuses (the default of ``train.generate``);
 * ``mc_cold``: every refocus from the coarsest cut, with a fresh cache (``--warm-steps 0``);
@@ -69,6 +69,10 @@ def run_decode_benchmark(
     unknown = set(modes) - set(MODES)
     if unknown or not modes:
         raise ValueError(f"decode modes are {', '.join(MODES)}; got {', '.join(modes) or 'none'}")
+    # One untimed run per mode first, past a warm refocus: on the H100 (2026-11-28) the first mode timed in a process
+    # ran at a quarter of its later rate (kernels loaded and tuned on first use, outside the compiled graphs).
+    for mode in modes:
+        decode_once(system, mode, ids[: lengths[0]], refocus_every + 1, refocus_every, compile_fn)
     rows = []
     for length in lengths:
         runs: dict[str, list[GenerationStats]] = {mode: [] for mode in modes}

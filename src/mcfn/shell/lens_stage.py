@@ -4,8 +4,8 @@ loses what the run's LensNet knew (issue 66).
 After a run's plain and MC phases, the base model and GistNet are fixed, and LensNet is trained in rounds on its own
 counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces`):
 
-1. **trace**: walk fresh training windows (the run's own mix: corpus text and long-range tasks, the probes at the
-   run's ``data.mix`` share) under generation's protocol with the current policy, and label every single edit of
+1. **trace**: walk fresh training windows (corpus text and the run's long-range tasks, half and half:
+   :data:`TRACE_TASK_SHARE`) under generation's protocol with the current policy, and label every single edit of
    each chunk's cut with its ΔNLL;
 2. **train**: a few epochs of the ranking loss (:func:`mcfn.core.edits.ranking_loss`) over every round's traces so
    far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model;
@@ -38,24 +38,21 @@ from mcfn.config import RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
 from mcfn.core.policy import MATCH
-from mcfn.core.system import MegaContext, tree_stage
+from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus, prepare_corpus
-from mcfn.data.loader import WindowSampler, evaluation_windows
-from mcfn.data.mixture import MixedSampler
+from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
 from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.shell.lens_judge import Judged, judge, judged_line, refusal
-from mcfn.shell.session import training_sampler
-from mcfn.shell.traces import Traces, fingerprint
+from mcfn.shell.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
 from mcfn.tools.chunks import chunk_view
-from mcfn.tools.counterfactual import State, trace_window
+from mcfn.tools.counterfactual import State
 from mcfn.tools.evaluation import HeldOut
 
 TRACES_DIR = "lens_traces"
-FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
 
 
 @dataclass(frozen=True)
@@ -69,34 +66,9 @@ class StageSettings:
     random_cuts: int = 2  # random candidates per state, beside the policy, its edits, match and recency
 
 
-def probe_rows(sampler: WindowSampler | MixedSampler, first: int, count: int) -> torch.Tensor:
-    """Which of the one-window batches ``first .. first + count - 1`` carry a long-range task ``[count]``."""
-    if not isinstance(sampler, MixedSampler):
-        return torch.zeros(count, dtype=torch.bool)
-    return torch.tensor([sampler.tasked(first + i, 1)[0] for i in range(count)])
-
-
 def with_match_prior(cfg: RunConfig) -> RunConfig:
     lens = dataclasses.replace(cfg.mc.lens, match_prior=True)
     return dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, lens=lens))
-
-
-@torch.no_grad()
-def trace(
-    system: MegaContext, batches: list[torch.Tensor], protocol: Refocus, random_cuts: int, seed: int, bar: tqdm
-) -> tuple[torch.Tensor, torch.Tensor, list[State]]:
-    """Every window of ``batches`` walked with the current policy: the windows, their trees and the states."""
-    windows, trees, states = [], [], []
-    generator = torch.Generator().manual_seed(seed)
-    for batch in batches:
-        tree = tree_stage(system, batch)
-        for i in range(batch.size(0)):
-            index = len(windows)
-            states += trace_window(system, tree[i : i + 1], batch[i : i + 1], protocol, random_cuts, generator, index)
-            windows.append(batch[i])
-            trees.append(tree.emb[i])
-            bar.update(1)
-    return torch.stack(windows), torch.stack(trees), states
 
 
 def utility_summary(states: list[State]) -> dict[str, float]:
@@ -174,7 +146,7 @@ class Stage:
         self.system = copy.deepcopy(self.own)  # rounds start from the run's own LensNet
         self.protocol = Refocus(self.cfg.mc.refocus_every)  # as generation and the evaluation refocus
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
-        self.sampler = training_sampler(self.cfg, corpus)
+        self.sampler = trace_sampler(self.cfg, corpus)
         # Validation windows, as the final evaluation draws them: the first half select the policy kept, the second
         # report it, so that no figure reported comes from a window that chose.
         h, batch = settings.held_out, self.cfg.train.batch_size

@@ -85,14 +85,10 @@ def _previous_state(cfg: RunConfig, out_dir: Path, resume: bool, corpus_key: str
     return None
 
 
-def training_sampler(cfg: RunConfig, corpus: Corpus, held_out: bool = False) -> WindowSampler | MixedSampler:
+def training_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSampler:
     """Training batch ``i`` as a pure function of the seed and ``i``: corpus windows, with ``data.mix`` of them
-    carrying a long-range task; ``held_out``: the same mix over the validation split (the LensNet stage's choice)."""
-    window = cfg.data.seq_len + 1
-    if held_out:
-        sampler = WindowSampler(corpus.val, window, cfg.train.seed, "validation", "val_windows")
-    else:
-        sampler = WindowSampler(corpus.train, window, cfg.train.seed)
+    carrying a long-range task."""
+    sampler = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
     if cfg.data.mix <= 0:
         return sampler
     d = cfg.data

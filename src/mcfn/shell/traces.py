@@ -1,4 +1,9 @@
-"""Counterfactual traces: the labelled states of :mod:`mcfn.tools.counterfactual`, on disk, tied to what made them.
+"""Counterfactual traces: which windows the LensNet stage walks, how, and the labelled states of
+:mod:`mcfn.tools.counterfactual` on disk, tied to what made them.
+
+The stage's windows are training batches from :data:`FIRST_TRACE_BATCH` on (never read by the MC phase), half of them
+with one of the run's long-range tasks (:data:`TRACE_TASK_SHARE`), each walked under generation's protocol with the
+current policy (:func:`trace`).
 
 A trace file holds what LensNet needs to score each state again without rerunning the base model (the seed's
 two-stage mode: LensNet in its own stage, from cached working contexts): every traced window's tokens and summary
@@ -12,6 +17,7 @@ checkpoint or config is refused in one line.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -20,13 +26,56 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 from torch import Tensor
+from tqdm import tqdm
 
-from mcfn.core.system import MegaContext
+from mcfn.config import RunConfig
+from mcfn.core.focus import Refocus
+from mcfn.core.system import MegaContext, tree_stage
+from mcfn.data.corpus import Corpus
+from mcfn.data.loader import WindowSampler
+from mcfn.data.mixture import MixedSampler
 from mcfn.errors import UserError
-from mcfn.tools.counterfactual import TRACED, State
+from mcfn.shell.session import training_sampler
+from mcfn.tools.counterfactual import TRACED, State, trace_window
 
 TRACE_FORMAT = 1
 FINGERPRINTED = ("base.", "gistnet.")  # the modules whose weights the labels measure
+FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
+# The share of traced windows that carry a long-range task, whatever the run's data.mix > 0 (1 in the default, where
+# every training window has one): the rest are corpus text, on which the judge weighs a policy against match.
+TRACE_TASK_SHARE = 0.5
+
+
+def trace_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSampler:
+    """The stage's training windows: the run's corpus and tasks, :data:`TRACE_TASK_SHARE` of them with a task (none
+    for a run trained without tasks, whose tail may not fit them)."""
+    share = TRACE_TASK_SHARE if cfg.data.mix > 0 else 0.0
+    return training_sampler(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix=share)), corpus)
+
+
+def probe_rows(sampler: WindowSampler | MixedSampler, first: int, count: int) -> torch.Tensor:
+    """Which of the one-window batches ``first .. first + count - 1`` carry a long-range task ``[count]``."""
+    if not isinstance(sampler, MixedSampler):
+        return torch.zeros(count, dtype=torch.bool)
+    return torch.tensor([sampler.tasked(first + i, 1)[0] for i in range(count)])
+
+
+@torch.no_grad()
+def trace(
+    system: MegaContext, batches: list[torch.Tensor], protocol: Refocus, random_cuts: int, seed: int, bar: tqdm
+) -> tuple[torch.Tensor, torch.Tensor, list[State]]:
+    """Every window of ``batches`` walked with the current policy: the windows, their trees and the states."""
+    windows, trees, states = [], [], []
+    generator = torch.Generator().manual_seed(seed)
+    for batch in batches:
+        tree = tree_stage(system, batch)
+        for i in range(batch.size(0)):
+            index = len(windows)
+            states += trace_window(system, tree[i : i + 1], batch[i : i + 1], protocol, random_cuts, generator, index)
+            windows.append(batch[i])
+            trees.append(tree.emb[i])
+            bar.update(1)
+    return torch.stack(windows), torch.stack(trees), states
 
 
 def fingerprint(system: MegaContext, step: int, config: dict) -> str:

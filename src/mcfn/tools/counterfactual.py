@@ -39,6 +39,7 @@ class Labelled:
     edits: Edits
     delta: Tensor  # [e]: the policy cut's chunk NLL minus each edit's (nats per prediction)
     nll: dict[str, Tensor]  # per candidate policy, [c] chunk NLLs (the labelled cut is the lens policy's)
+    delta_by_token: Tensor  # [e, k]: the same for each of the chunk's k predictions (delta is their mean)
 
 
 def lens_view_scores(system: MegaContext, cv: ChunkView) -> Tensor:
@@ -63,9 +64,11 @@ def label_edits(
     views = torch.cat([policy[None], edits.shown])
     cuts = cv.window_cut(views)
     shown, slots = stacked({LENS.name: cuts[None, :1], EDITS: cuts[None, 1:], **(others or {})})
-    nll = chunk_predictions(system, tree, shown, window, cv)[0][0].mean(-1)  # [S]
+    by_token = chunk_predictions(system, tree, shown, window, cv)[0][0]  # [S, k]
+    nll = by_token.mean(-1)
     by_slot = {name: nll[where] for name, where in slots.items()}
-    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot)
+    delta_by_token = by_token[slots[LENS.name]] - by_token[slots[EDITS]]
+    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot, delta_by_token)
 
 
 def utility_corr(labelled: Labelled, scores: Tensor) -> float:
