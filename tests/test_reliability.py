@@ -122,12 +122,12 @@ def test_the_attention_labels_halves_together_are_the_whole_tails_attention(deco
     from mcfn.shell.checkpoint import Checkpoint
     from mcfn.shell.lens_stage import run_system
     from mcfn.shell.session import training_sampler
-    from mcfn.tools.reliability import attention_halves
+    from mcfn.tools.reliability import attention_halves, tail_attention
 
     system, cfg = run_system(Checkpoint.read(decoding_run[0]), torch.device("cpu"))
     window = training_sampler(cfg, prepare_corpus(cfg.data)).batch(0, 1)
     nodes, layout = system.nodes, system.layout
-    a, b = attention_halves(system.base, window, nodes, torch.Generator().manual_seed(0))
+    a, b = attention_halves(tail_attention(system.base, window, layout), nodes, torch.Generator().manual_seed(0))
     gists = (nodes.lod > 0) & nodes.eligible
     assert a.shape == b.shape == (int(gists.sum()),) and not torch.equal(a, b)
     positions = torch.arange(layout.T, dtype=torch.float32)[None]

@@ -27,15 +27,19 @@ from tqdm import tqdm
 from mcfn.config import RunConfig
 from mcfn.core.focus import Refocus
 from mcfn.core.system import MegaContext
-from mcfn.data.corpus import Split, prepare_corpus
+from mcfn.data.corpus import Split
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
-from mcfn.shell.checkpoint import Checkpoint
-from mcfn.shell.lens_stage import StageSettings, run_system
+from mcfn.shell.lens_stage import StageSettings, read_run, run_system
 from mcfn.shell.traces import FIRST_TRACE_BATCH, trace, trace_sampler
 from mcfn.tools.counterfactual import State
-from mcfn.tools.reliability import attention_reliability, attention_utility, single_edit_reliability
+from mcfn.tools.reliability import (
+    attention_reliability,
+    attention_utility,
+    single_edit_reliability,
+    tail_attention,
+)
 
 
 def label_reliability(
@@ -46,11 +50,7 @@ def label_reliability(
     and reports on), and how well each predicts the measured ΔNLL."""
     if windows < 2:
         raise UserError("the labels' reliability needs at least 2 traced windows (its error is over windows)")
-    ckpt = Checkpoint.read(run_dir)
-    if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
-        raise UserError(f"{ckpt.path} has no LensNet whose labels to measure (a plain or mc.lens.enabled=false run)")
-    corpus = prepare_corpus(ckpt.cfg.data)
-    ckpt.check_fits("the checkpoint", corpus.key, than="the corpus its config rebuilds")
+    ckpt, corpus = read_run(run_dir, "whose labels to measure")
     system, cfg = run_system(ckpt, device)
     sampler = trace_sampler(cfg, corpus)
     training = [sampler.batch(FIRST_TRACE_BATCH + i, 1) for i in range(windows)]
@@ -73,15 +73,16 @@ def measure_set(
     edits = single_edit_reliability(states, halves_seed, clusters)
     edit_s = time.perf_counter() - started
     utility = cluster_mean([(clusters[st.window], st.utility_corr) for st in states])
+    started = time.perf_counter()
+    attentions = [tail_attention(system.base, window, system.layout) for window in batches]  # read by both below
+    attention, beyond = attention_reliability(attentions, system.nodes, halves_seed, clusters)
+    attention_s = time.perf_counter() - started
     by_window = [[st for st in states if st.window == w] for w in range(len(batches))]
     attention_worth = cluster_mean([
         (clusters[w], corr)
         for w, chosen in enumerate(by_window)
-        for corr in attention_utility(system.base, batches[w], chosen, system.nodes, cfg.mc.refocus_every)
+        for corr in attention_utility(attentions[w], chosen, system.nodes, cfg.mc.refocus_every)
     ])  # fmt: skip
-    started = time.perf_counter()
-    attention, beyond = attention_reliability(system.base, batches, system.nodes, halves_seed, clusters)
-    attention_s = time.perf_counter() - started
     figures = {
         "single-edit ΔNLL": edits.to_json() | {"seconds": edit_s, "utility_corr": utility[0], "utility_se": utility[1]},
         "attention": attention.to_json()

@@ -190,6 +190,17 @@ class Stage:
                 "seconds": seconds}, held  # fmt: skip
 
 
+def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple[Checkpoint, Corpus]:
+    """The run's checkpoint and corpus (``corpus``, if already at hand), refused in one line where the run has no
+    LensNet (``purpose``: what the caller would do with it) or the corpus no longer fits it."""
+    ckpt = Checkpoint.read(run_dir)
+    if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
+        raise UserError(f"{ckpt.path} has no LensNet {purpose} (a plain or --set mc.lens.enabled=false run)")
+    corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
+    ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
+    return ckpt, corpus
+
+
 def run_stage(
     run_dir: Path,
     settings: StageSettings,
@@ -201,11 +212,7 @@ def run_stage(
     the system with the policy kept and the stage's figures, both also saved in the run's checkpoint."""
     if settings.rounds < 1 or settings.windows < 1 or settings.held_out < 1 or settings.epochs < 0:
         raise UserError("the LensNet stage needs rounds, windows and held-out windows >= 1, and epochs >= 0")
-    ckpt = Checkpoint.read(run_dir)
-    if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
-        raise UserError(f"{ckpt.path} has no LensNet to train (a plain or --set mc.lens.enabled=false run)")
-    corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
-    ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
+    ckpt, corpus = read_run(run_dir, "to train", corpus)
     stage = Stage(ckpt, corpus, settings, device)
     matched, match_cfg = match_system(stage.own, stage.cfg, device)
     own, match = stage.measure(stage.own), stage.measure(matched)

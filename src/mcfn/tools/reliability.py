@@ -36,7 +36,7 @@ from mcfn.core.attention import hidden_and_tail_attention, node_mass
 from mcfn.core.edits import edit_worth
 from mcfn.core.focus import stream_view, view_node_ids
 from mcfn.core.model import GPT
-from mcfn.core.nodes import NodeTable
+from mcfn.core.nodes import Layout, NodeTable
 from mcfn.tools.counterfactual import State
 from mcfn.tools.eval_stats import spearman
 from mcfn.typecheck import typechecked
@@ -101,46 +101,49 @@ def pooled(parts: Sequence[tuple[int, float, float]]) -> Reliability:
     return Reliability(half, se, full, ceiling, len(parts), g)
 
 
-def single_edit_reliability(states: Sequence[State], seed: int, clusters: Sequence[int] | None = None) -> Reliability:
+def single_edit_reliability(states: Sequence[State], seed: int, clusters: Sequence[int]) -> Reliability:
     """The split-half reliability of today's label, each edit's ΔNLL over the chunk, on traced states; the error is
-    over ``clusters[state.window]`` (e.g. each window's document; by default the windows themselves)."""
+    over ``clusters[state.window]`` (each window itself, or its document)."""
     generator = torch.Generator().manual_seed(seed)
     parts = []
     for state in states:
         a, b = split_halves(state.labelled.delta_by_token.float().cpu(), generator)
-        cluster = state.window if clusters is None else clusters[state.window]
-        parts.append((cluster, *pair_agreement(a, b)))
+        parts.append((clusters[state.window], *pair_agreement(a, b)))
     return pooled(parts)
 
 
 @torch.no_grad()
 @typechecked
-def attention_halves(
-    base: GPT, window: Int[Tensor, "1 t1"], nodes: NodeTable, generator: torch.Generator
-) -> tuple[Float[Tensor, " g"], Float[Tensor, " g"]]:
-    """The attention label of the gists outside the tail from two disjoint random halves of the tail's predictions:
-    the mean attention mass a query puts under each gist's span (summed over layers and heads), per half."""
-    layout = nodes.layout
-    tokens = window[:, : layout.T]
+def tail_attention(base: GPT, window: Int[Tensor, "1 t1"], layout: Layout) -> Float[Tensor, "h t"]:
+    """The attention label's source: each of the tail's ``H`` predictions' attention over the window's ``T`` tokens,
+    the whole window read at LOD0 (summed over layers and heads)."""
     positions = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
     first = torch.full((1,), layout.T - layout.H, device=window.device)
-    attention = hidden_and_tail_attention(base, base.embed(tokens), positions, torch.ones_like(positions), first,
-                                          layout.H)[1][0]  # fmt: skip
-    order = torch.randperm(layout.H, generator=generator).to(window.device)
+    emb = base.embed(window[:, : layout.T])
+    return hidden_and_tail_attention(base, emb, positions, torch.ones_like(positions), first, layout.H)[1][0]
+
+
+@typechecked
+def attention_halves(
+    attention: Float[Tensor, "h t"], nodes: NodeTable, generator: torch.Generator
+) -> tuple[Float[Tensor, " g"], Float[Tensor, " g"]]:
+    """The attention label of the gists outside the tail from two disjoint random halves of the tail's predictions
+    (``attention``: :func:`tail_attention`): the mean attention mass a query puts under each gist's span, per half."""
+    order = torch.randperm(attention.size(0), generator=generator).to(attention.device)
     gists = (nodes.lod > 0) & nodes.eligible
-    a, b = (node_mass(attention[half].mean(0)[None], layout)[0, gists] for half in order.chunk(2))
+    a, b = (node_mass(attention[half].mean(0)[None], nodes.layout)[0, gists] for half in order.chunk(2))
     return a, b
 
 
 def attention_reliability(
-    base: GPT, windows: Sequence[Tensor], nodes: NodeTable, seed: int, clusters: Sequence[int]
+    attentions: Sequence[Tensor], nodes: NodeTable, seed: int, clusters: Sequence[int]
 ) -> tuple[Reliability, Reliability]:
-    """The split-half reliability of the attention label over ``windows`` (each ``[1, T + 1]``), one state each,
-    its error over ``clusters`` (each window's): as it is, and beyond position (each gist's mean over the windows
-    taken out of both halves: what every window's attention shares, mostly the recent gists' larger share, is then
-    no signal about this window)."""
+    """The split-half reliability of the attention label over windows (each's :func:`tail_attention`), one state
+    each, its error over ``clusters`` (each window's): as it is, and beyond position (each gist's mean over the
+    windows taken out of both halves: what every window's attention shares, mostly the recent gists' larger share,
+    is then no signal about this window)."""
     generator = torch.Generator().manual_seed(seed)
-    halves = [attention_halves(base, w, nodes, generator) for w in windows]
+    halves = [attention_halves(attention, nodes, generator) for attention in attentions]
     position = torch.stack([(a + b) / 2 for a, b in halves]).mean(0)
     pairs = list(zip(halves, clusters, strict=True))
     raw = pooled([(c, *pair_agreement(a, b)) for (a, b), c in pairs])
@@ -148,26 +151,20 @@ def attention_reliability(
     return raw, beyond
 
 
-@torch.no_grad()
-def attention_utility(base: GPT, window: Int[Tensor, "1 t1"], states: Sequence[State], nodes: NodeTable,
-                      every: int) -> list[float]:  # fmt: skip
-    """Whether the attention label is worth learning: per state of one window, the rank correlation of each single
-    edit's worth *as the attention label judges it* with its measured ΔNLL (``utility_corr`` with the attention
-    mass in place of LensNet's scores: the mass the chunk's own predictions put under the node an edit gains,
-    minus under the one it gives up), the whole window read at LOD0."""
+def attention_utility(attention: Tensor, states: Sequence[State], nodes: NodeTable, every: int) -> list[float]:
+    """Whether the attention label is worth learning: per state of one window (``attention``: its
+    :func:`tail_attention`), the rank correlation of each single edit's worth *as the attention label judges it*
+    with its measured ΔNLL (``utility_corr`` with the attention mass in place of LensNet's scores: the mass the
+    chunk's own predictions put under the node an edit gains, minus under the one it gives up)."""
     layout = nodes.layout
-    tokens = window[:, : layout.T]
-    positions = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
-    first = torch.full((1,), layout.T - layout.H, device=window.device)
-    attention = hidden_and_tail_attention(base, base.embed(tokens), positions, torch.ones_like(positions), first,
-                                          layout.H)[1][0]  # fmt: skip  # [H, T]: the tail's queries
+    tail_start = layout.T - layout.H
     correlations = []
     for state in states:
         # The chunk at history n predicts from position n - 1 to upto - 1 (mcfn.tools.chunks), all in the tail.
-        queries = slice(state.n - 1 - (layout.T - layout.H), min(state.n + every - 1, layout.T) - (layout.T - layout.H))
+        queries = slice(state.n - 1 - tail_start, min(state.n + every - 1, layout.T) - tail_start)
         mass = node_mass(attention[queries].sum(0)[None], layout)[0]
         view = stream_view(state.n, layout, layout.W - every)
-        in_view = mass[view_node_ids(view, layout, window.device)]
+        in_view = mass[view_node_ids(view, layout, attention.device)]
         worth = edit_worth(in_view, state.labelled.edits.gain, state.labelled.edits.loss)
         correlations.append(spearman(worth.double().cpu(), state.labelled.delta.double().cpu()))
     return correlations
