@@ -64,3 +64,44 @@ def test_the_readme_names_the_invariants_docs_design_defines():
     readme = (REPO / "README.md").read_text()
     ranges = set(re.findall(r"\bI1[–-]I(\d+)\b", readme))
     assert ranges == {str(highest)}, f"the README names I1–I{sorted(ranges)}; docs/DESIGN.md defines I1–I{highest}"
+
+
+MAX_CONFIG_LEAVES = 50
+
+
+def profile_leaves() -> set[str]:
+    """Every dotted key some profile in ``profiles/`` sets."""
+    import tomllib
+
+    def walk(table: dict, prefix: str = "") -> set[str]:
+        keys = set()
+        for key, value in table.items():
+            keys |= walk(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}"}
+        return keys
+
+    return set().union(*(walk(tomllib.loads(p.read_text())) for p in (REPO / "profiles").glob("*.toml")))
+
+
+def test_every_config_leaf_is_set_by_a_profile_or_a_flag_and_there_are_few():
+    """A knob nothing sets is a decision not made: it earns a profile line (with its reason) or becomes a constant
+    (issue 65). Derived fields (the vocabulary, from the tokenizer) are set by the run itself."""
+    import dataclasses
+
+    from mcfn.config import RunConfig
+    from train.run import flag_settings, parse_args
+
+    every_flag = parse_args(["--steps", "1", "--seed", "1", "--data", "x", "--wandb", "disabled", "--compile",
+                             "--no-mc", "--init-from", "x"])  # fmt: skip
+    flags = {f"{section}.{key}" for (section, key), value in flag_settings(every_flag).items() if value is not None}
+    derived = {
+        f"{section.name}.{f.name}"
+        for section in dataclasses.fields(RunConfig)
+        for f in dataclasses.fields(
+            section.type if isinstance(section.type, type) else getattr(RunConfig(), section.name)
+        )
+        if f.metadata.get("derived")
+    }
+    leaves = set(RunConfig().flat())
+    assert len(leaves) <= MAX_CONFIG_LEAVES
+    assert flags <= leaves and derived == {"model.vocab_size"}
+    assert not leaves - profile_leaves() - flags - derived, "set by no profile and no flag"

@@ -38,8 +38,8 @@ def test_bench_reports_every_key_and_a_table(tmp_path, capsys):
         "mc.tail=8",
         "--set",
         "train.batch_size=2",
-        "--set",
-        "train.device='cpu'",
+        "--device",
+        "cpu",
     ]
     assert main(["--profile", "cpu-long", "--eager", "--steps", "2", "--warmup", "1", "--json", str(out), *tiny]) == 0
     result = json.loads(out.read_text())
@@ -47,7 +47,7 @@ def test_bench_reports_every_key_and_a_table(tmp_path, capsys):
     assert result["profile"] == "cpu-long" and result["compiled"] is False
     assert result["ratio_mc_over_plain"] == result["mc_step_ms"] / result["plain_step_ms"] > 0
     assert result["graph_breaks"] == 0 and result["recompiles"] == 0
-    assert result["saved_activations_mb"] > 0 and result["activation_checkpointing"] is False
+    assert result["saved_activations_mb"] > 0
     assert result["shapes"]["V"] == 3 and result["supervised_entries"] <= 2 * 3 * 32
     assert "ratio MC / plain" in capsys.readouterr().out
 

@@ -24,12 +24,12 @@ def test_overrides_apply_after_profile_in_order():
             parse_override("train.steps=7"),
             parse_override("train.steps=9"),
             parse_override("data.source=text:/somewhere"),
-            parse_override("optim.matrix_lr=1"),
+            parse_override("optim.embedding_lr=1"),
         ],
     )
     assert cfg.train.steps == 9
     assert cfg.data.source == "text:/somewhere"
-    assert cfg.optim.matrix_lr == 1.0 and isinstance(cfg.optim.matrix_lr, float)
+    assert cfg.optim.embedding_lr == 1.0 and isinstance(cfg.optim.embedding_lr, float)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +157,9 @@ FIXED_KNOBS = {
     "mc.teacher.stretch": (0, 256),
     "mc.leave_out": ("top", "gist"),
     "mc.alloc.variants": (1, 2),
+    "optim.matrix_lr": (0.02, 0.03),
+    "data.tokenizer_train_chars": (20_000_000, 2_000_000),
+    "train.activation_checkpointing": (False, True),
     "model.smear": (False, True),
     "model.mimetic": (False, True),
     "model.gain_init": (1.0, 3.0),
@@ -167,6 +170,29 @@ def test_the_retired_knobs_that_fix_a_value_are_the_ones_listed_here():
     from mcfn.profile import ANY_VALUE, RETIRED
 
     assert {name for name, value in RETIRED.items() if value is not ANY_VALUE} == set(FIXED_KNOBS)
+
+
+def test_a_run_saved_with_train_lens_rounds_loads_it_as_lens_stage_rounds():
+    """``train.lens_rounds`` moved into ``[lens_stage]``: a run saved before (without the section) reads it there,
+    with the section's other settings at their defaults; the runtime settings that left the config load at any
+    value."""
+    from mcfn.config import LensStageConfig
+    from mcfn.profile import config_from_saved
+
+    cfg = resolve("cpu-longrange", [])
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    del saved["lens_stage"]
+    saved["train"] |= {"lens_rounds": 3, "device": "cuda:1", "memory_snapshot": "mem.pickle"}
+    assert config_from_saved(saved) == cfg and cfg.lens_stage == LensStageConfig(rounds=3)
+
+
+def test_the_stages_settings_are_reached_by_set_and_checked():
+    cfg = resolve(
+        "default", [parse_override("lens_stage.states_per_batch=8"), parse_override("lens_stage.random_cuts=0")]
+    )
+    assert (cfg.lens_stage.states_per_batch, cfg.lens_stage.random_cuts) == (8, 0)
+    with pytest.raises(UserError, match="lens_stage.windows"):
+        resolve("default", [parse_override("lens_stage.windows=0")])
 
 
 @pytest.mark.parametrize("name", list(FIXED_KNOBS))
@@ -224,7 +250,7 @@ def test_the_shipped_profiles_that_extend_differ_from_their_parent_in_a_few_keys
     history."""
     longrange, default = resolve("cpu-longrange", []), resolve("default", [])
     assert longrange.model == default.model and longrange.mc == default.mc and longrange.data.seq_len == 512
-    assert longrange.train.plain_steps > default.train.plain_steps and longrange.train.lens_rounds > 0
+    assert longrange.train.plain_steps > default.train.plain_steps and longrange.lens_stage.rounds > 0
     h200, h100 = resolve("gpu-h200", []), resolve("gpu-h100", [])
     assert h200.model == h100.model and h200.data.seq_len == 2 * h100.data.seq_len
 
@@ -248,3 +274,17 @@ def test_gistnet_and_lensnet_run_at_half_the_models_width_in_heads_of_64_at_leas
 def test_a_model_width_gistnet_and_lensnet_cannot_split_is_refused_naming_it():
     with pytest.raises(UserError, match="model.n_embd: GistNet and LensNet split half of it, 450, into 7 heads"):
         build_config({"model": {"n_embd": 900, "n_head": 6}})
+
+
+def test_a_run_saved_with_a_boolean_match_prior_reads_it_as_the_sum_and_a_profile_names_one():
+    """``mc.lens.match_prior`` was a boolean: a checkpoint saved with ``true`` meant the ungated sum and still does;
+    a profile names "", "sum" or "gated", and nothing else."""
+    from mcfn.profile import config_from_saved
+
+    saved = json.loads(json.dumps(resolve("default", []).to_dict()))
+    for old, new in ((True, "sum"), (False, "")):
+        saved["mc"]["lens"]["match_prior"] = old
+        assert config_from_saved(saved).mc.lens.match_prior == new
+    assert resolve("default", [parse_override('mc.lens.match_prior="gated"')]).mc.lens.match_prior == "gated"
+    with pytest.raises(UserError, match="mc.lens.match_prior"):
+        resolve("default", [parse_override('mc.lens.match_prior="always"')])

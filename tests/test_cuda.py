@@ -113,9 +113,8 @@ def test_a_run_on_cuda_trains_tracks_the_pass_key_and_reports_its_mfu(tmp_path, 
     is written on the CPU and read on the GPU: the first H200 run crashed there), and the summary carries the MFU
     a known card gives."""
     out = tmp_path / "run"
-    argv = ["--profile", str(profile), "--out", str(out), "--steps", "4"]
+    argv = ["--profile", str(profile), "--out", str(out), "--steps", "4", "--device", "cuda"]
     sets = [
-        "train.device=cuda",
         "train.final_eval_batches=0",
         "train.micro_batch_size=0",
         "train.eval_every=2",

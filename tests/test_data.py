@@ -73,7 +73,7 @@ def test_cache_key_follows_corpus_and_settings(text_dir, tmp_path):
     cfg = _cfg(f"text:{text_dir}")
     source = open_source(cfg.source)
     assert corpus_key(source, cfg) == corpus_key(source, cfg)
-    assert corpus_key(source, cfg) != corpus_key(source, _cfg(cfg.source, tokenizer_train_chars=1000))
+    assert corpus_key(source, cfg) != corpus_key(source, _cfg(cfg.source, val_fraction=0.3))
     copy = tmp_path / "copy"
     copy.mkdir()
     (copy / "one.txt").write_text("x" * 200)

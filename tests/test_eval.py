@@ -14,11 +14,11 @@ from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.attention import attention_mass
 from mcfn.inference.generation import generate_mc
-from mcfn.tools.eval_batch import EvalBatch, EvalSettings
+from mcfn.tools.eval_batch import EvalBatch, EvalSettings, default_budgets
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_result import EvalReport, ProtocolResult
 from mcfn.tools.eval_stats import Clusters, paired_gain, retained_with_interval, spearman
-from mcfn.tools.evaluation import HeldOut, conditions, default_budgets, evaluate
+from mcfn.tools.evaluation import HeldOut, conditions, evaluate
 from mcfn.tools.one_cut import predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8

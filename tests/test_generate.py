@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mcfn.core.focus import (
+    Refocus,
     carried_cut,
     focus_cut,
     focus_scores,
@@ -25,7 +26,7 @@ from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut
-from mcfn.inference import generation
+from mcfn.inference import contexts, generation
 from mcfn.inference.decode import REFILL_CHUNK, Decoder, KVCache, extend
 from mcfn.inference.generation import Sampling, generate_full, generate_mc
 from mcfn.inference.render import lod_string
@@ -171,7 +172,7 @@ def test_a_warm_refocus_starts_from_the_previous_context_within_budget():
     budget, differs = W - REFOCUS, 0
     for n in (2 * T + 3, 3 * T + 5, 5 * T + 9):
         stream = random_stream(system, n)
-        previous = focused_context(system, stream, budget, LENS, 4, REFOCUS)
+        previous = focused_context(system, stream, budget, LENS, Refocus(REFOCUS, steps=4))
         stream.append(torch.randint(0, VOCAB, (REFOCUS,), generator=torch.Generator().manual_seed(n)))
         view = stream_view(len(stream), system.layout, budget)
         tree, window = view_tree(stream, view)
@@ -204,9 +205,9 @@ def test_generation_with_context_match_refocuses_with_match_as_the_evaluation_do
     tree, window = view_tree(stream, view)
     scorer = match_scorer(window[:, : view.layout.T], K, REFOCUS, view.layout.T)
     expected = view_context(tree, focus_cut(scorer, tree, window, view, 4), window, view)
-    got = focused_context(system, stream, budget, MATCH, 4, REFOCUS)
+    got = focused_context(system, stream, budget, MATCH, Refocus(REFOCUS, steps=4))
     assert torch.equal(got.start, expected.start) and torch.equal(got.lod, expected.lod)
-    lens = focused_context(system, stream, budget, LENS, 4, REFOCUS)
+    lens = focused_context(system, stream, budget, LENS, Refocus(REFOCUS, steps=4))
     assert not (
         lens.start.shape == got.start.shape and torch.equal(lens.lod, got.lod) and torch.equal(lens.start, got.start)
     )
@@ -223,7 +224,7 @@ def test_generation_with_context_match_reads_ahead_R_tokens_not_its_refocus_step
     stream.append(prompt)
     maps = {}
     for reach in (R, steps):
-        wc = focused_context(system, stream, budget, MATCH, steps, reach)
+        wc = focused_context(system, stream, budget, MATCH, Refocus(reach, steps=steps))
         maps[reach] = lod_string(wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(stream), K)
     assert maps[R] != maps[steps], "the test needs a prompt where the reach changes the cut"
     layouts = []
@@ -236,7 +237,8 @@ def test_generation_with_context_match_reads_ahead_R_tokens_not_its_refocus_step
 def test_property_streaming_context_covers_the_recent_history_within_budget(n):
     system = decisive_system()
     budget = W - REFOCUS
-    check_stream_context(focused_context(system, random_stream(system, n), budget, LENS, 2, REFOCUS), n, budget)
+    wc = focused_context(system, random_stream(system, n), budget, LENS, Refocus(REFOCUS, steps=2))
+    check_stream_context(wc, n, budget)
 
 
 @settings(max_examples=25, deadline=None)
@@ -247,9 +249,10 @@ def test_property_warm_refocus_keeps_the_stream_invariants(n, grown, steps):
     system = decisive_system()
     budget = W - REFOCUS
     stream = random_stream(system, n)
-    previous = focused_context(system, stream, budget, LENS, 2, REFOCUS)
+    previous = focused_context(system, stream, budget, LENS, Refocus(REFOCUS, steps=2))
     stream.append(torch.randint(0, VOCAB, (grown,), generator=torch.Generator().manual_seed(-n)))
-    check_stream_context(focused_context(system, stream, budget, LENS, steps, REFOCUS, previous), n + grown, budget)
+    wc = focused_context(system, stream, budget, LENS, Refocus(REFOCUS, warm_steps=steps), previous)
+    check_stream_context(wc, n + grown, budget)
 
 
 def test_prompt_of_ten_budgets_generates():
@@ -346,7 +349,7 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
     g = torch.Generator().manual_seed(7)
     for n in (3 * T + 5, 5 * T + 9, 7 * T + 2):
         stream = random_stream(system, n)
-        previous = focused_context(system, stream, budget, LENS, 2, REFOCUS)
+        previous = focused_context(system, stream, budget, LENS, Refocus(REFOCUS, steps=2))
         stream.append(torch.randint(0, VOCAB, (3,), generator=g))
         view = stream_view(len(stream), system.layout, budget)
         tree, window = view_tree(stream, view)
@@ -373,14 +376,13 @@ def test_the_kv_cache_after_refocuses_that_change_a_level_but_keep_a_start(monke
     every token. Among those refocuses, some expand or collapse the entry right at the end of the kept prefix without
     moving its start (an expansion's first child, a collapse's parent): a cache that decides "unchanged" by start
     alone would keep that entry's stale keys and values there. Fails with ``shared_prefix`` comparing starts only."""
-    from mcfn.core.focus import Refocus
     from mcfn.inference.generation import teacher_forced_mc
 
     system = spread_lens(decisive_system(), seed=2)
     text = torch.randint(0, VOCAB, (120,), generator=torch.Generator().manual_seed(11))
     prompt, continuation = text[:70], text[70:]
     same_start = 0
-    keep = generation.shared_prefix
+    keep = contexts.shared_prefix
 
     def watched(cached, entries):
         nonlocal same_start
@@ -389,7 +391,7 @@ def test_the_kv_cache_after_refocuses_that_change_a_level_but_keep_a_start(monke
             same_start += int(cached[kept, 0] == entries[kept, 0])  # the first changed entry kept its start
         return kept
 
-    monkeypatch.setattr(generation, "shared_prefix", watched)
+    monkeypatch.setattr(contexts, "shared_prefix", watched)
     refocus = Refocus(REFOCUS, steps=4, warm_steps=1)
     cached, stats = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=True)
     recomputed, _ = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=False)

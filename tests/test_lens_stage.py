@@ -11,13 +11,14 @@ import shutil
 import pytest
 import torch
 
+from mcfn.data.corpus import prepare_corpus
 from mcfn.shell import lens_stage, traces
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.shell.lens_judge import Judged, refusal
-from mcfn.shell.lens_stage import StageSettings, run_stage
+from mcfn.shell.lens_stage import run_stage
 from train.lens import main as lens_main
 
-TINY = ["--rounds", "2", "--windows", "2", "--held-out", "2", "--epochs", "1"]
+TINY = ["--rounds", "2", "--windows", "2", "--held-out", "2"]
 
 
 def test_a_candidate_that_loses_the_pass_key_or_trails_match_on_the_corpus_is_refused():
@@ -37,8 +38,9 @@ def lensnet_weights(state: dict) -> dict[str, torch.Tensor]:
 
 def test_the_stage_starts_from_the_run_keeps_its_original_and_a_second_stage_finds_it(decoding_run, tmp_path):
     """``train.lens`` twice on a tiny run: the policy kept is the lowest selection NLL among the candidates not
-    refused (the run's own, match's cut, each round's); the checkpoint carries the run's original LensNet and config
-    beside the policy kept; a second stage measures the same original (its figures equal the first's)."""
+    refused (the run's own, match's cut, the run's own gated over it, each round's); the checkpoint carries the run's
+    original LensNet and config beside the policy kept; a second stage measures the same original (its figures equal
+    the first's)."""
     run = tmp_path / "run"
     shutil.copytree(decoding_run[0], run)
     before = Checkpoint.read(run)
@@ -46,7 +48,11 @@ def test_the_stage_starts_from_the_run_keeps_its_original_and_a_second_stage_fin
     first = json.loads((run / "lens_stage.json").read_text())
     assert [r["round"] for r in first["rounds"]] == [1, 2]
     assert sorted(p.name for p in (run / "lens_traces").iterdir()) == ["round1.pt", "round2.pt"]
-    means = {"run": first["run_policy"]["lens_bpb"], "match": first["match"]["lens_bpb"]}
+    means = {
+        "run": first["run_policy"]["lens_bpb"],
+        "match": first["match"]["lens_bpb"],
+        "gated": first["gated"]["lens_bpb"],
+    }
     means |= {r["round"]: r["selection"]["lens_bpb"] for r in first["rounds"]}
     allowed = [name for name in means if str(name) not in first["refused"]]
     assert first["kept_round"] == (min(allowed, key=means.get) if allowed else "run")
@@ -56,7 +62,7 @@ def test_the_stage_starts_from_the_run_keeps_its_original_and_a_second_stage_fin
     assert original["config"] == before.state["config"]
     changed = [k for k in before.state["model"] if not torch.equal(before.state["model"][k], after.state["model"][k])]
     assert all(k.startswith("lensnet.") for k in changed)
-    assert after.cfg.mc.lens.match_prior == (first["kept_round"] == "match")
+    assert after.cfg.mc.lens.match_prior == ("gated" if first["kept_round"] in ("match", "gated") else "")
     # Whatever this stage kept, make the checkpoint's LensNet differ from the original, as a kept round's would.
     state = load_checkpoint(run / "checkpoint.pt")
     state["model"] = {k: v + 0.1 if k.startswith("lensnet.") and v.is_floating_point() else v
@@ -91,7 +97,7 @@ def test_the_stage_writes_back_the_weights_of_the_round_it_kept(decoding_run, tm
 
     monkeypatch.setattr(lens_stage.Stage, "measure", measure)
     monkeypatch.setattr(lens_stage.Stage, "round", round_and_keep)
-    _, summary = run_stage(run, StageSettings(rounds=2, windows=2, held_out=1, epochs=2), torch.device("cpu"), print)
+    _, summary = run_stage(run, torch.device("cpu"), print, rounds=2, windows=2, held_out=1)
     assert summary["kept_round"] == 1 and not summary["refused"]
     written = lensnet_weights(Checkpoint.read(run).state["model"])
     assert any(not torch.equal(after_round[1][k], after_round[2][k]) for k in written), "round 2 must differ"
@@ -111,7 +117,7 @@ def test_selection_report_and_traced_windows_are_disjoint_and_the_test_split_is_
     run = tmp_path / "run"
     shutil.copytree(decoding_run[0], run)
     ckpt = Checkpoint.read(run)
-    corpus = dataclasses.replace(lens_stage.prepare_corpus(ckpt.cfg.data), test=Unread())
+    corpus = dataclasses.replace(prepare_corpus(ckpt.cfg.data), test=Unread())
     seen = {}
     real = lens_stage.Stage.__init__
 
@@ -120,8 +126,7 @@ def test_selection_report_and_traced_windows_are_disjoint_and_the_test_split_is_
         seen["stage"] = self
 
     monkeypatch.setattr(lens_stage.Stage, "__init__", keep)
-    settings = StageSettings(rounds=1, windows=3, held_out=3, epochs=1)
-    run_stage(run, settings, torch.device("cpu"), print, corpus)
+    run_stage(run, torch.device("cpu"), print, corpus, rounds=1, windows=3, held_out=3)
     stage = seen["stage"]
     rows = {name: {tuple(row.tolist()) for w in stage.held[name].windows for row in w} for name in stage.held}
     rows["traced"] = {tuple(w.tolist()) for w in stage.traces[0].windows}
@@ -141,13 +146,13 @@ def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, caps
 
 
 def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
-    """``train.lens_rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
+    """``lens_stage.rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
     then scores the policy the stage kept and says which context to generate with. The final evaluation is brief:
     its edits are not labelled (``train.eval`` labels them, ``test_report_has_every_condition_and_the_headline``)."""
     from train.run import main as run_main
 
     out = tmp_path / "run"
-    overrides = ["--set", "train.lens_rounds=1", "--set", "train.final_eval_batches=2"]
+    overrides = ["--set", "lens_stage.rounds=1", "--set", "train.final_eval_batches=2"]
     assert run_main(["--profile", str(profile), "--out", str(out), "--steps", "2", *overrides]) == 0
     stage = json.loads((out / "summary.json").read_text())["lens_stage"]
     assert [r["round"] for r in stage["rounds"]] == [1] and stage["kept_round"] in ("run", "match", 1)

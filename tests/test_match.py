@@ -80,15 +80,15 @@ def test_a_new_lensnet_with_the_match_prior_scores_as_match_does_and_learns_from
     votes = match_votes(window[:, :T], torch.full((3,), T - H - 1), K, R)
     blocks = (T - H) // K  # the eligible LOD1 blocks, oldest first
     assert (votes[:, :blocks] > 0).any() and (votes[:, :blocks] == 0).any()
-    for prior in (True, False):
+    for prior in ("sum", ""):
         system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": prior}, refocus_every=R)
         nodes, tree = system.nodes, history_tree(system, window[:, :T])
         lensnet = focus_scores(system.lensnet.scorer(nodes.layout, window), tree, window, nodes)
         match = focus_scores(match_scorer(window[:, :T], K, R, T), tree, window, nodes)
         gists = nodes.eligible & (nodes.lod > 0)  # what every expansion, collapse and drop is decided on
-        assert torch.allclose(lensnet[:, gists], match[:, gists], atol=1e-5) == prior
+        assert torch.allclose(lensnet[:, gists], match[:, gists], atol=1e-5) == bool(prior)
     noise = draw_variant_noise(system.layout, 3, torch.Generator().manual_seed(1), torch.device("cpu"))
-    system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": True}, refocus_every=R)
+    system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": "sum"}, refocus_every=R)
     wc = seen_until(build_contexts(system, window, noise)[0], torch.full((9,), T - H))
     system.lensnet(wc, tokens=window[:, :T].repeat_interleave(3, 0)).square().sum().backward()
     assert system.lensnet.head.weight.grad.abs().sum() > 0, "the head starts at zero, not frozen there"
@@ -109,3 +109,52 @@ def test_property_I11_the_match_focus_scores_read_nothing_after_the_horizon(seed
         scorer = match_scorer(w[:, :64], 4, reach, 64)
         scores.append(focus_scores(scorer, tree_stage(system, w), w, system.nodes, at))
     assert torch.equal(scores[0], scores[1])
+
+
+def test_the_gated_prior_is_matchs_cut_where_lensnet_does_not_stand_out_and_adds_it_where_it_does():
+    """``mc.lens.match_prior = "gated"``: a zero head scores as ``match`` does (nothing stands out); a LensNet
+    trained without the prior, gated, adds its own score to ``match``'s on exactly the units that stand out of their
+    row (:func:`~mcfn.core.lensnet.standing_out`), and nowhere else."""
+    from builders import make_system, spread_lens
+
+    from mcfn.core.context import seen_until
+    from mcfn.core.lensnet import block_units, pool_blocks, standing_out, unit_capacity
+    from mcfn.core.system import build_contexts
+    from mcfn.core.variants import draw_variant_noise
+
+    T, K, H, R = 64, 4, 8, 4
+    window = torch.randint(0, 4, (3, T + 1), generator=torch.Generator().manual_seed(0))
+    own = spread_lens(make_system(T, K, 2, 24, H, N=2, seed=1, refocus_every=R), seed=3)
+    zero = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": "gated"}, refocus_every=R)
+    summed = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": "sum"}, refocus_every=R)
+    gated = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": "gated"}, refocus_every=R)
+    gated.lensnet.load_state_dict(own.lensnet.state_dict())
+    summed.lensnet.load_state_dict(own.lensnet.state_dict())
+    noise = draw_variant_noise(own.layout, 3, torch.Generator().manual_seed(1), torch.device("cpu"))
+    entries = seen_until(build_contexts(own, window, noise)[0], torch.full((9,), T - H))
+    units = unit_capacity(entries.batch_size[1], own.layout)
+    wc = pool_blocks(entries, block_units(entries, K, units), units)  # what LensNet's transformer reads
+    tokens = window[:, :T].repeat_interleave(3, 0)
+    with torch.no_grad():
+        learned = own.lensnet.score(wc, tokens)
+        prior = zero.lensnet.score(wc, tokens)  # match's own: a zero head adds nothing
+        torch.testing.assert_close(summed.lensnet.score(wc, tokens), prior + learned)
+        out = standing_out(learned, wc.valid)
+        assert out.any() and (wc.valid & ~out).any(), "the case needs units on both sides of the gate"
+        torch.testing.assert_close(gated.lensnet.score(wc, tokens), prior + learned * out)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**16), st.floats(0.01, 100.0), st.floats(-50.0, 50.0))
+def test_property_standing_out_ignores_a_rows_scale_and_offset(seed: int, scale: float, shift: float):
+    """The gate reads how far a unit's score stands above its row, not its units: scaling a row's scores by a
+    positive factor and shifting them picks the same units; padding never stands out; a flat row has none."""
+    from mcfn.core.lensnet import standing_out
+
+    g = torch.Generator().manual_seed(seed)
+    learned = torch.randn(3, 20, generator=g) ** 3  # heavy tails: some units stand out
+    valid = torch.rand(3, 20, generator=g) < 0.8
+    picked = standing_out(learned, valid)
+    torch.testing.assert_close(standing_out(learned * scale + shift, valid), picked, rtol=0, atol=0)
+    assert not (picked & ~valid).any()
+    assert not standing_out(torch.full((3, 20), shift), valid).any()

@@ -35,7 +35,7 @@ def test_every_parameter_is_in_exactly_one_optimizer():
 
 def test_learning_rates_are_tensors_updated_in_place():
     model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=64))
-    optimizers = build_optimizers(model, OptimConfig(matrix_lr=0.02))
+    optimizers = build_optimizers(model, OptimConfig())
     lr_tensor = optimizers[0].param_groups[0]["lr"]
     set_lr_multiplier(optimizers, 0.5)
     assert optimizers[0].param_groups[0]["lr"] is lr_tensor

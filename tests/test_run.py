@@ -168,7 +168,7 @@ def test_the_embedded_stdlib_default_trains(tmp_path):
         tmp_path / "p.toml",
         tiny_sections(
             "stdlib",
-            data={"vocab_size": 512, "tokenizer_train_chars": 2_000_000, "min_doc_chars": 512, "val_fraction": 0.05},
+            data={"vocab_size": 512, "min_doc_chars": 512, "val_fraction": 0.05},
         ),
     )
     out = tmp_path / "run"

@@ -24,7 +24,6 @@ TINY = [
     "mc.budget=32",
     "mc.tail=8",
     "train.batch_size=2",
-    "train.device='cpu'",
 ]
 FIELDS = {"T", "condition", "status", "step_ms", "tokens_per_s", "peak_mem_mb", "compile_s", "graph_breaks",
           "recompiles", "lod_max", "n_nodes", "teacher_tokens", "teacher_window", "recon_tokens",

@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     p.add_argument("--phase-steps", type=int, default=5, help="timed steps of each phase alone (0: no phases)")
     p.add_argument("--eager", action="store_true", help="do not compile")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA where there is one)")
     p.add_argument(
         "--typecheck-cost",
         action="store_true",
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         from mcfn.shell.devices import padded_vocab, resolve_device
         from mcfn.tools.benchmark import format_table, run_benchmark, typecheck_cost
 
-        vocab, device = padded_vocab(cfg.data.vocab_size), resolve_device(cfg.train.device)
+        vocab, device = padded_vocab(cfg.data.vocab_size), resolve_device(args.device)
         if args.typecheck_cost:
             result = typecheck_cost(cfg, vocab, device, args.steps)
         else:
@@ -147,6 +148,7 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
         conditions=conditions,
         warm_first=args.warm_first,
         grad_blocks=args.grad_blocks,
+        device=args.device,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_sweep.json").write_text(json.dumps(rows, indent=2))
@@ -166,7 +168,7 @@ def sweep_point(spec: dict) -> None:
         spec["profile"], [parse_override(o) for o in spec["overrides"]] + [("mc", "enabled", True)]
     )
     point = point_config(cfg, spec["T"], spec["condition"], spec["window"], spec["grad_blocks"])
-    device = resolve_device(point.train.device)
+    device = resolve_device(spec["device"])
     mode = None if spec["eager"] else point.train.compile_mode
     row = measure_point(
         point, spec["condition"], padded_vocab(point.data.vocab_size), device, spec["steps"], spec["warmup"], mode
@@ -193,7 +195,7 @@ def decode_benchmark(args: argparse.Namespace) -> None:
         raise UserError(f"--modes takes {', '.join(MODES)}; got {args.modes}")
     if text is None or min(lengths) < 1 or args.new_tokens < 1 or args.repeats < 1:
         raise UserError("--decode needs --prompt-file, and --lengths, --new-tokens, --repeats >= 1")
-    trained = load_trained(args.decode, resolve_device("auto"))
+    trained = load_trained(args.decode, resolve_device(args.device))
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{args.decode} holds a plain GPT; --decode compares MegaContext with full context")
     tok = trained.corpus.tokenizer

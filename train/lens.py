@@ -1,4 +1,5 @@
-"""Train LensNet on what each choice costs: ``python -m train.lens --run DIR [--rounds N] [--windows N] ...``.
+"""Train LensNet on what each choice costs: ``python -m train.lens --run DIR [--rounds N] [--windows N] ...``
+(the run's ``[lens_stage]`` settings, these flags on top).
 ``--reliability N`` measures instead how much signal the stage's labels carry (``mcfn.shell.lens_labels``).
 
 The LensNet stage (``mcfn.shell.lens_stage``) on an existing MegaContext run: rounds of counterfactual traces under
@@ -19,21 +20,15 @@ from mcfn.errors import exit_code
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from mcfn.shell.lens_stage import StageSettings
-
-    d = StageSettings()
     p = argparse.ArgumentParser(prog="python -m train.lens", description=__doc__.split("\n")[0])
     p.add_argument("--run", type=Path, required=True, help="the run directory (or its checkpoint.pt)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="rounds of trace, train, measure")
-    p.add_argument("--windows", type=int, default=d.windows, help="fresh training windows traced per round")
+    p.add_argument("--rounds", type=int, help="rounds of trace, train, measure (lens_stage.rounds, or 3)")
+    p.add_argument("--windows", type=int, help="fresh training windows traced per round (lens_stage.windows)")
     p.add_argument(
         "--held-out",
         type=int,
-        default=d.held_out,
-        help="validation windows that select the kept policy (as many report it)",
+        help="validation windows that select the kept policy, as many report it (lens_stage.held_out)",
     )
-    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over every round's traces so far")
-    p.add_argument("--lr", type=float, default=d.lr, help="LensNet's AdamW learning rate")
     p.add_argument(
         "--reliability",
         type=int,
@@ -45,10 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
+    from mcfn.errors import UserError
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.lens_stage import StageSettings, run_stage
+    from mcfn.shell.lens_stage import run_stage
     from mcfn.shell.trainer import say
 
+    if any(n is not None and n < 1 for n in (args.rounds, args.windows, args.held_out)):
+        raise UserError("--rounds, --windows and --held-out must be >= 1")
     run_dir = args.run if args.run.is_dir() else args.run.parent
     if args.reliability is not None:
         from mcfn.shell.lens_labels import label_reliability
@@ -56,8 +54,8 @@ def run(args: argparse.Namespace) -> None:
         figures = label_reliability(run_dir, args.reliability, args.held_out, resolve_device(args.device), say)
         (run_dir / "lens_labels.json").write_text(json.dumps(figures, indent=2))
         return
-    settings = StageSettings(args.rounds, args.windows, args.held_out, args.epochs, args.lr)
-    _, summary = run_stage(run_dir, settings, resolve_device(args.device), say)
+    overrides = {"rounds": args.rounds, "windows": args.windows, "held_out": args.held_out}
+    _, summary = run_stage(run_dir, resolve_device(args.device), say, **overrides)
     (run_dir / "lens_stage.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mcfn.errors import UserError, exit_code
 from mcfn.profile import DEFAULT_PROFILE, parse_override, resolve
@@ -29,11 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--init-from", metavar="RUN_DIR", help="start the base model from this run's weights (train.init_from)"
     )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA where there is one)")
     p.add_argument(
         "--memory-snapshot",
         metavar="FILE",
+        default="",
         help="CUDA only: record the allocator's history over the first steps into FILE, in the run directory "
-        "unless absolute (train.memory_snapshot)",
+        "unless absolute",
     )
     p.add_argument(
         "--set",
@@ -46,9 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> None:
-    overrides = [parse_override(o) for o in args.overrides]
-    flags = {
+def flag_settings(args: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    """The config settings the flags set, by (section, key); None where a flag is not given."""
+    return {
         ("train", "steps"): args.steps,
         ("train", "seed"): args.seed,
         ("data", "source"): args.data,
@@ -56,9 +59,13 @@ def run(args: argparse.Namespace) -> None:
         ("train", "compile"): True if args.compile else None,
         ("mc", "enabled"): False if args.no_mc else None,
         ("train", "init_from"): args.init_from,
-        ("train", "memory_snapshot"): args.memory_snapshot,
     }
-    overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None] + overrides
+
+
+def run(args: argparse.Namespace) -> None:
+    flags = flag_settings(args)
+    overrides = [(s, k, v) for (s, k), v in flags.items() if v is not None]
+    overrides += [parse_override(o) for o in args.overrides]
     cfg = resolve(args.profile, overrides)
     if args.resume and args.out is None:
         raise UserError("--resume needs --out DIR, the run to continue")
@@ -66,7 +73,7 @@ def run(args: argparse.Namespace) -> None:
     out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     from mcfn.shell.trainer import train  # heavy imports after the arguments are known to be good
 
-    train(cfg, out, resume=args.resume)
+    train(cfg, out, resume=args.resume, device_name=args.device, memory_snapshot=args.memory_snapshot)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,11 @@
 """Run configuration: frozen dataclasses, one per section, each validating its own values.
 
-Sections: ``model``, ``data``, ``optim``, ``train`` and ``mc``, the last with nested ``gist``, ``lens`` and
-``alloc`` tables. An out-of-range value raises a one-line :class:`~mcfn.errors.UserError` naming its dotted
-key (``mc.lens.attention_weight``). Reading profiles and overrides into a config is :mod:`mcfn.profile`'s job.
+Sections: ``model``, ``data``, ``optim``, ``train``, ``mc`` (with nested ``gist``, ``lens``, ``alloc`` and
+``teacher`` tables) and ``lens_stage``: LensNet's two objectives side by side, the MC phase's (``mc.lens``) and the
+stage's. Where a run executes and how it is watched (its device, a CUDA memory snapshot) are flags of ``train.run``,
+not config: they do not change what it computes. An out-of-range value raises a one-line
+:class:`~mcfn.errors.UserError` naming its dotted key (``mc.lens.attention_weight``). Reading profiles and overrides
+into a config is :mod:`mcfn.profile`'s job.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ class DataConfig:
     min_doc_chars: int = 512  # shorter documents are skipped
     val_fraction: float = 0.05  # share of documents (by path hash) held out for validation and design choices
     test_fraction: float = 0.1  # share held out for the final evaluation alone (train.eval --split test)
-    tokenizer_train_chars: int = 20_000_000  # characters of the training split the BPE is trained on
     # Share of training windows rewritten by the long-range generators (facts written into the real text, the
     # question at the end, in the scored tail), drawn on a stream of their own; 0: natural text only.
     mix: float = 0.0
@@ -72,7 +74,6 @@ class DataConfig:
             "data.test_fraction",
             "must be >= 0 and leave documents for training beside data.val_fraction",
         )
-        _require(self.tokenizer_train_chars > 0, "data.tokenizer_train_chars", "must be > 0")
         _require(0.0 <= self.mix <= 1.0, "data.mix", "must lie in [0, 1]")
         _require(bool(self.mix_task_names), "data.mix_tasks", "must name at least one task")
 
@@ -83,13 +84,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    matrix_lr: float = 0.02  # Muon, for the 2-D block matrices
     embedding_lr: float = 0.3  # AdamW, token embedding
     unembedding_lr: float = 0.008  # AdamW, output head
     warmdown_frac: float = 0.3  # share of steps at the end with a linear decay (to 5 % of the rate)
 
     def __post_init__(self) -> None:
-        for name in ("matrix_lr", "embedding_lr", "unembedding_lr"):
+        for name in ("embedding_lr", "unembedding_lr"):
             _require(getattr(self, name) > 0, f"optim.{name}", "must be > 0")
         _require(0 <= self.warmdown_frac <= 1, "optim.warmdown_frac", "must be in [0, 1]")
 
@@ -109,6 +109,9 @@ class GistConfig:
         _require(self.grad_blocks >= 0, "mc.gist.grad_blocks", "must be >= 0 (0: every block)")
 
 
+MATCH_PRIORS = ("", "sum", "gated")
+
+
 @dataclass(frozen=True)
 class LensConfig:
     enabled: bool = True  # LensNet, its preference loss and the allocator-built variant
@@ -116,11 +119,16 @@ class LensConfig:
     # (mcfn.core.attention); needs [mc.teacher].
     attention_weight: float = 0.0
     # LensNet's score is the match's own (its copy votes and recency prior, mcfn.core.match) plus what LensNet
-    # learns, its head starting at zero: a new LensNet cuts as the match does (the LensNet stage sets it).
-    match_prior: bool = False
+    # learns: "sum", all of it (a new LensNet's head starts at zero, so it cuts as the match does); "gated", only
+    # where it stands out (mcfn.core.lensnet.standing_out), so that on text it cuts as the match does. "": no prior.
+    # The LensNet stage sets it; a checkpoint saved when it was a boolean reads true as "sum".
+    match_prior: str = ""
 
     def __post_init__(self) -> None:
+        if isinstance(self.match_prior, bool):  # a checkpoint saved before the gated prior existed
+            object.__setattr__(self, "match_prior", "sum" if self.match_prior else "")
         _require(self.attention_weight >= 0, "mc.lens.attention_weight", "must be >= 0")
+        _require(self.match_prior in MATCH_PRIORS, "mc.lens.match_prior", f"must be one of {MATCH_PRIORS}")
 
 
 @dataclass(frozen=True)
@@ -213,7 +221,6 @@ class TrainConfig:
     seed: int = 1337
     compile: bool = False
     compile_mode: str = "max-autotune"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
     wandb: str = "offline"
     # MC runs end with a brief evaluation on this many test batches (more than eval_batches: the differences are
     # small) and the report's opening lines; 0: none.
@@ -224,15 +231,6 @@ class TrainConfig:
     # MegaContext runs: the first this many steps train the base model alone, as a plain GPT over whole windows
     # (a plain phase at length T, where it learns to read long contexts), then the MegaContext step takes over.
     plain_steps: int = 0
-    # MegaContext runs with LensNet: after the last step, this many rounds of the counterfactual LensNet stage
-    # (counterfactual traces, LensNet trained on them: mcfn.shell.lens_stage, train.lens) before the final evaluation.
-    lens_rounds: int = 0
-    # Recompute each transformer block's activations in the backward instead of storing them (less memory,
-    # one more forward of every block per step).
-    activation_checkpointing: bool = False
-    # A file for CUDA's memory history (torch.cuda.memory._dump_snapshot, for https://pytorch.org/memory_viz),
-    # recorded from the first step and written after the third; empty: off. CUDA only.
-    memory_snapshot: str = ""
 
     def __post_init__(self) -> None:
         for name in (
@@ -245,7 +243,6 @@ class TrainConfig:
             _require(getattr(self, name) >= 1, f"train.{name}", "must be >= 1")
         _require(self.final_eval_batches >= 0, "train.final_eval_batches", "must be >= 0 (0: no final evaluation)")
         _require(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0: automatic)")
-        _require(self.lens_rounds >= 0, "train.lens_rounds", "must be >= 0")
         _require(
             0 <= self.plain_steps < self.steps,
             "train.plain_steps",
@@ -253,11 +250,27 @@ class TrainConfig:
         )
         _require(self.compile_mode in COMPILE_MODES, "train.compile_mode", f"must be one of {COMPILE_MODES}")
         _require(self.wandb in WANDB_MODES, "train.wandb", f"must be one of {WANDB_MODES}")
-        _require(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-            "train.device",
-            "must be auto, cpu, cuda or cuda:N",
-        )
+
+
+@dataclass(frozen=True)
+class LensStageConfig:
+    """LensNet's second objective, the counterfactual stage (:mod:`mcfn.shell.lens_stage`, ``train.lens``), beside its
+    first, the MC phase's ``[mc.lens]``: rounds of traces of fresh training windows, each edit of LensNet's cut
+    labelled with its ΔNLL, and the ranking loss over them."""
+
+    # Rounds at the end of a MegaContext run with LensNet, before its final evaluation (0: none; train.lens runs
+    # the stage on a finished run, 3 rounds unless this or --rounds says otherwise).
+    rounds: int = 0
+    windows: int = 64  # fresh training windows traced per round
+    held_out: int = 32  # validation windows that select the policy kept, and as many others that report it
+    states_per_batch: int = 16  # traced states (chunks of one history length) per step of the ranking loss
+    random_cuts: int = 2  # random candidates per traced state, beside the policy, its edits, match and recency
+
+    def __post_init__(self) -> None:
+        _require(self.rounds >= 0, "lens_stage.rounds", "must be >= 0")
+        for name in ("windows", "held_out", "states_per_batch"):
+            _require(getattr(self, name) >= 1, f"lens_stage.{name}", "must be >= 1")
+        _require(self.random_cuts >= 0, "lens_stage.random_cuts", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -267,6 +280,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mc: MCConfig = field(default_factory=MCConfig)
+    lens_stage: LensStageConfig = field(default_factory=LensStageConfig)
 
     def __post_init__(self) -> None:
         mc, seq_len = self.mc, self.data.seq_len

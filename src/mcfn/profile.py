@@ -1,8 +1,9 @@
 """TOML profiles and ``--set`` overrides, read into a validated :class:`~mcfn.config.RunConfig`.
 
-A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[mc]``, the last with
-its own ``[mc.gist]``, ``[mc.lens]`` and ``[mc.alloc]`` tables). Unknown sections or keys, values of the wrong
-type and out-of-range values are rejected with a one-line :class:`~mcfn.errors.UserError` that names the key.
+A profile has one table per section (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[mc]`` with its own
+``[mc.gist]``, ``[mc.lens]``, ``[mc.alloc]`` and ``[mc.teacher]`` tables, and ``[lens_stage]``). Unknown sections or
+keys, values of the wrong type and out-of-range values are rejected with a one-line :class:`~mcfn.errors.UserError`
+that names the key.
 
 A profile may start from another: ``extends = "default"`` at its top takes that profile's tables, and its own
 tables then override them key by key, so it says only what differs.
@@ -16,13 +17,20 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from mcfn.config import DataConfig, MCConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from mcfn.config import DataConfig, LensStageConfig, MCConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from mcfn.errors import UserError
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 DEFAULT_PROFILE = "default"
 
-_SECTION_TYPES = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig, "mc": MCConfig}
+_SECTION_TYPES = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "mc": MCConfig,
+    "lens_stage": LensStageConfig,
+}
 
 
 def _coerce(key: str, value: Any, expected: type) -> Any:
@@ -121,7 +129,19 @@ RETIRED: dict[str, Any] = {
     "model.smear": False,
     "model.mimetic": False,
     "model.gain_init": 1.0,
+    # Knobs no profile or flag set (issue 65), now constants; rerun at commit a1af014. Muon's rate: 0.03 lost on the
+    # slowest seed (LABLOG, twenty-third session). The tokenizer's sample: mcfn.data.corpus.TOKENIZER_TRAIN_CHARS.
+    # Activation checkpointing: no profile or measurement ever turned it on; the step fits without it.
+    "optim.matrix_lr": 0.02,
+    "data.tokenizer_train_chars": 20_000_000,
+    "train.activation_checkpointing": False,
+    # Where a run executes and how it is watched are flags of train.run (--device, --memory-snapshot), not config.
+    "train.device": ANY_VALUE,
+    "train.memory_snapshot": ANY_VALUE,
 }
+
+# Knobs that moved, from their old dotted key to the new one (a saved config is read under the new).
+MOVED: dict[str, str] = {"train.lens_rounds": "lens_stage.rounds"}
 
 
 # Knobs added since a checkpoint may have been saved, with the value that reproduces what such a run did.
@@ -129,11 +149,18 @@ ADDED: dict[str, Any] = {"data.test_fraction": 0.0, "model.key_smear": False}
 
 
 def with_added(tables: dict[str, Any]) -> dict[str, Any]:
-    """A saved config's tables with every :data:`ADDED` knob it predates set to its old meaning."""
+    """A saved config's tables with every :data:`MOVED` knob under its new key, every :data:`ADDED` knob it
+    predates set to its old meaning, and every section it predates at its defaults."""
     tables = {name: dict(values) if isinstance(values, dict) else values for name, values in tables.items()}
+    for old, new in MOVED.items():
+        (old_section, old_key), (section, key) = old.split(".", 1), new.split(".", 1)
+        if old_key in tables.get(old_section, {}):
+            tables.setdefault(section, {})[key] = tables[old_section].pop(old_key)
     for dotted, value in ADDED.items():
         section, key = dotted.split(".", 1)
         tables.get(section, {}).setdefault(key, value)
+    for section in _SECTION_TYPES:
+        tables.setdefault(section, {})
     return tables
 
 

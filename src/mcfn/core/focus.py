@@ -128,6 +128,14 @@ class Refocus:
     steps: int = REFOCUS_STEPS
     warm_steps: int = WARM_STEPS
 
+    def carried(self, previous: WorkingContext | None) -> WorkingContext | None:
+        """What a refocus starts from: the previous refocus's context (warm), or None (cold: the first refocus, or
+        every one where ``warm_steps`` is 0). Generation keeps the cache behind a carried context."""
+        return previous if self.warm_steps else None
+
+    def steps_from(self, carried: WorkingContext | None) -> int:
+        return self.steps if carried is None else self.warm_steps
+
 
 @dataclass(frozen=True)
 class StreamView:

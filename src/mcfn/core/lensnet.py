@@ -10,9 +10,11 @@ their (damped) rotary position, and three features added to the input: a learned
 LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With
 ``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its votes plus its recency prior) plus
-what the transformer adds, its head starting at zero, so that a new LensNet cuts as ``match`` does and the
-counterfactual stage (:mod:`mcfn.shell.lens_stage`) teaches it where to differ. (A prior bounded to ``(-1, 2)``,
-every voted block above every unvoted one, cut worse than truncation on text: LABLOG, issue 53.)
+what the transformer adds: all of it (``"sum"``, its head starting at zero, so that a new LensNet cuts as ``match``
+does), or only where it stands out from the rest of its row (``"gated"``, :func:`standing_out`), so that a LensNet
+trained without the prior keeps ``match``'s cut on text and overrides it where it is sure, as at a pass key. (A
+prior bounded to ``(-1, 2)``, every voted block above every unvoted one, cut worse than truncation on text: LABLOG,
+issue 53.)
 
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
@@ -28,7 +30,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor, nn
 
 from mcfn.core.context import Scorer, WorkingContext
@@ -97,6 +99,20 @@ def unit_votes(
     return (running.gather(1, last) - running.gather(1, first)).clamp(min=0) * wc.valid
 
 
+GATE_Z = 2.0  # standard deviations above its row's mean where a gated prior lets LensNet's own score through
+
+
+@typechecked
+def standing_out(learned: Float[Tensor, "r u"], valid: Bool[Tensor, "r u"]) -> Bool[Tensor, "r u"]:
+    """Which units' scores lie more than :data:`GATE_Z` standard deviations above the mean of their row's valid
+    units: where the gated prior adds LensNet's score to the match's. Unchanged by scaling or shifting a row's
+    scores; none in a row whose scores are all equal (a new LensNet's zero head)."""
+    n = valid.sum(-1, keepdim=True).clamp(min=1)
+    mean = (learned * valid).sum(-1, keepdim=True) / n
+    spread = ((((learned - mean) * valid) ** 2).sum(-1, keepdim=True) / n).sqrt()
+    return valid & (learned - mean > GATE_Z * spread) & (spread > 0)
+
+
 def match_prior(votes: Float[Tensor, "r u"], back: Float[Tensor, "r u"]) -> Float[Tensor, "r u"]:
     """The match's own score (:func:`mcfn.core.match.match_scorer`): its copy votes on the unit, minus the distance
     ``back`` over the view's length, so that a new LensNet with the prior cuts exactly as ``match`` does."""
@@ -112,7 +128,7 @@ class LensNet(nn.Module):
         n_head: int,
         layout: Layout,
         match_reach: int = 0,
-        match_prior: bool = False,
+        match_prior: str = "",
     ):
         super().__init__()
         if match_prior and match_reach < 1:
@@ -172,6 +188,8 @@ class LensNet(nn.Module):
         if self.match_prior:  # a config constant: static under compile
             if tokens is None:
                 raise ValueError("LensNet's match prior needs the window's tokens")
+            if self.match_prior == "gated":
+                learned = learned * standing_out(learned, wc.valid)
             votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach)
             learned = learned + match_prior(votes, (now - end).float() / (scale or T))
         return learned * wc.valid

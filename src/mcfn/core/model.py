@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from mcfn.config import ModelConfig
 from mcfn.typecheck import typechecked
@@ -181,18 +180,10 @@ class Block(nn.Module):
         super().__init__()
         self.attn = SelfAttention(dim, n_head, key_smear)
         self.mlp = MLP(dim)
-        # Activation checkpointing (``train.activation_checkpointing``): keep only the block's input for the
-        # backward and recompute the rest there. Non-reentrant, the kind torch.compile traces in one graph.
-        self.checkpointed = False
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, smear: KeySmear | None = None) -> Tensor:
         """``attend`` maps the block's rotated ``q, k, v`` to its heads' outputs; ``smear`` (GPT blocks with
         ``model.key_smear``) mixes the previous token's key into each key first."""
-        if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self.residual, x, cos, sin, attend, smear, use_reentrant=False)
-        return self.residual(x, cos, sin, attend, smear)
-
-    def residual(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, smear: KeySmear | None = None) -> Tensor:
         q, k, v = self.attn.qkv(rms_norm(x), cos, sin)
         if smear is not None:
             if smear.record is not None:
@@ -219,13 +210,6 @@ class Block(nn.Module):
         if induction_prior:
             self.attn.c_k.weight.copy_(self.attn.c_q.weight)
             nn.init.constant_(self.attn.gain, INDUCTION_GAIN)
-
-
-def set_activation_checkpointing(model: nn.Module, on: bool) -> None:
-    """Checkpoint every transformer block of ``model`` (the base GPT, GistNet's and LensNet's), or none."""
-    for module in model.modules():
-        if isinstance(module, Block):
-            module.checkpointed = on
 
 
 class GPT(nn.Module):

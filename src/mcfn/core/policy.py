@@ -27,10 +27,13 @@ from functools import partial
 from torch import Tensor
 
 from mcfn.core.attention import attention_scores
-from mcfn.core.context import Scorer
+from mcfn.core.context import Scorer, WorkingContext
+from mcfn.core.focus import Refocus, StreamView, focus_cut, view_context
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
+from mcfn.core.variants import recency_cut
 
 ScorerOf = Callable[[MegaContext, Tensor, Layout, int], Scorer]
 
@@ -81,6 +84,30 @@ class FocusPolicy:
         assert self.scorer_of is not None, f"{self.name} is not a scored policy"
         return self.scorer_of(system, window, layout, reach)
 
+    def refocus(
+        self,
+        system: MegaContext,
+        tree: Tree,
+        window: Tensor,
+        view: StreamView,
+        protocol: Refocus,
+        previous: WorkingContext | None = None,
+    ) -> tuple[Tensor, WorkingContext]:
+        """One refocus under generation's ``protocol``, the one both generation and the evaluation call: the
+        view's cut ``[1, 1, view_nodes]`` and the context ``[1, m]`` it gives (:func:`~mcfn.core.focus.view_context`).
+        Truncation keeps the newest tokens the budget holds; a scored policy scores the view once and settles a cut,
+        cold from the coarsest one or warm from ``previous`` (the last refocus's context) as ``protocol`` says.
+        ``tree [1, view_nodes, D]`` and ``window [1, T + 1]`` are the view's; nothing past its newest real token is
+        read."""
+        assert self.refocuses, f"the {self.name} policy does not refocus"
+        if self.choice is Choice.TRUNCATION:
+            cut = recency_cut(view.layout, 1, window.device, view.real)
+        else:
+            carried = protocol.carried(previous)
+            scorer = self.scorer(system, window, view.layout, protocol.every)
+            cut = focus_cut(scorer, tree, window, view, protocol.steps_from(carried), carried)
+        return cut, view_context(tree, cut, window, view)
+
 
 POLICIES: dict[str, FocusPolicy] = {}  # by name, in the order the tables list them
 
@@ -96,11 +123,6 @@ def policies(system: MegaContext | None = None, brief: bool = False) -> list[Foc
     """The registered policies in order: those ``system`` can run (a scored one may need its LensNet), and with
     ``brief`` only those a brief evaluation scores."""
     return [p for p in POLICIES.values() if (system is None or p.available(system)) and (p.brief or not brief)]
-
-
-def scored_policies(system: MegaContext, brief: bool = False) -> list[FocusPolicy]:
-    """The scored policies ``system`` can run: those that refocus with :func:`~mcfn.core.focus.focus_cut`."""
-    return [p for p in policies(system, brief) if p.scored]
 
 
 def _attention(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:

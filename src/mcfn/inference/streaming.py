@@ -3,11 +3,11 @@
 * :class:`StreamingTree` keeps every token id, its embedding and every complete gist. A LOD1 gist is
   built by GistNet the moment its block of ``K`` tokens completes, a LOD2 gist when its ``K`` LOD1
   gists are complete, and so on (one batched GistNet call per level per append).
-* :func:`focused_context` builds a scored focus policy's working context over the whole history ``[0, n)`` (or
-  its most recent part, once even the coarsest full cover would not fit) by the one refocus path,
-  :func:`mcfn.core.focus.focus_cut`, the procedure ``train.eval`` scores: cold from the coarsest cut, or warm
-  from the previous context carried over, so that a refocus where little has changed keeps most of the previous
-  context (and the cache behind it). :func:`recency_context` is truncation at the same cadence, to compare.
+* :func:`focused_context` builds a focus policy's working context over the whole history ``[0, n)`` (or its most
+  recent part, once even the coarsest full cover would not fit) by the one refocus path,
+  :meth:`mcfn.core.policy.FocusPolicy.refocus`, the procedure ``train.eval`` scores: truncation, or a scored
+  policy's cut cold from the coarsest one or warm from the previous context carried over, so that a refocus where
+  little has changed keeps most of the previous context (and the cache behind it).
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
 *phantom* tokens after the newest one (:func:`mcfn.core.focus.stream_view`). They sit in the tail, so no gist ever
@@ -23,7 +23,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.focus import StreamView, focus_cut, stream_view, view_context
+from mcfn.core.focus import Refocus, StreamView, stream_view
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
@@ -96,34 +96,13 @@ def focused_context(
     stream: StreamingTree,
     budget: int,
     policy: FocusPolicy,
-    steps: int,
-    reach: int,
+    protocol: Refocus,
     previous: WorkingContext | None = None,
 ) -> WorkingContext:
-    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history: the refocus
-    (:func:`~mcfn.core.focus.focus_cut`) of the scored ``policy`` for a cut that serves ``reach`` predictions,
-    ``steps`` allocator steps from the coarsest cut, or with ``previous`` (this function's last answer for a
-    shorter history) from that context: a warm start. Positions and starts are absolute token positions."""
+    """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history: ``policy``'s
+    refocus (:meth:`~mcfn.core.policy.FocusPolicy.refocus`, the one the evaluation calls) in the view of its
+    newest tokens, warm from ``previous`` (this function's last answer for a shorter history) where ``protocol``
+    says. Positions and starts are absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)
     tree, window = view_tree(stream, view)
-    cut = focus_cut(policy.scorer(system, window, view.layout, reach), tree, window, view, steps, previous)
-    return view_context(tree, cut, window, view)
-
-
-def recency_context(stream: StreamingTree, budget: int) -> WorkingContext:
-    """Truncation at the same cadence as the refocus: the newest ``budget`` tokens at LOD0, ``[1, m]``."""
-    tokens = stream.tokens.rows[-budget:]
-    first = len(stream) - tokens.numel()
-    start = torch.arange(first, len(stream), device=tokens.device)[None]
-    ones = torch.ones_like(start)
-    return WorkingContext(
-        emb=stream.levels[0].rows[first:][None],
-        position=start.float(),
-        start=start,
-        span=ones,
-        lod=torch.zeros_like(start),
-        node=start,
-        target=torch.full_like(start, -1),
-        valid=ones.bool(),
-        batch_size=[1, start.size(1)],
-    )
+    return policy.refocus(system, tree, window, view, protocol, previous)[1]

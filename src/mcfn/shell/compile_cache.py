@@ -31,7 +31,6 @@ def artifacts_path(cfg: RunConfig, corpus_dir: Path, device: torch.device) -> Pa
         "mc": cfg.to_dict()["mc"],
         "batch": [cfg.train.batch_size, cfg.train.micro_batch_size, cfg.train.plain_steps > 0],
         "mode": cfg.train.compile_mode,
-        "checkpointing": cfg.train.activation_checkpointing,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         # The ATen kernels in force (ATEN_CPU_CAPABILITY): a CPU kernel compiled under AVX2 and loaded by a process

@@ -13,10 +13,12 @@ from mcfn.errors import UserError
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` is the GPU when torch sees one, else the CPU; a named CUDA device must exist."""
+    if name not in ("auto", "cpu") and not name.startswith("cuda"):
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device is {name} but torch sees no CUDA device")
+        raise UserError(f"--device {name}, but torch sees no CUDA device")
     return torch.device(name)
 
 

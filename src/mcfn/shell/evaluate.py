@@ -10,7 +10,6 @@ import torch
 
 from mcfn.core.focus import REFOCUS_STEPS
 from mcfn.core.model import GPT
-from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import encode_source, held_out
 from mcfn.data.loader import evaluation_windows
@@ -18,28 +17,10 @@ from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
-from mcfn.tools.eval_batch import EvalSettings
+from mcfn.tools.eval_batch import EvalSettings, parse_budgets
 from mcfn.tools.eval_report import write_eval_outputs
 from mcfn.tools.eval_result import EvalReport, Provenance
-from mcfn.tools.evaluation import HeldOut, default_budgets, evaluate
-
-
-def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
-    if text is None:
-        return default_budgets(layout)
-    try:
-        budgets = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UserError(f"--budgets {text!r} must be comma-separated integers") from None
-    for w in budgets:
-        if not layout.coarsest_cover <= w <= layout.T:
-            raise UserError(
-                f"budget {w} is outside [{layout.coarsest_cover}, {layout.T}]: the coarsest full-coverage context "
-                f"needs {layout.coarsest_cover} entries and T={layout.T}"
-            )
-    if not budgets:
-        raise UserError("--budgets is empty")
-    return budgets
+from mcfn.tools.evaluation import HeldOut, evaluate
 
 
 def parse_tasks(names: list[str] | None) -> tuple[str, ...]:
@@ -86,24 +67,24 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
         raise UserError("--random-contexts must be >= 2 (the rank correlation compares pairs)")
     if refocus < 1:
         raise UserError("--refocus must be >= 1")
+    if request.batches is not None and request.batches < 1:
+        raise UserError("--batches must be >= 1")
     chosen = parse_tasks(tasks)
-    trained = load_trained(ckpt, resolve_device(request.device))
+    device = resolve_device(request.device)
+    trained = load_trained(ckpt, device)
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
+    plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
     cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
     for name in tasks or ():  # a task asked for by name must fit; the default set skips what does not
         if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
             raise UserError(f"--task {name}: {reason}")
-    plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
     if data is None:
         name, split = held_out(trained.corpus, request.split)
     else:
         name, split = data, encode_source(data, tok, cfg.data.min_doc_chars)
-    n_batches = request.batches or cfg.train.eval_batches
-    if n_batches < 1:
-        raise UserError("--batches must be >= 1")
     B = cfg.train.batch_size
-    windows, docs = evaluation_windows(split, cfg.data.seq_len + 1, n_batches * B, B)
+    windows, docs = evaluation_windows(split, cfg.data.seq_len + 1, (request.batches or cfg.train.eval_batches) * B, B)
     settings = EvalSettings(
         parse_budgets(request.budgets, layout),
         random_contexts,

@@ -31,7 +31,7 @@ from mcfn.data.corpus import Split
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
-from mcfn.shell.lens_stage import StageSettings, read_run, run_system
+from mcfn.shell.lens_stage import read_run, run_system
 from mcfn.shell.traces import FIRST_TRACE_BATCH, trace, trace_sampler
 from mcfn.tools.counterfactual import State
 from mcfn.tools.reliability import (
@@ -43,17 +43,18 @@ from mcfn.tools.reliability import (
 
 
 def label_reliability(
-    run_dir: Path, windows: int, held_out: int, device: torch.device, say: Callable[[str], None]
+    run_dir: Path, windows: int, held_out: int | None, device: torch.device, say: Callable[[str], None]
 ) -> dict:
     """The split-half reliability of the single-edit ΔNLL and attention labels on ``windows`` traced training
     windows and as many validation windows of the run in ``run_dir`` (after the ``2 · held_out`` the stage selects
-    and reports on), and how well each predicts the measured ΔNLL."""
+    and reports on; None: the run's ``lens_stage.held_out``), and how well each predicts the measured ΔNLL."""
     if windows < 2:
         raise UserError("the labels' reliability needs at least 2 traced windows (its error is over windows)")
     ckpt, corpus = read_run(run_dir, "whose labels to measure")
     system, cfg = run_system(ckpt, device)
     sampler = trace_sampler(cfg, corpus)
     training = [sampler.batch(FIRST_TRACE_BATCH + i, 1) for i in range(windows)]
+    held_out = cfg.lens_stage.held_out if held_out is None else held_out
     rows, docs = validation_windows(corpus.val, cfg.data.seq_len + 1, windows, 2 * held_out, cfg.train.seed)
     sets = {
         "training windows (the stage's: half with a task)": (training, list(range(windows))),
@@ -69,7 +70,7 @@ def measure_set(
     """Both label kinds on one set of windows (each ``[1, T + 1]``, its error over ``clusters``)."""
     halves_seed = derive_seed(cfg.train.seed, "label_halves", 0)
     started = time.perf_counter()
-    states = traced(system, batches, Refocus(cfg.mc.refocus_every), cfg.train.seed, name)
+    states = traced(system, batches, Refocus(cfg.mc.refocus_every), cfg, name)
     edits = single_edit_reliability(states, halves_seed, clusters)
     edit_s = time.perf_counter() - started
     utility = cluster_mean([(clusters[st.window], st.utility_corr) for st in states])
@@ -103,11 +104,13 @@ def measure_set(
     return figures
 
 
-def traced(system: MegaContext, batches: list[torch.Tensor], protocol: Refocus, seed: int, name: str) -> list[State]:
+def traced(
+    system: MegaContext, batches: list[torch.Tensor], protocol: Refocus, cfg: RunConfig, name: str
+) -> list[State]:
     with tqdm(total=len(batches), desc=f"labels: {name}", unit="window", file=sys.stderr) as bar:
         # The random candidates are drawn as the stage's first round draws them.
-        random_seed = derive_seed(seed, "lens_traces", 1)
-        return trace(system, batches, protocol, StageSettings().random_cuts, random_seed, bar)[2]
+        random_seed = derive_seed(cfg.train.seed, "lens_traces", 1)
+        return trace(system, batches, protocol, cfg.lens_stage.random_cuts, random_seed, bar)[2]
 
 
 def cluster_mean(values: list[tuple[int, float]]) -> tuple[float, float]:

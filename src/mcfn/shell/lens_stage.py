@@ -11,14 +11,15 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
    far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model;
 3. **measure**: the policy on the *selection* windows (validation windows, never traced).
 
-Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as
-``lens_original`` the first time a stage writes back, so a second stage starts from it again). The candidates are
-the run's own, ``match``'s cut (a fresh LensNet with the match prior and a zero head) and each round's, each judged
-as the run's final evaluation judges a policy on *selection* windows of the validation split, and refused where it
-lost retrieval or trails ``match`` on text (:mod:`mcfn.shell.lens_judge`); the lowest corpus bits per byte among
-the rest is kept, and when every one is refused the run's own stays. The figures the stage reports for the kept
-policy and the run's own come from *report* windows, disjoint validation windows that chose nothing. The stage reads
-no test split.
+Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as ``lens_original``
+the first time a stage writes back, so a second stage starts from it again). The candidates are the run's own,
+``match``'s cut (a fresh LensNet with the match prior and a zero head), the run's own gated over ``match``'s cut
+(its scores added to ``match``'s only where they stand out: :func:`gated_system`) and each round's, each judged as
+the run's final evaluation judges a policy on *selection* windows of the validation split, and refused where it lost
+retrieval or trails ``match`` on text (:mod:`mcfn.shell.lens_judge`); the lowest corpus bits per byte among the rest
+is kept, and when every one is refused the run's own stays. The figures the stage reports for the kept policy and
+the run's own come from *report* windows, disjoint validation windows that chose nothing. The stage reads no test
+split.
 """
 
 from __future__ import annotations
@@ -28,19 +29,18 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from mcfn.config import RunConfig
+from mcfn.config import LensStageConfig, RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
 from mcfn.core.policy import MATCH
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.data.corpus import Corpus
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
@@ -55,19 +55,21 @@ from mcfn.tools.evaluation import HeldOut
 TRACES_DIR = "lens_traces"
 
 
-@dataclass(frozen=True)
-class StageSettings:
-    rounds: int = 3  # trace, train, measure
-    windows: int = 64  # training windows traced per round
-    held_out: int = 32  # validation windows that select the policy kept, and as many others that report it
-    epochs: int = 6  # passes over every round's traces so far
-    lr: float = 1e-3
-    states_per_batch: int = 16
-    random_cuts: int = 2  # random candidates per state, beside the policy, its edits, match and recency
+TRAIN_ROUNDS = 3  # rounds of train.lens where neither --rounds nor the run's lens_stage.rounds says how many
+EPOCHS = 6  # passes of the ranking loss over every round's traces so far
+LR = 1e-3  # LensNet's AdamW rate in the stage
+
+
+# The run's own LensNet gated over match's cut: its learned scores times this, where they stand out of their row
+# (mcfn.core.lensnet.standing_out). Chosen on the selection windows of the five cpu-longrange bases among 16, 32, 64
+# and 128: the larger, the more of the run's pass key it keeps, with the corpus at match's (LABLOG, twenty-fourth
+# session).
+GATED_SCALE = 128.0
+GATED = "gated"  # the candidate's name
 
 
 def with_match_prior(cfg: RunConfig) -> RunConfig:
-    lens = dataclasses.replace(cfg.mc.lens, match_prior=True)
+    lens = dataclasses.replace(cfg.mc.lens, match_prior="gated")
     return dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, lens=lens))
 
 
@@ -79,17 +81,17 @@ def utility_summary(states: list[State]) -> dict[str, float]:
 
 
 def train_on_traces(
-    system: MegaContext, traces: list[Traces], settings: StageSettings, protocol: Refocus, seed: int, bar: tqdm
+    system: MegaContext, traces: list[Traces], settings: LensStageConfig, protocol: Refocus, seed: int, bar: tqdm
 ) -> float:
-    """``settings.epochs`` passes of the ranking loss over the states of ``traces``, in batches of states that share
+    """:data:`EPOCHS` passes of the ranking loss over the states of ``traces``, in batches of states that share
     a history length (one view); returns the last epoch's mean loss."""
     lensnet, nodes = system.lensnet, system.nodes
-    optimizer = torch.optim.AdamW(lensnet.parameters(), lr=settings.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(lensnet.parameters(), lr=LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     groups = [(t, torch.nonzero(t.states["n"] == n).flatten()) for t in traces for n in t.states["n"].unique()]
     lensnet.train()
     losses: list[float] = []
-    for _ in range(settings.epochs):
+    for _ in range(EPOCHS):
         losses = []
         batches = [
             (t, rows[order[i : i + settings.states_per_batch]])
@@ -136,11 +138,37 @@ def match_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tupl
     return system.eval(), cfg
 
 
+def gated_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
+    """The run's own LensNet gated over ``match``'s cut as a candidate: ``match``'s score, plus the run's LensNet's
+    (times :data:`GATED_SCALE`) where it stands out; it cuts as ``match`` does except where the run's LensNet is
+    sure, as at a pass key."""
+    cfg = with_match_prior(cfg)
+    system = MegaContext(cfg).to(device)
+    system.load_state_dict(own.state_dict())
+    with torch.no_grad():
+        system.lensnet.head.weight.mul_(GATED_SCALE)
+    return system.eval(), cfg
+
+
+def reference_candidates(stage: Stage, device: torch.device, say: Callable[[str], None]) -> dict[str, tuple]:
+    """The candidates no round trains, each judged on the selection windows: the run's own LensNet, ``match``'s cut
+    and the run's own gated over ``match``'s."""
+    own_judged = stage.measure(stage.own)
+    original = " (the original)" if "lens_original" in stage.ckpt.state else ""
+    say(f"[lens] the run's own LensNet{original}: {judged_line(own_judged)}")
+    candidates = {"run": (own_judged, stage.own, stage.cfg)}
+    for name, build in ((MATCH.name, match_system), (GATED, gated_system)):
+        system, cfg = build(stage.own, stage.cfg, device)
+        candidates[name] = (stage.measure(system), system, cfg)
+        say(f"[lens] {describe(name)}: {judged_line(candidates[name][0])}")
+    return candidates
+
+
 class Stage:
     """The stage on one run: the run's own system (fixed), the one it trains (starting from it), the sampler, the
     selection and report windows, and the traces so far."""
 
-    def __init__(self, ckpt: Checkpoint, corpus: Corpus, settings: StageSettings, device: torch.device):
+    def __init__(self, ckpt: Checkpoint, corpus: Corpus, settings: LensStageConfig, device: torch.device):
         self.ckpt, self.settings, self.device = ckpt, settings, device
         self.own, self.cfg = run_system(ckpt, device)
         self.system = copy.deepcopy(self.own)  # rounds start from the run's own LensNet
@@ -178,7 +206,7 @@ class Stage:
         path = run_dir / TRACES_DIR / f"round{r}.pt"
         self.traces.append(Traces.of(windows, trees, states, self.made_by, r))
         self.traces[-1].save(path)
-        with tqdm(total=settings.epochs, desc=f"lens round {r}: train", unit="epoch", file=sys.stderr) as bar:
+        with tqdm(total=EPOCHS, desc=f"lens round {r}: train", unit="epoch", file=sys.stderr) as bar:
             loss = train_on_traces(self.system, self.traces, settings, self.protocol,
                                    derive_seed(seed, "lens_stage", r), bar)  # fmt: skip
         trained = time.perf_counter()
@@ -196,30 +224,34 @@ def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple
     ckpt = Checkpoint.read(run_dir)
     if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
         raise UserError(f"{ckpt.path} has no LensNet {purpose} (a plain or --set mc.lens.enabled=false run)")
-    corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
-    ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
+    corpus = ckpt.read_corpus("the LensNet stage's checkpoint", corpus)
     return ckpt, corpus
+
+
+def stage_settings(cfg: RunConfig, **overrides: int | None) -> LensStageConfig:
+    """The run's ``[lens_stage]`` with ``overrides`` (``train.lens``'s flags; None: the run's) on top, and
+    :data:`TRAIN_ROUNDS` rounds where neither says how many."""
+    settings = dataclasses.replace(cfg.lens_stage, **{k: v for k, v in overrides.items() if v is not None})
+    return settings if settings.rounds else dataclasses.replace(settings, rounds=TRAIN_ROUNDS)
 
 
 def run_stage(
     run_dir: Path,
-    settings: StageSettings,
     device: torch.device,
     say: Callable[[str], None],
     corpus: Corpus | None = None,
+    **overrides: int | None,
 ) -> tuple[MegaContext, dict[str, object]]:
-    """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand):
-    the system with the policy kept and the stage's figures, both also saved in the run's checkpoint."""
-    if settings.rounds < 1 or settings.windows < 1 or settings.held_out < 1 or settings.epochs < 0:
-        raise UserError("the LensNet stage needs rounds, windows and held-out windows >= 1, and epochs >= 0")
+    """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand), as
+    its ``[lens_stage]`` says with ``overrides`` on top (:func:`stage_settings`): the system with the policy kept and
+    the stage's figures, both also saved in the run's checkpoint."""
     ckpt, corpus = read_run(run_dir, "to train", corpus)
+    settings = stage_settings(ckpt.cfg, **overrides)
     stage = Stage(ckpt, corpus, settings, device)
-    matched, match_cfg = match_system(stage.own, stage.cfg, device)
-    own, match = stage.measure(stage.own), stage.measure(matched)
-    say(f"[lens] the run's own LensNet{' (the original)' if 'lens_original' in ckpt.state else ''}: {judged_line(own)}")
-    say(f"[lens] match's cut: {judged_line(match)}")
-    candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = {
-        "run": (own, stage.own, stage.cfg), MATCH.name: (match, matched, match_cfg)}  # fmt: skip
+    candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = dict(
+        reference_candidates(stage, device, say)
+    )
+    own = candidates["run"][0]
     rounds = []
     for r in range(1, settings.rounds + 1):
         round_figures, held = stage.round(r, run_dir)
@@ -242,8 +274,9 @@ def run_stage(
     report["kept"] = report["run"] if kept == "run" else stage.measure(system, "report")
     say(f"[lens] on the report windows, which chose nothing: kept {judged_line(report['kept'])}; the run's own "
         f"{judged_line(report['run'])}")  # fmt: skip
-    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings), "run_policy": own.to_json(),
-               MATCH.name: match.to_json(), "rounds": rounds, "refused": {str(k): v for k, v in refused.items()},
+    summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings) | {"epochs": EPOCHS, "lr": LR},
+               "run_policy": own.to_json(), **{name: candidates[name][0].to_json() for name in (MATCH.name, GATED)},
+               "rounds": rounds, "refused": {str(k): v for k, v in refused.items()},
                "kept_round": kept, "report": {k: v.to_json() for k, v in report.items()}}  # fmt: skip
     write_back(ckpt, stage, system, kept_cfg, summary)
     return system, summary
@@ -259,7 +292,8 @@ def kept_system(stage: Stage, kept: tuple[MegaContext | dict, RunConfig]) -> tup
 
 
 def describe(name: str | int) -> str:
-    return {"run": "the run's own LensNet", MATCH.name: "match's cut"}.get(name, f"round {name}'s policy")
+    named = {"run": "the run's own LensNet", MATCH.name: "match's cut", GATED: "the run's own gated over match's cut"}
+    return named.get(name, f"round {name}'s policy")
 
 
 def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConfig, summary: dict) -> None:

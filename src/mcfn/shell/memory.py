@@ -1,4 +1,4 @@
-"""CUDA's memory history over a run's first steps (``train.memory_snapshot``), for PyTorch's memory viewer.
+"""CUDA's memory history over a run's first steps (``train.run --memory-snapshot``), for PyTorch's memory viewer.
 
 The snapshot is a pickle that https://pytorch.org/memory_viz (or ``torch.cuda._memory_viz``) draws: every
 allocation with its stack, over time. It is recorded from the first step, compilation included, and written
@@ -11,16 +11,15 @@ from pathlib import Path
 
 import torch
 
-from mcfn.config import TrainConfig
 from mcfn.errors import UserError
 
 MAX_ENTRIES = 200_000  # allocation events kept (the oldest are dropped first)
 SNAPSHOT_STEPS = 3  # steps recorded: the first compiles, the next show the steady state
 
 
-def check_memory_snapshot(cfg: TrainConfig, device: torch.device) -> None:
+def check_memory_snapshot(path: str, device: torch.device) -> None:
     """Refuse a snapshot off CUDA before anything is set up: only CUDA's allocator keeps a history."""
-    if cfg.memory_snapshot and device.type != "cuda":
+    if path and device.type != "cuda":
         raise UserError(f"--memory-snapshot records CUDA's allocator, and this run is on {device}")
 
 

@@ -82,6 +82,7 @@ EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up b
 HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
 GAINS = ("attn.gain", "attn.key_mix")  # per-head scalars (attention gains, key smears): AdamW at the gain rate
 GAIN_LR = 0.02
+MATRIX_LR = 0.02  # Muon's rate for the 2-D block matrices (0.03 lost on the slowest seed: LABLOG, twenty-third session)
 ADAM_BETAS = (0.8, 0.95)
 FINAL_LR_FRAC = 0.05  # the learning-rate multiplier the warmdown reaches at the last step
 
@@ -103,7 +104,7 @@ def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Opt
             raise ValueError(f"no optimizer rule for parameter {name} of shape {tuple(p.shape)}")
     lr = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
     ns_dtype = torch.bfloat16 if heads[0].is_cuda else torch.float32
-    muon = BatchedMuon(matrices, ns_dtype, lr=lr(cfg.matrix_lr), weight_decay=0.0)
+    muon = BatchedMuon(matrices, ns_dtype, lr=lr(MATRIX_LR), weight_decay=0.0)
     adamw = torch.optim.AdamW(
         [
             {"params": embeddings, "lr": lr(cfg.embedding_lr)},

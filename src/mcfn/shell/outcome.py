@@ -20,7 +20,7 @@ from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
 from mcfn.shell.headline import summary_lines, trained_line
-from mcfn.shell.lens_stage import StageSettings, run_stage
+from mcfn.shell.lens_stage import run_stage
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
 from mcfn.tools.eval_batch import EvalSettings
@@ -77,12 +77,11 @@ def final_evaluation(s: Session) -> tuple[EvalReport, list[str]] | None:
 
 
 def lens_stage(s: Session, say: Callable[[str], None]) -> dict | None:
-    """``train.lens_rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint; the trained
+    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint; the trained
     LensNet then replaces the run's for the final evaluation. Its figures, or None without the stage."""
-    rounds = s.cfg.train.lens_rounds
-    if not (rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
+    if not (s.cfg.lens_stage.rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
         return None
-    s.task.model, figures = run_stage(s.out_dir, StageSettings(rounds=rounds), s.device, say, s.corpus)
+    s.task.model, figures = run_stage(s.out_dir, s.device, say, s.corpus)
     return figures
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mcfn.config import RunConfig
-from mcfn.core.model import GPT, set_activation_checkpointing
+from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
 from mcfn.core.policy import RANDOM, RECENCY
 from mcfn.core.step import bits_per_byte, compile_step, nll_and_bytes, plain_step
@@ -146,6 +146,4 @@ class MCTask:
 
 
 def build_task(cfg: RunConfig, token_bytes: Tensor, device: torch.device) -> PlainTask | MCTask:
-    task = (MCTask if cfg.mc.enabled else PlainTask)(cfg, token_bytes, device)
-    set_activation_checkpointing(task.model, cfg.train.activation_checkpointing)
-    return task
+    return (MCTask if cfg.mc.enabled else PlainTask)(cfg, token_bytes, device)

@@ -56,18 +56,22 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def train(cfg: RunConfig, out_dir: Path, resume: bool = False) -> dict[str, Any]:
-    """Train as configured, writing metrics, checkpoints, ``summary.json`` and the report to ``out_dir``."""
+def train(
+    cfg: RunConfig, out_dir: Path, resume: bool = False, device_name: str = "auto", memory_snapshot: str = ""
+) -> dict[str, Any]:
+    """Train as configured, writing metrics, checkpoints, ``summary.json`` and the report to ``out_dir``, on the
+    device ``device_name`` (auto | cpu | cuda | cuda:N); ``memory_snapshot``: a file (in ``out_dir`` unless
+    absolute) for CUDA's memory history over the first steps (:mod:`mcfn.shell.memory`), empty: none."""
     t_start = time.perf_counter()
-    device = resolve_device(cfg.train.device)
-    check_memory_snapshot(cfg.train, device)
+    device = resolve_device(device_name)
+    check_memory_snapshot(memory_snapshot, device)
     world = init_world(device.type)
     if world.size > 1 and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
     try:
         session = open_session(cfg, out_dir, resume, device, world)
-        return finish(session, Trainer(session).train(), t_start, say)
+        return finish(session, Trainer(session, memory_snapshot).train(), t_start, say)
     finally:
         shutdown(world)
 
@@ -87,7 +91,7 @@ class StepResult:
 class Trainer:
     """A training run in progress (see the module docstring)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, memory_snapshot: str = ""):
         s = self.s = session
         cfg = s.cfg.train
         announce(s)
@@ -96,8 +100,8 @@ class Trainer:
         self.bar = tqdm(total=cfg.steps, initial=s.start_step, desc="train", unit="step", dynamic_ncols=True,
                         mininterval=0.5, file=sys.stderr, disable=not s.world.is_main)  # fmt: skip
         self.stop = StopRequest()
-        snapshot = cfg.memory_snapshot and s.world.is_main
-        self.history = MemoryHistory(s.out_dir / cfg.memory_snapshot if snapshot else None, SNAPSHOT_STEPS)
+        snapshot = memory_snapshot and s.world.is_main
+        self.history = MemoryHistory(s.out_dir / memory_snapshot if snapshot else None, SNAPSHOT_STEPS)
         self.compile_cache = open_compile_cache(s)
         self.unread_flags: list[tuple[int, Tensor]] = []  # (step, its update was skipped): read at logged steps
 

@@ -33,11 +33,11 @@ import torch._dynamo
 from torch import Tensor
 
 from mcfn.config import RunConfig
-from mcfn.core.model import GPT, set_activation_checkpointing
+from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext, build_contexts, process_batch
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.evaluation import HeldOut, default_budgets, score_tasks
+from mcfn.tools.eval_batch import EvalSettings, default_budgets
+from mcfn.tools.evaluation import HeldOut, score_tasks
 from mcfn.tools.flops import peak_flops, step_flops
 from mcfn.tools.lens_bench import lens_forward_ms
 from mcfn.tools.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
@@ -60,7 +60,6 @@ def run_benchmark(
     ``lens_entries`` entries when that is not 0, then each phase), so a run cut short still leaves them."""
     rig = Rig.of(cfg, vocab, device, compile_mode)
     cfg, system, autocast, compile_fn, weights = rig.cfg, rig.system, rig.autocast, rig.compile_fn, rig.weights
-    set_activation_checkpointing(system, cfg.train.activation_checkpointing)
     layout, B, mc_inputs = system.layout, cfg.train.batch_size, rig.mc_inputs
 
     with torch.no_grad():
@@ -94,12 +93,7 @@ def run_benchmark(
               "V": layout.V, "vocab": vocab, "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
               "gist_width": cfg.aux_width}  # fmt: skip
     result = benchmark_result(timed, phases, shapes, device, compile_mode, int(supervised.sum()))
-    checkpointing = cfg.train.activation_checkpointing
-    return (
-        result
-        | lens
-        | {"mfu": early["mfu"], "saved_activations_mb": saved_mb, "activation_checkpointing": checkpointing}
-    )
+    return result | lens | {"mfu": early["mfu"], "saved_activations_mb": saved_mb}
 
 
 def key_values(figures: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """One chunk of generation's protocol, as the evaluation and the counterfactual traces both read it: the view that
-generation lays over a history of ``n`` tokens (:func:`~mcfn.core.focus.stream_view`), the focus conditions' refocus
-in it, and the base model's NLL of the chunk's predictions under any cut of the window.
+generation lays over a history of ``n`` tokens (:func:`~mcfn.core.focus.stream_view`), the focus policies' refocus
+in it (generation's own, :meth:`~mcfn.core.policy.FocusPolicy.refocus`), and the base model's NLL of the chunk's
+predictions under any cut of the window.
 
 A chunk at history ``n`` serves the predictions from position ``n - 1`` up to ``upto - 1``: its cut is chosen over
 tokens ``[0, n)`` within ``W - R`` entries, and the tokens ``[n, upto)`` are read after it at LOD0.
@@ -15,7 +16,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, tail_entries
-from mcfn.core.focus import Refocus, StreamView, focus_cut, stream_view, view_context, view_node_ids
+from mcfn.core.focus import Refocus, StreamView, stream_view, view_node_ids
 from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
@@ -52,13 +53,6 @@ class ChunkView:
         shown[..., self.n : self.upto] = True  # LOD0 nodes are numbered first, by token
         return shown
 
-    def recency(self, rows: int) -> Tensor:
-        """``[rows, 1, nodes]``: truncation, the newest ``W - R`` tokens before ``n``, then the tokens
-        ``[n, upto)``."""
-        node = torch.arange(self.window_nodes.layout.n_nodes, device=self.real.device)
-        first = max(0, self.n - (self.window_nodes.layout.W - self.every))
-        return ((node >= first) & (node < self.upto)).expand(rows, 1, -1)
-
     def random(self, count: int, rows: int, generator: torch.Generator) -> Tensor:
         """``[rows, count, view_nodes]``: random compressed cuts of the view."""
         nodes = self.nodes.with_sizes(N=count)
@@ -88,18 +82,14 @@ def refocus_rows(
     protocol: Refocus,
     carried: list[WorkingContext | None],
 ) -> tuple[Tensor, list[WorkingContext]]:
-    """The scored ``policy``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``),
-    warm from its ``carried`` context where there is one: the view's cuts ``[g, 1, view_nodes]``, and the contexts
-    the next chunk carries."""
+    """``policy``'s refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``), the one
+    generation calls (:meth:`~mcfn.core.policy.FocusPolicy.refocus`), warm from its ``carried`` context where the
+    protocol says: the view's cuts ``[g, 1, view_nodes]``, and the contexts the next chunk carries."""
     cuts, contexts = [], []
-    for i, prior in enumerate(carried):
-        one_tree, one_window = tree[i : i + 1], window[i : i + 1]
-        scorer = policy.scorer(system, one_window, view.layout, protocol.every)
-        warm = prior if protocol.warm_steps else None
-        steps = protocol.steps if warm is None else protocol.warm_steps
-        cut = focus_cut(scorer, one_tree, one_window, view, steps, warm)
-        contexts.append(view_context(one_tree, cut, one_window, view))
+    for i, previous in enumerate(carried):
+        cut, context = policy.refocus(system, tree[i : i + 1], window[i : i + 1], view, protocol, previous)
         cuts.append(cut)
+        contexts.append(context)
     return torch.cat(cuts), contexts
 
 

@@ -112,9 +112,10 @@ def trace_window(
             )
             previous[policy], cuts[policy] = contexts[0], view_cuts[0, 0]
         scores = lens_view_scores(system, cv)[0]
+        truncation = RECENCY.refocus(system, cv.tree, cv.window, cv.view, protocol)[0]
         others = {
             MATCH.name: cv.window_cut(cuts[MATCH])[None, None],
-            RECENCY.name: cv.recency(1),
+            RECENCY.name: cv.window_cut(truncation),
             RANDOM.name: cv.window_cut(cv.random(random_cuts, 1, generator)),
         }
         labelled = label_edits(system, tree, window, cv, cuts[LENS], scores, others)

@@ -92,13 +92,6 @@ def conditions() -> tuple[str, ...]:
     return (*(policy.name for policy in policies()), NOGIST, *BEST_OF)
 
 
-def default_budgets(layout: Layout) -> tuple[int, ...]:
-    """The run's own ``W`` first, then ``T/2, T/4, T/8`` where they fit above the coarsest cover."""
-    sweep = [layout.W] + [layout.T // d for d in (2, 4, 8)]
-    fits = [w for w in sweep if layout.coarsest_cover < w < layout.T]
-    return tuple(dict.fromkeys(fits))
-
-
 def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tensor]:
     """Tail NLL and argmax hits ``[B, H]`` with all ``T`` tokens at LOD0."""
     inputs, targets = split_window(window)

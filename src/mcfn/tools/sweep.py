@@ -158,17 +158,18 @@ def run_sweep(
     warm_first: bool = False,
     *,
     grad_blocks: int,
+    device: str = "auto",
 ) -> list[dict[str, Any]]:
     """Every (T, condition) point, each in a process of its own (``train.bench --sweep-point``). With
     ``warm_first`` every point is first compiled at once, each in its own process with one compile thread, to
     fill the inductor caches the timed points then hit: on a many-core host with a short lease the compiles
-    overlap instead of queueing (their timings are thrown away)."""
+    overlap instead of queueing (their timings are thrown away). ``device``: where each point runs (``--device``)."""
     points = [(T, condition) for T in lengths for condition in conditions]
 
     def command(T: int, condition: str, timed: bool) -> list[str]:
         spec = {"profile": profile, "overrides": overrides, "T": T, "condition": condition, "window": window,
                 "grad_blocks": grad_blocks, "steps": steps if timed else 1, "warmup": warmup if timed else 1,
-                "eager": eager}  # fmt: skip
+                "eager": eager, "device": device}  # fmt: skip
         return [sys.executable, "-m", "train.bench", "--sweep-point", json.dumps(spec)]
 
     if warm_first:
