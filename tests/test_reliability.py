@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.tools.reliability import pair_agreement, pooled, split_halves
+from mcfn.tools.reliability import pair_agreement, pooled, split_halves, whole_cut_rewards
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,6 +87,8 @@ def test_a_runs_labels_are_measured_on_both_sets_and_the_checkpoint_is_untouched
     for name in ("training windows (the stage's: half with a task)", "validation windows (corpus text)"):
         edits, attention = figures[name]["single-edit ΔNLL"], figures[name]["attention"]
         assert -1.0 <= edits["half"] <= 1.0 and edits["states"] == 2 * chunks, edits
+        whole = figures[name]["whole cuts"]
+        assert -1.0 <= whole["half"] <= 1.0 and whole["states"] == 2 * chunks, whole
         assert -1.0 <= attention["half"] <= 1.0 and attention["states"] == 2, attention
         for figures_of in (edits, attention):  # each label's worth against the measured ΔNLL, NaN below 3 edits
             corr = figures_of["utility_corr"]
@@ -114,6 +116,11 @@ def test_the_labels_halves_split_are_the_labels_own_predictions(decoding_run):
         by_token = s.labelled.delta_by_token
         assert by_token.shape == (s.labelled.delta.numel(), cfg.mc.refocus_every)
         torch.testing.assert_close(by_token.mean(-1), s.labelled.delta)
+        # The whole cuts: LensNet's first, then match's, recency and the one random cut, each the chunk NLL traced.
+        whole = s.labelled.cuts_by_token
+        assert whole.shape == (4, cfg.mc.refocus_every)
+        torch.testing.assert_close(whole[0].mean(), s.labelled.nll["lens"][0])
+        torch.testing.assert_close(whole[1].mean(), s.labelled.nll["match"][0])
 
 
 def test_the_attention_labels_halves_together_are_the_whole_tails_attention(decoding_run):
@@ -148,3 +155,14 @@ def test_a_small_validation_split_gives_windows_of_its_text_with_their_documents
     for row, doc in zip(rows.tolist(), docs.tolist(), strict=True):
         assert row == list(range(row[0], row[0] + 40))  # a window of the text itself
         assert split.doc_offsets[doc] <= row[0] < split.doc_offsets[doc + 1]  # the document it starts in
+
+
+def test_whole_cut_rewards_are_group_relative_and_follow_the_lower_nll():
+    """A whole cut's reward is minus its NLL on the half's predictions, less the group's mean: they sum to 0, and
+    the cut with the lower NLL there has the higher reward."""
+    nll = torch.tensor([[1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0, 2.0], [0.0, 5.0, 0.0, 5.0]])
+    half = torch.tensor([0, 2])
+    reward = whole_cut_rewards(nll, half)
+    torch.testing.assert_close(reward.sum(), torch.tensor(0.0))
+    assert reward[2] > reward[0] == reward[1]  # NLL on the half's predictions: 2, 2 and 0
+    torch.testing.assert_close(reward, torch.tensor([-2.0, -2.0, 0.0]) - torch.tensor([-2.0, -2.0, 0.0]).mean())

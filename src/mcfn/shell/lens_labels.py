@@ -39,6 +39,7 @@ from mcfn.tools.reliability import (
     attention_utility,
     single_edit_reliability,
     tail_attention,
+    whole_cut_reliability,
 )
 
 
@@ -67,11 +68,12 @@ def label_reliability(
 def measure_set(
     system: MegaContext, cfg: RunConfig, batches: list[Tensor], clusters: list[int], name: str, say: Callable
 ) -> dict[str, dict]:
-    """Both label kinds on one set of windows (each ``[1, T + 1]``, its error over ``clusters``)."""
+    """Every label kind on one set of windows (each ``[1, T + 1]``, its error over ``clusters``)."""
     halves_seed = derive_seed(cfg.train.seed, "label_halves", 0)
     started = time.perf_counter()
     states = traced(system, batches, Refocus(cfg.mc.refocus_every), cfg, name)
     edits = single_edit_reliability(states, halves_seed, clusters)
+    whole = whole_cut_reliability(states, halves_seed, clusters)  # from the same traced forward as the edits
     edit_s = time.perf_counter() - started
     utility = cluster_mean([(clusters[st.window], st.utility_corr) for st in states])
     started = time.perf_counter()
@@ -86,11 +88,18 @@ def measure_set(
     ])  # fmt: skip
     figures = {
         "single-edit ΔNLL": edits.to_json() | {"seconds": edit_s, "utility_corr": utility[0], "utility_se": utility[1]},
+        "whole cuts": whole.to_json() | {"seconds": edit_s},
         "attention": attention.to_json()
         | {"seconds": attention_s, "utility_corr": attention_worth[0], "utility_se": attention_worth[1]},
         "attention beyond position": beyond.to_json() | {"seconds": attention_s},
     }
-    for kind, r in (("single-edit ΔNLL", edits), ("attention", attention), ("attention beyond position", beyond)):
+    kinds = {
+        "single-edit ΔNLL": edits,
+        "whole cuts": whole,
+        "attention": attention,
+        "attention beyond position": beyond,
+    }
+    for kind, r in kinds.items():
         say(
             f"[labels] {name}, {kind}: split-half agreement {r.half:+.3f} ± {r.se:.3f} over {r.windows} "
             f"clusters ({r.states} states, {figures[kind]['seconds']:.0f} s); full-length {r.full:+.3f}, "

@@ -40,6 +40,7 @@ class Labelled:
     delta: Tensor  # [e]: the policy cut's chunk NLL minus each edit's (nats per prediction)
     nll: dict[str, Tensor]  # per candidate policy, [c] chunk NLLs (the labelled cut is the lens policy's)
     delta_by_token: Tensor  # [e, k]: the same for each of the chunk's k predictions (delta is their mean)
+    cuts_by_token: Tensor  # [c, k]: the NLL of each whole cut (the policy's, then the others') at each prediction
 
 
 def lens_view_scores(system: MegaContext, cv: ChunkView) -> Tensor:
@@ -68,7 +69,8 @@ def label_edits(
     nll = by_token.mean(-1)
     by_slot = {name: nll[where] for name, where in slots.items()}
     delta_by_token = by_token[slots[LENS.name]] - by_token[slots[EDITS]]
-    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot, delta_by_token)
+    whole = torch.cat([by_token[where] for name, where in slots.items() if name != EDITS])
+    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot, delta_by_token, whole)
 
 
 def utility_corr(labelled: Labelled, scores: Tensor) -> float:

@@ -16,6 +16,9 @@ Label kinds measured (``python -m train.lens --reliability N``):
 
 * **single-edit ΔNLL** (the LensNet stage's today): per state, each single edit of LensNet's cut scored by the chunk's
   mean NLL against the unedited cut's; the halves are random halves of the chunk's ``R`` predictions;
+* **whole cuts** (REFRAG's group-relative reward, at the chunk's scale): per state, the whole cuts traced beside the
+  edits (LensNet's, ``match``'s, ``recency`` and the random ones), each rewarded by minus its mean NLL over the
+  chunk's predictions less the group's mean; the halves as above;
 * **attention**: the base model's own attention over the whole window at LOD0, from the tail's ``H`` predictions,
   summed under each gist's span (what ``mc.lens.attention_weight`` trains on, unweighted; DeepSeek's indexer and
   Locret's heads learn from such a target); the halves are random halves of the tail's predictions, the items the
@@ -108,6 +111,27 @@ def single_edit_reliability(states: Sequence[State], seed: int, clusters: Sequen
     parts = []
     for state in states:
         a, b = split_halves(state.labelled.delta_by_token.float().cpu(), generator)
+        parts.append((clusters[state.window], *pair_agreement(a, b)))
+    return pooled(parts)
+
+
+@typechecked
+def whole_cut_rewards(nll_by_token: Float[Tensor, "c k"], half: Int[Tensor, " h"]) -> Float[Tensor, " c"]:
+    """Each whole cut's reward from the predictions ``half``: minus its mean NLL there, less the group's mean."""
+    reward = -nll_by_token[:, half].mean(-1)
+    return reward - reward.mean()
+
+
+def whole_cut_reliability(states: Sequence[State], seed: int, clusters: Sequence[int]) -> Reliability:
+    """The split-half reliability of group-relative whole-cut rewards on traced states (their cuts scored over the
+    chunk), the error over ``clusters[state.window]``."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for state in states:
+        nll = state.labelled.cuts_by_token.float().cpu()
+        k = nll.size(1)
+        order = torch.randperm(k, generator=generator)
+        a, b = (whole_cut_rewards(nll, half) for half in (order[: k // 2], order[k // 2 : 2 * (k // 2)]))
         parts.append((clusters[state.window], *pair_agreement(a, b)))
     return pooled(parts)
 
