@@ -69,6 +69,18 @@ def test_corpus_is_tokenized_once_and_memory_mapped(text_dir, capsys):
             assert list(split.tokens[start + 1 : end]) == corpus.tokenizer.encode(texts[d])
 
 
+def test_a_checkpoint_of_another_corpus_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """``prepare_corpus(cfg, trained_on=...)``, as a checkpoint is restored: a key that is not the one ``cfg``
+    rebuilds is refused in one line naming the checkpoint, and no cache entry is built for it."""
+    monkeypatch.setenv("MCFN_CACHE", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "one.txt").write_text("y" * 400)
+    with pytest.raises(UserError, match="checkpoint runs/x was trained on a different corpus") as refused:
+        prepare_corpus(_cfg(f"text:{docs}"), trained_on=("0" * 20, "checkpoint runs/x"))
+    assert "\n" not in str(refused.value) and not (tmp_path / "cache").exists()
+
+
 def test_cache_key_follows_corpus_and_settings(text_dir, tmp_path):
     cfg = _cfg(f"text:{text_dir}")
     source = open_source(cfg.source)

@@ -202,10 +202,16 @@ def _load_split(entry: Path, name: str, dtype: str) -> Split:
     return Split(tokens=tokens, doc_offsets=offsets)
 
 
-def prepare_corpus(cfg: DataConfig) -> Corpus:
-    """Open the cached corpus for ``cfg``, building it first if needed."""
+def prepare_corpus(cfg: DataConfig, trained_on: tuple[str, str] | None = None) -> Corpus:
+    """Open the cached corpus for ``cfg``, building it first if needed. ``trained_on``: the corpus key a checkpoint
+    was trained on and how to name it, refused in one line (before anything is built) where ``cfg`` rebuilds
+    another corpus or tokenizer on this machine."""
     source = open_source(cfg.source)
     key = corpus_key(source, cfg)
+    if trained_on is not None and trained_on[0] != key:
+        raise UserError(
+            f"{trained_on[1]} was trained on a different corpus or tokenizer than the one its config rebuilds"
+        )
     entry = cache_root() / key
     if not (entry / "meta.json").is_file():
         _build(source, cfg, cfg.source, entry)

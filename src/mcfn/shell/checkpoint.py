@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from mcfn.config import RunConfig
-from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
 
@@ -102,16 +101,6 @@ class Checkpoint:
                 "again, or read it with the mcfn version that wrote it"
             )
         return cls(file, config_from_saved(state["config"]), int(state["step"]), state.get("corpus_key", ""), state)
-
-    def read_corpus(self, role: str, corpus: Corpus | None = None) -> Corpus:
-        """The corpus the checkpoint's config rebuilds on this machine (``corpus``, if already at hand), refused in
-        one line naming ``role`` where it is not the one the checkpoint was trained on."""
-        corpus = prepare_corpus(self.cfg.data) if corpus is None else corpus
-        if corpus.key != self.corpus_key:  # checked here, not by check_fits: the corpus is this method's answer
-            raise UserError(
-                f"{role} {self.path} was trained on a different corpus or tokenizer than the one its config rebuilds"
-            )
-        return corpus
 
     def check_fits(
         self,

@@ -40,7 +40,7 @@ from mcfn.core.focus import Refocus, block_scores
 from mcfn.core.policy import MATCH
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.data.corpus import Corpus
+from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
@@ -224,7 +224,8 @@ def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple
     ckpt = Checkpoint.read(run_dir)
     if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
         raise UserError(f"{ckpt.path} has no LensNet {purpose} (a plain or --set mc.lens.enabled=false run)")
-    corpus = ckpt.read_corpus("the LensNet stage's checkpoint", corpus)
+    corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
+    ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
     return ckpt, corpus
 
 

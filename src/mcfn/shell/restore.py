@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
-from mcfn.data.corpus import Corpus
+from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.shell.checkpoint import Checkpoint
 
 
@@ -35,7 +35,7 @@ class Trained:
 def load_trained(path: Path, device: torch.device) -> Trained:
     """Load ``path`` (a run directory or its checkpoint file) onto ``device``, with its corpus and tokenizer."""
     ckpt = Checkpoint.read(path)
-    corpus = ckpt.read_corpus("checkpoint")
+    corpus = prepare_corpus(ckpt.cfg.data, trained_on=(ckpt.corpus_key, f"checkpoint {ckpt.path}"))
     cfg = ckpt.cfg
     model = (MegaContext(cfg) if cfg.mc.enabled else GPT(cfg.model)).to(device)
     model.load_state_dict(ckpt.state["model"])
