@@ -145,7 +145,7 @@ def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, caps
     assert one_line(["--run", str(tmp_path), "--rounds", "0"]).startswith("error: ")
 
 
-def test_a_run_with_lens_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
+def test_a_run_with_lens_stage_rounds_ends_with_the_stage_then_evaluates_its_policy(tmp_path, profile):
     """``lens_stage.rounds``: the run's last checkpoint goes through the stage before the final evaluation, which
     then scores the policy the stage kept and says which context to generate with. The final evaluation is brief:
     its edits are not labelled (``train.eval`` labels them, ``test_report_has_every_condition_and_the_headline``)."""
