@@ -104,6 +104,27 @@ def test_candidates_read_nothing_after_the_horizon_but_the_labels_do(system):
     assert not torch.allclose(labels[0].delta, labels[1].delta)
 
 
+@pytest.mark.parametrize("prior", ["gated", "sum"])
+def test_warm_candidates_of_a_later_chunk_under_the_match_prior_read_nothing_after_its_horizon(prior):
+    """No leak (I11) where the stage's candidates come from: LensNet under the match prior (whose votes read the
+    window's tokens), on the second chunk, its cut warm from the first. Rewriting every token after that chunk's
+    horizon leaves both chunks' candidates (the edits' cuts and nodes) unchanged, and changes the second's labels."""
+    from builders import spread_lens
+
+    system = spread_lens(
+        awake(make_system(T, K, L, W, H, N=2, seed=3, refocus_every=R, lens={"match_prior": prior})), 4
+    )
+    window = torch.randint(0, 3, (1, T + 1), generator=torch.Generator().manual_seed(8))  # 3 ids: the votes fire
+    second = T - H + 1 + R  # the second chunk's history
+    rewritten = rewritten_after(window, torch.tensor([second - 1]), seed=6)
+    walks = [trace_window(system.eval(), tree_stage(system, w), w, Refocus(R, 4, 1), 1, torch.Generator(), 0)
+             for w in (window, rewritten)]  # fmt: skip
+    for a, b in zip(*(walk[:2] for walk in walks), strict=True):
+        assert torch.equal(a.labelled.edits.shown, b.labelled.edits.shown)
+        assert torch.equal(a.labelled.edits.gain, b.labelled.edits.gain)
+    assert walks[0][1].n == second and not torch.allclose(walks[0][1].labelled.delta, walks[1][1].labelled.delta)
+
+
 def test_a_trace_walks_the_tail_on_policy_chunk_by_chunk(system):
     """One state per chunk of R, each carrying the policy's, match's, recency's and the random cuts' chunk NLLs."""
     window = window_of(2)
