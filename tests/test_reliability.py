@@ -87,8 +87,9 @@ def test_a_runs_labels_are_measured_on_both_sets_and_the_checkpoint_is_untouched
     for name in ("training windows (the stage's: half with a task)", "validation windows (corpus text)"):
         edits, attention = figures[name]["single-edit ΔNLL"], figures[name]["attention"]
         assert -1.0 <= edits["half"] <= 1.0 and edits["states"] == 2 * chunks, edits
-        whole = figures[name]["whole cuts"]
+        whole, two = figures[name]["whole cuts"], figures[name]["two-chunk ΔNLL"]
         assert -1.0 <= whole["half"] <= 1.0 and whole["states"] == 2 * chunks, whole
+        assert -1.0 <= two["half"] <= 1.0 and two["states"] == 2 * (chunks - 1), two  # the last chunk has no next
         assert -1.0 <= attention["half"] <= 1.0 and attention["states"] == 2, attention
         for figures_of in (edits, attention):  # each label's worth against the measured ΔNLL, NaN below 3 edits
             corr = figures_of["utility_corr"]
@@ -166,3 +167,41 @@ def test_whole_cut_rewards_are_group_relative_and_follow_the_lower_nll():
     torch.testing.assert_close(reward.sum(), torch.tensor(0.0))
     assert reward[2] > reward[0] == reward[1]  # NLL on the half's predictions: 2, 2 and 0
     torch.testing.assert_close(reward, torch.tensor([-2.0, -2.0, 0.0]) - torch.tensor([-2.0, -2.0, 0.0]).mean())
+
+
+def test_an_edits_two_chunk_label_is_its_chunk_label_then_the_next_chunk_with_its_context_carried():
+    """:func:`~mcfn.tools.carried.carried_delta_by_token`: the first ``k`` columns are the traced chunk's own ΔNLL;
+    the next are the next chunk's, read with the edit's context carried into LensNet's warm refocus there, against
+    the policy's own carried cut: for the edit whose effect carries furthest, a separate warm refocus and forward give
+    the same, and the edits' next-chunk labels differ from one another (a cold refocus would give them all one)."""
+    from builders import VOCAB, awake, make_system, spread_lens
+
+    from mcfn.core.focus import Refocus, focus_cut, view_context
+    from mcfn.core.policy import LENS
+    from mcfn.core.system import tree_stage
+    from mcfn.tools.carried import carried_delta_by_token
+    from mcfn.tools.chunks import chunk_predictions, chunk_view
+    from mcfn.tools.counterfactual import trace_window
+
+    system = spread_lens(awake(make_system(64, 4, 2, 32, 16, N=2, seed=3, refocus_every=4)), seed=2).eval()
+    protocol = Refocus(4)
+    for seed in range(8):  # the first window with an edit whose effect outlasts its chunk
+        window = torch.randint(0, VOCAB, (1, 65), generator=torch.Generator().manual_seed(seed))
+        tree = tree_stage(system, window)
+        states = trace_window(system, tree, window, protocol, 1, torch.Generator().manual_seed(0))
+        pairs = [(s, f, carried_delta_by_token(system, tree, window, protocol, s, f))
+                 for s, f in zip(states, states[1:], strict=False)]  # fmt: skip
+        k = states[0].labelled.delta_by_token.size(1)
+        carrying = [(s, f, labels) for s, f, labels in pairs if labels[:, k:].std(0).max() > 1e-6]
+        if carrying:
+            break
+    assert carrying, "the case needs an edit whose effect reaches the next chunk"
+    state, following, labels = carrying[0]
+    torch.testing.assert_close(labels[:, :k], state.labelled.delta_by_token)
+    here, there = (chunk_view(tree, window, system.nodes, s.n, protocol.every) for s in (state, following))
+    edit = int(labels[:, k:].abs().sum(-1).argmax())
+    carried = view_context(here.tree, state.labelled.edits.shown[edit][None, None], here.window, here.view)
+    scorer = LENS.scorer(system, there.window, there.view.layout, protocol.every)
+    cut = focus_cut(scorer, there.tree, there.window, there.view, protocol.warm_steps, carried)
+    nll = chunk_predictions(system, tree, there.window_cut(cut[:, 0])[None], window, there)[0][0, 0]
+    torch.testing.assert_close(labels[edit, k:], following.labelled.cuts_by_token[0] - nll, atol=1e-5, rtol=1e-5)

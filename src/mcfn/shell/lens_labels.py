@@ -27,16 +27,19 @@ from tqdm import tqdm
 from mcfn.config import RunConfig
 from mcfn.core.focus import Refocus
 from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
 from mcfn.data.corpus import Split
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
 from mcfn.shell.lens_stage import read_run, run_system
 from mcfn.shell.traces import FIRST_TRACE_BATCH, trace, trace_sampler
+from mcfn.tools.carried import carried_delta_by_token
 from mcfn.tools.counterfactual import State
 from mcfn.tools.reliability import (
     attention_reliability,
     attention_utility,
+    delta_reliability,
     single_edit_reliability,
     tail_attention,
     whole_cut_reliability,
@@ -71,10 +74,13 @@ def measure_set(
     """Every label kind on one set of windows (each ``[1, T + 1]``, its error over ``clusters``)."""
     halves_seed = derive_seed(cfg.train.seed, "label_halves", 0)
     started = time.perf_counter()
-    states = traced(system, batches, Refocus(cfg.mc.refocus_every), cfg, name)
+    protocol = Refocus(cfg.mc.refocus_every)
+    windows, trees, states = traced(system, batches, protocol, cfg, name)
     edits = single_edit_reliability(states, halves_seed, clusters)
     whole = whole_cut_reliability(states, halves_seed, clusters)  # from the same traced forward as the edits
     edit_s = time.perf_counter() - started
+    two = delta_reliability(two_chunk_labels(system, windows, trees, states, protocol, clusters), halves_seed)
+    two_s = time.perf_counter() - started
     utility = cluster_mean([(clusters[st.window], st.utility_corr) for st in states])
     started = time.perf_counter()
     attentions = [tail_attention(system.base, window, system.layout) for window in batches]  # read by both below
@@ -88,6 +94,7 @@ def measure_set(
     ])  # fmt: skip
     figures = {
         "single-edit ΔNLL": edits.to_json() | {"seconds": edit_s, "utility_corr": utility[0], "utility_se": utility[1]},
+        "two-chunk ΔNLL": two.to_json() | {"seconds": two_s},
         "whole cuts": whole.to_json() | {"seconds": edit_s},
         "attention": attention.to_json()
         | {"seconds": attention_s, "utility_corr": attention_worth[0], "utility_se": attention_worth[1]},
@@ -95,6 +102,7 @@ def measure_set(
     }
     kinds = {
         "single-edit ΔNLL": edits,
+        "two-chunk ΔNLL": two,
         "whole cuts": whole,
         "attention": attention,
         "attention beyond position": beyond,
@@ -115,11 +123,26 @@ def measure_set(
 
 def traced(
     system: MegaContext, batches: list[torch.Tensor], protocol: Refocus, cfg: RunConfig, name: str
-) -> list[State]:
+) -> tuple[Tensor, Tensor, list[State]]:
+    """The windows ``[N, T + 1]``, their trees ``[N, n_nodes, D]`` and their traced states."""
     with tqdm(total=len(batches), desc=f"labels: {name}", unit="window", file=sys.stderr) as bar:
         # The random candidates are drawn as the stage's first round draws them.
         random_seed = derive_seed(cfg.train.seed, "lens_traces", 1)
-        return trace(system, batches, protocol, cfg.lens_stage.random_cuts, random_seed, bar)[2]
+        return trace(system, batches, protocol, cfg.lens_stage.random_cuts, random_seed, bar)
+
+
+def two_chunk_labels(
+    system: MegaContext, windows: Tensor, trees: Tensor, states: list[State], protocol: Refocus, clusters: list[int]
+) -> list[tuple[int, Tensor]]:
+    """Each state's edits labelled over its chunk and the next (:mod:`mcfn.tools.carried`), with its cluster; the
+    last chunk of each window has no next one and is left out."""
+    return [
+        (clusters[state.window],
+         carried_delta_by_token(system, Tree(emb=trees[state.window][None], batch_size=[1]),
+                                windows[state.window][None], protocol, state, following))
+        for state, following in zip(states, states[1:], strict=False)
+        if following.window == state.window
+    ]  # fmt: skip
 
 
 def cluster_mean(values: list[tuple[int, float]]) -> tuple[float, float]:

@@ -16,6 +16,8 @@ Label kinds measured (``python -m train.lens --reliability N``):
 
 * **single-edit ΔNLL** (the LensNet stage's today): per state, each single edit of LensNet's cut scored by the chunk's
   mean NLL against the unedited cut's; the halves are random halves of the chunk's ``R`` predictions;
+* **two-chunk ΔNLL**: the same edits with their context carried into the next chunk's warm refocus, as generation
+  carries it (:mod:`mcfn.tools.carried`), labelled over both chunks' predictions; the halves split all of them;
 * **whole cuts** (REFRAG's group-relative reward, at the chunk's scale): per state, the whole cuts traced beside the
   edits (LensNet's, ``match``'s, ``recency`` and the random ones), each rewarded by minus its mean NLL over the
   chunk's predictions less the group's mean; the halves as above;
@@ -104,15 +106,21 @@ def pooled(parts: Sequence[tuple[int, float, float]]) -> Reliability:
     return Reliability(half, se, full, ceiling, len(parts), g)
 
 
+def delta_reliability(labels: Sequence[tuple[int, Tensor]], seed: int) -> Reliability:
+    """The split-half reliability of ΔNLL labels given by prediction, ``(cluster, [e, k])`` per state, the unedited
+    cut's 0 the anchor in each list; the error is over the clusters."""
+    generator = torch.Generator().manual_seed(seed)
+    parts = []
+    for cluster, by_token in labels:
+        a, b = split_halves(by_token.float().cpu(), generator)
+        parts.append((cluster, *pair_agreement(a, b)))
+    return pooled(parts)
+
+
 def single_edit_reliability(states: Sequence[State], seed: int, clusters: Sequence[int]) -> Reliability:
     """The split-half reliability of today's label, each edit's ΔNLL over the chunk, on traced states; the error is
     over ``clusters[state.window]`` (each window itself, or its document)."""
-    generator = torch.Generator().manual_seed(seed)
-    parts = []
-    for state in states:
-        a, b = split_halves(state.labelled.delta_by_token.float().cpu(), generator)
-        parts.append((clusters[state.window], *pair_agreement(a, b)))
-    return pooled(parts)
+    return delta_reliability([(clusters[state.window], state.labelled.delta_by_token) for state in states], seed)
 
 
 @typechecked
