@@ -69,12 +69,11 @@ def decode(
     prompt: Tensor,
     max_new_tokens: int,
     choose: Callable[[Tensor, int], Tensor],
-    device: torch.device,
 ) -> tuple[Tensor, GenerationStats]:
     """The one decode loop: ``max_new_tokens`` tokens after ``prompt [n]``, each token ``[1]`` given by ``choose(logits
     [vocab], i)``, its context from ``contexts`` (MegaContext's, refreshed every ``contexts.every`` tokens, or full
     context's, read once). Returns the new tokens ``[max_new_tokens]`` and the stats."""
-    stats = contexts.stats
+    stats, device = contexts.stats, prompt.device
     stats.prompt_tokens = prompt.numel()
     t0 = settled(device)
     contexts.prefill(prompt)
@@ -162,9 +161,8 @@ def decode_mc(
         raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy")
     if not policy.available(system):
         raise UserError(f"the {policy.name} policy needs the run's LensNet, and this run has none (mc.lens.enabled)")
-    device = prompt.device
-    contexts = MCContexts(system, policy, refocus, device, compile_fn, use_cache, on_refocus)
-    return decode(contexts, prompt, max_new_tokens, choose, device)
+    contexts = MCContexts(system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus)
+    return decode(contexts, prompt, max_new_tokens, choose)
 
 
 @torch.no_grad()
@@ -178,5 +176,4 @@ def generate_full(
     """Decode with every token at LOD0 and a KV cache over the whole text (the comparison for ``mc``)."""
     generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
     contexts = FullContexts(base, prompt.numel() + max_new_tokens, prompt.device, compile_fn)
-    return decode(contexts, prompt, max_new_tokens, lambda logits, _: pick_token(logits, sampling, generator),
-                  prompt.device)  # fmt: skip
+    return decode(contexts, prompt, max_new_tokens, lambda logits, _: pick_token(logits, sampling, generator))

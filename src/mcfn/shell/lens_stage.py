@@ -128,12 +128,18 @@ def run_system(ckpt: Checkpoint, device: torch.device) -> tuple[MegaContext, Run
     return system.eval(), cfg
 
 
-def match_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """``match``'s cut as a candidate: the run's system with the match prior and a fresh LensNet (zero head)."""
+def under_match_prior(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
+    """The run's system, its own LensNet included, with the match prior on (:func:`with_match_prior`)."""
     cfg = with_match_prior(cfg)
-    torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
     system = MegaContext(cfg).to(device)
     system.load_state_dict(own.state_dict())
+    return system, cfg
+
+
+def match_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
+    """``match``'s cut as a candidate: the run's system with the match prior and a fresh LensNet (zero head)."""
+    torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
+    system, cfg = under_match_prior(own, cfg, device)
     system.lensnet.reset_parameters()  # the match prior's head starts at zero
     return system.eval(), cfg
 
@@ -142,9 +148,7 @@ def gated_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tupl
     """The run's own LensNet gated over ``match``'s cut as a candidate: ``match``'s score, plus the run's LensNet's
     (times :data:`GATED_SCALE`) where it stands out; it cuts as ``match`` does except where the run's LensNet is
     sure, as at a pass key."""
-    cfg = with_match_prior(cfg)
-    system = MegaContext(cfg).to(device)
-    system.load_state_dict(own.state_dict())
+    system, cfg = under_match_prior(own, cfg, device)
     with torch.no_grad():
         system.lensnet.head.weight.mul_(GATED_SCALE)
     return system.eval(), cfg
@@ -249,9 +253,7 @@ def run_stage(
     ckpt, corpus = read_run(run_dir, "to train", corpus)
     settings = stage_settings(ckpt.cfg, **overrides)
     stage = Stage(ckpt, corpus, settings, device)
-    candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = dict(
-        reference_candidates(stage, device, say)
-    )
+    candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = reference_candidates(stage, device, say)
     own = candidates["run"][0]
     rounds = []
     for r in range(1, settings.rounds + 1):

@@ -56,15 +56,20 @@ def pair_agreement(a: Float[Tensor, " e"], b: Float[Tensor, " e"]) -> tuple[floa
     return float((weight * torch.sign(da) * torch.sign(db)).sum()), float(weight.sum())
 
 
+def random_halves(k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Two disjoint random halves of ``k`` predictions' indices, ``k // 2`` each (an odd one left out), so that
+    neither half is systematically the later one."""
+    order = torch.randperm(k, generator=generator)
+    return order[: k // 2], order[k // 2 : 2 * (k // 2)]
+
+
 @typechecked
 def split_halves(
     delta_by_token: Float[Tensor, "e k"], generator: torch.Generator
 ) -> tuple[Float[Tensor, " e1"], Float[Tensor, " e1"]]:
     """The single-edit ΔNLL of each edit from two disjoint random halves of the chunk's ``k`` predictions, the
     unedited cut (ΔNLL 0) first in both."""
-    k = delta_by_token.size(1)
-    order = torch.randperm(k, generator=generator).to(delta_by_token.device)
-    halves = order[: k // 2], order[k // 2 : 2 * (k // 2)]
+    halves = (half.to(delta_by_token.device) for half in random_halves(delta_by_token.size(1), generator))
     anchor = delta_by_token.new_zeros(1)
     a, b = (torch.cat([anchor, delta_by_token[:, half].mean(-1)]) for half in halves)
     return a, b
@@ -137,9 +142,7 @@ def whole_cut_reliability(states: Sequence[State], seed: int, clusters: Sequence
     parts = []
     for state in states:
         nll = state.labelled.cuts_by_token.float().cpu()
-        k = nll.size(1)
-        order = torch.randperm(k, generator=generator)
-        a, b = (whole_cut_rewards(nll, half) for half in (order[: k // 2], order[k // 2 : 2 * (k // 2)]))
+        a, b = (whole_cut_rewards(nll, half) for half in random_halves(nll.size(1), generator))
         parts.append((clusters[state.window], *pair_agreement(a, b)))
     return pooled(parts)
 
