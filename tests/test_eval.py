@@ -13,8 +13,10 @@ import torch
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.core.attention import attention_mass
+from mcfn.core.focus import default_budgets, evaluation_budgets
+from mcfn.errors import UserError
 from mcfn.inference.generation import generate_mc
-from mcfn.tools.eval_batch import EvalBatch, EvalSettings, default_budgets
+from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_result import EvalReport, ProtocolResult
 from mcfn.tools.eval_stats import Clusters, paired_gain, retained_with_interval, spearman
@@ -81,6 +83,22 @@ def test_default_budgets_start_with_the_runs_own():
     budgets = default_budgets(layout)
     assert budgets == (W, T // 4)  # T/2 = W; T/8 is below the coarsest cover (13 entries)
     assert all(layout.coarsest_cover < b < layout.T for b in budgets)
+
+
+def test_an_evaluations_budgets_are_refused_before_any_work_where_they_cannot_be_scored():
+    """Every place that makes an evaluation's settings checks its budgets with one function: the defaults where none
+    are given; refused in one line (naming the valid range) outside [coarsest cover, T], or where the headline
+    cannot refocus every R; a later budget that cannot is left to the one-cut protocol."""
+    layout = make_system(T, K, L, W, H, N=2).layout
+    most = W - H - (K - 1) * L
+    assert evaluation_budgets(layout, None, 1) == default_budgets(layout)
+    assert evaluation_budgets(layout, (W, layout.coarsest_cover), most) == (W, layout.coarsest_cover)
+    cover = layout.coarsest_cover  # 13: W - R cannot even hold the tail and the gists, whatever R
+    for budgets, R, says in (((T + 1,), 1, f"outside [{cover}, {T}]"), ((W,), most + 1, f"[1, {most}]"),
+                             ((cover, W), 1, f"[1, {cover - H - (K - 1) * L}]")):  # fmt: skip
+        with pytest.raises(UserError, match=re.escape(says)) as refused:
+            evaluation_budgets(layout, budgets, R)
+        assert "\n" not in str(refused.value)
 
 
 @pytest.fixture(scope="module")

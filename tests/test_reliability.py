@@ -101,7 +101,7 @@ def test_the_labels_halves_split_are_the_labels_own_predictions(decoding_run):
     from mcfn.core.focus import Refocus
     from mcfn.data.corpus import prepare_corpus
     from mcfn.shell.checkpoint import Checkpoint
-    from mcfn.shell.lens_stage import run_system
+    from mcfn.shell.lens_candidates import run_system
     from mcfn.shell.session import training_sampler
     from mcfn.shell.traces import trace
 
@@ -128,7 +128,7 @@ def test_the_attention_labels_halves_together_are_the_whole_tails_attention(deco
     from mcfn.core.attention import hidden_and_tail_attention, node_mass
     from mcfn.data.corpus import prepare_corpus
     from mcfn.shell.checkpoint import Checkpoint
-    from mcfn.shell.lens_stage import run_system
+    from mcfn.shell.lens_candidates import run_system
     from mcfn.shell.session import training_sampler
     from mcfn.tools.reliability import attention_halves, tail_attention
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mcfn.core.focus import REFOCUS_STEPS
+from mcfn.core.focus import REFOCUS_STEPS, evaluation_budgets
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import encode_source, held_out
@@ -17,7 +17,7 @@ from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
-from mcfn.tools.eval_batch import EvalSettings, parse_budgets
+from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
 from mcfn.tools.eval_result import EvalReport, Provenance
 from mcfn.tools.evaluation import HeldOut, evaluate
@@ -30,6 +30,19 @@ def parse_tasks(names: list[str] | None) -> tuple[str, ...]:
     if unknown:
         raise UserError(f"unknown --task {unknown[0]!r} (known: {', '.join(PROBES)})")
     return ("corpus", *(n for n in chosen if n != "corpus"))
+
+
+def parse_budgets(text: str | None) -> tuple[int, ...] | None:
+    """``--budgets`` as integers (None: the defaults, which depend on the run)."""
+    if text is None:
+        return None
+    try:
+        budgets = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UserError(f"--budgets {text!r} must be comma-separated integers") from None
+    if not budgets:
+        raise UserError("--budgets is empty")
+    return budgets
 
 
 def load_reference(path: Path, trained: Trained, device: torch.device) -> GPT:
@@ -69,12 +82,11 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
         raise UserError("--refocus must be >= 1")
     if request.batches is not None and request.batches < 1:
         raise UserError("--batches must be >= 1")
-    chosen = parse_tasks(tasks)
+    chosen, budgets = parse_tasks(tasks), parse_budgets(request.budgets)
     device = resolve_device(request.device)
     trained = load_trained(ckpt, device)
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
-    plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
     cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
     for name in tasks or ():  # a task asked for by name must fit; the default set skips what does not
         if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
@@ -85,13 +97,10 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
         name, split = data, encode_source(data, tok, cfg.data.min_doc_chars)
     B = cfg.train.batch_size
     windows, docs = evaluation_windows(split, cfg.data.seq_len + 1, (request.batches or cfg.train.eval_batches) * B, B)
-    settings = EvalSettings(
-        parse_budgets(request.budgets, layout),
-        random_contexts,
-        refocus,
-        chosen,
-        refocus_every=cfg.mc.refocus_every if refocus_every is None else refocus_every,
-    )
+    refocus_every = cfg.mc.refocus_every if refocus_every is None else refocus_every
+    budgets = evaluation_budgets(layout, budgets, refocus_every)  # every request is checked before the work starts
+    plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
+    settings = EvalSettings(budgets, random_contexts, refocus, chosen, refocus_every=refocus_every)
     report = evaluate(trained.model, HeldOut(windows, trained.token_bytes, tok, docs, name), settings, plain)
     provenance = Provenance(data or f"{cfg.data.source} ({name} split)", None if reference is None else str(reference))
     report = dataclasses.replace(report, checkpoint_step=trained.step, provenance=provenance)

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import MegaContext
 from mcfn.tools.eval_batch import EvalSettings
@@ -33,7 +34,8 @@ class Judged:
 
 def judge(system: MegaContext, held: HeldOut, refocus_every: int) -> Judged:
     """``system``'s LensNet under generation's protocol at its ``W``, on the corpus and the pass key of ``held``."""
-    settings = EvalSettings((system.layout.W,), tasks=JUDGED_TASKS, probe_batches=len(held.windows),
+    budgets = evaluation_budgets(system.layout, (system.layout.W,), refocus_every)
+    settings = EvalSettings(budgets, tasks=JUDGED_TASKS, probe_batches=len(held.windows),
                             refocus_every=refocus_every, brief=True)  # fmt: skip
     report = evaluate(system, held, settings)
     corpus, passkey = report.corpus.refocus.head, report.scored(JUDGED_TASKS[1])

@@ -32,7 +32,7 @@ from mcfn.data.corpus import Split
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
-from mcfn.shell.lens_stage import read_run, run_system
+from mcfn.shell.lens_candidates import read_run, run_system
 from mcfn.shell.traces import FIRST_TRACE_BATCH, trace, trace_sampler
 from mcfn.tools.carried import carried_delta_by_token
 from mcfn.tools.counterfactual import State

@@ -8,18 +8,20 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
    :data:`TRACE_TASK_SHARE`) under generation's protocol with the current policy, and label every single edit of
    each chunk's cut with its ΔNLL;
 2. **train**: a few epochs of the ranking loss (:func:`mcfn.core.edits.ranking_loss`) over every round's traces so
-   far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model;
+   far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model. The
+   whole cuts traced beside the edits carry more signal (``train.lens --reliability``) but taught a worse policy
+   (LABLOG, twenty-fifth session), so the list holds the single edits;
 3. **measure**: the policy on the *selection* windows (validation windows, never traced).
 
 Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as ``lens_original``
 the first time a stage writes back, so a second stage starts from it again). The candidates are the run's own,
 ``match``'s cut (a fresh LensNet with the match prior and a zero head), the run's own gated over ``match``'s cut
-(its scores added to ``match``'s only where they stand out: :func:`gated_system`) and each round's, each judged as
-the run's final evaluation judges a policy on *selection* windows of the validation split, and refused where it lost
-retrieval or trails ``match`` on text (:mod:`mcfn.shell.lens_judge`); the lowest corpus bits per byte among the rest
-is kept, and when every one is refused the run's own stays. The figures the stage reports for the kept policy and
-the run's own come from *report* windows, disjoint validation windows that chose nothing. The stage reads no test
-split.
+(its scores added to ``match``'s only where they stand out; :mod:`mcfn.shell.lens_candidates` builds these three)
+and each round's, each judged as the run's final evaluation judges a policy on *selection* windows of the
+validation split, and refused where it lost retrieval or trails ``match`` on text (:mod:`mcfn.shell.lens_judge`);
+the lowest corpus bits per byte among the rest is kept, and when every one is refused the run's own stays. The
+figures the stage reports for the kept policy and the run's own come from *report* windows, disjoint validation
+windows that chose nothing. The stage reads no test split.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ from mcfn.core.focus import Refocus, block_scores
 from mcfn.core.policy import MATCH
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.data.corpus import Corpus
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
-from mcfn.profile import config_from_saved
 from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from mcfn.shell.lens_candidates import GATED, gated_system, match_system, read_run, run_system
 from mcfn.shell.lens_judge import Judged, judge, judged_line, refusal
 from mcfn.shell.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
 from mcfn.tools.chunks import chunk_view
@@ -58,19 +60,6 @@ TRACES_DIR = "lens_traces"
 TRAIN_ROUNDS = 3  # rounds of train.lens where neither --rounds nor the run's lens_stage.rounds says how many
 EPOCHS = 6  # passes of the ranking loss over every round's traces so far
 LR = 1e-3  # LensNet's AdamW rate in the stage
-
-
-# The run's own LensNet gated over match's cut: its learned scores times this, where they stand out of their row
-# (mcfn.core.lensnet.standing_out). Chosen on the selection windows of the five cpu-longrange bases among 16, 32, 64
-# and 128: the larger, the more of the run's pass key it keeps, with the corpus at match's (LABLOG, twenty-fourth
-# session).
-GATED_SCALE = 128.0
-GATED = "gated"  # the candidate's name
-
-
-def with_match_prior(cfg: RunConfig) -> RunConfig:
-    lens = dataclasses.replace(cfg.mc.lens, match_prior="gated")
-    return dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, lens=lens))
 
 
 def utility_summary(states: list[State]) -> dict[str, float]:
@@ -115,43 +104,6 @@ def train_on_traces(
         bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}")
     lensnet.eval()
     return sum(losses) / max(1, len(losses))
-
-
-def run_system(ckpt: Checkpoint, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """The run's system with its own LensNet (the original one, where an earlier stage replaced it) and config."""
-    original = ckpt.state.get("lens_original")
-    cfg = config_from_saved(original["config"]) if original else ckpt.cfg
-    system = MegaContext(cfg).to(device)
-    system.load_state_dict(ckpt.state["model"])
-    if original:
-        system.lensnet.load_state_dict(original["lensnet"])
-    return system.eval(), cfg
-
-
-def under_match_prior(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """The run's system, its own LensNet included, with the match prior on (:func:`with_match_prior`)."""
-    cfg = with_match_prior(cfg)
-    system = MegaContext(cfg).to(device)
-    system.load_state_dict(own.state_dict())
-    return system, cfg
-
-
-def match_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """``match``'s cut as a candidate: the run's system with the match prior and a fresh LensNet (zero head)."""
-    torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
-    system, cfg = under_match_prior(own, cfg, device)
-    system.lensnet.reset_parameters()  # the match prior's head starts at zero
-    return system.eval(), cfg
-
-
-def gated_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """The run's own LensNet gated over ``match``'s cut as a candidate: ``match``'s score, plus the run's LensNet's
-    (times :data:`GATED_SCALE`) where it stands out; it cuts as ``match`` does except where the run's LensNet is
-    sure, as at a pass key."""
-    system, cfg = under_match_prior(own, cfg, device)
-    with torch.no_grad():
-        system.lensnet.head.weight.mul_(GATED_SCALE)
-    return system.eval(), cfg
 
 
 def reference_candidates(stage: Stage, device: torch.device, say: Callable[[str], None]) -> dict[str, tuple]:
@@ -220,17 +172,6 @@ class Stage:
         return {"round": r, "states": len(states), "traced_probe_windows": probes, "loss": loss,
                 "traced_utility": utility_summary(states), "selection": held.to_json(),
                 "seconds": seconds}, held  # fmt: skip
-
-
-def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple[Checkpoint, Corpus]:
-    """The run's checkpoint and corpus (``corpus``, if already at hand), refused in one line where the run has no
-    LensNet (``purpose``: what the caller would do with it) or the corpus no longer fits it."""
-    ckpt = Checkpoint.read(run_dir)
-    if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
-        raise UserError(f"{ckpt.path} has no LensNet {purpose} (a plain or --set mc.lens.enabled=false run)")
-    corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
-    ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
-    return ckpt, corpus
 
 
 def stage_settings(cfg: RunConfig, **overrides: int | None) -> LensStageConfig:

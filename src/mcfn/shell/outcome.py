@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mcfn.core.focus import evaluation_budgets
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
@@ -62,7 +63,7 @@ def final_evaluation(s: Session) -> tuple[EvalReport, list[str]] | None:
     name, split = held_out(s.corpus, "test")
     windows, docs = evaluation_windows(split, window, cfg.final_eval_batches * cfg.batch_size, cfg.batch_size)
     settings = EvalSettings(
-        (s.model.layout.W,),
+        evaluation_budgets(s.model.layout, (s.model.layout.W,), s.cfg.mc.refocus_every),
         tasks=FINAL_EVAL_TASKS,
         probe_batches=FINAL_EVAL_PROBE_BATCHES,
         refocus_every=s.cfg.mc.refocus_every,

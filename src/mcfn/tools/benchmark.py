@@ -33,10 +33,11 @@ import torch._dynamo
 from torch import Tensor
 
 from mcfn.config import RunConfig
+from mcfn.core.focus import evaluation_budgets
 from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext, build_contexts, process_batch
-from mcfn.tools.eval_batch import EvalSettings, default_budgets
+from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.evaluation import HeldOut, score_tasks
 from mcfn.tools.flops import peak_flops, step_flops
 from mcfn.tools.lens_bench import lens_forward_ms
@@ -233,7 +234,8 @@ def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int)
     rig = Rig.of(cfg, vocab, device, None)
     system, (window, noise) = rig.system, rig.mc_inputs()
     held_out = HeldOut([window], torch.ones(vocab, dtype=torch.int64, device=device))
-    settings = EvalSettings(default_budgets(system.layout), tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
+    budgets = evaluation_budgets(system.layout, None, cfg.mc.refocus_every)
+    settings = EvalSettings(budgets, tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
     step = partial(rig.training_call(process_batch), (system, window, noise, rig.weights))
 
     def evaluation() -> None:

@@ -1,5 +1,5 @@
-"""What the evaluation's functions share: its settings (the budgets it sweeps among them), and one held-out batch as
-every condition is scored from it.
+"""What the evaluation's functions share: its settings (the budgets it sweeps among them, checked where they are made:
+:func:`mcfn.core.focus.evaluation_budgets`), and one held-out batch as every condition is scored from it.
 
 :class:`EvalBatch` carries the model, the batch's window, its summary tree (and the tree with every gist zeroed, for
 ``lens_nogist``), and each window's horizon, so that the two protocols (:mod:`mcfn.tools.one_cut`,
@@ -15,38 +15,12 @@ from einops import rearrange
 from torch import Tensor
 
 from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
-from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.nodes import NodeTable
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.probes import PROBES
-from mcfn.errors import UserError
 
 PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
-
-
-def default_budgets(layout: Layout) -> tuple[int, ...]:
-    """The run's own ``W`` first, then ``T/2, T/4, T/8`` where they fit above the coarsest cover."""
-    sweep = [layout.W] + [layout.T // d for d in (2, 4, 8)]
-    fits = [w for w in sweep if layout.coarsest_cover < w < layout.T]
-    return tuple(dict.fromkeys(fits))
-
-
-def parse_budgets(text: str | None, layout: Layout) -> tuple[int, ...]:
-    if text is None:
-        return default_budgets(layout)
-    try:
-        budgets = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UserError(f"--budgets {text!r} must be comma-separated integers") from None
-    for w in budgets:
-        if not layout.coarsest_cover <= w <= layout.T:
-            raise UserError(
-                f"budget {w} is outside [{layout.coarsest_cover}, {layout.T}]: the coarsest full-coverage context "
-                f"needs {layout.coarsest_cover} entries and T={layout.T}"
-            )
-    if not budgets:
-        raise UserError("--budgets is empty")
-    return budgets
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,6 @@ working contexts go through the training step's own stages (tree, assembly, the 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,7 +58,6 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.core.focus import refocus_budget
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.policy import ATTN, FULL, LENS, policies
@@ -118,16 +116,11 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
 
 def protocol_budgets(settings: EvalSettings, layout: Layout, protocol: str) -> tuple[int, ...]:
     """The budgets a protocol is scored at: every one for ``one_cut``; for ``refocus``, those whose ``W - R`` holds
-    a refocused cut (the run's own always does: :func:`check_settings`)."""
+    a refocused cut (the headline always does: :func:`mcfn.core.focus.evaluation_budgets`)."""
     if protocol == "one_cut":
         return settings.budgets
     most = partial(most_refocus_every, tail=layout.H, block=layout.K, lod_max=layout.L)
     return tuple(w for w in settings.budgets if settings.refocus_every <= most(w))
-
-
-def check_settings(settings: EvalSettings, layout: Layout) -> None:
-    """Refuse, in one line naming the valid range, an ``R`` that the headline budget cannot refocus with."""
-    refocus_budget(dataclasses.replace(layout, W=settings.budgets[0]), settings.refocus_every)
 
 
 @dataclass(frozen=True)
@@ -267,10 +260,9 @@ def evaluate(
     system: MegaContext, held_out: HeldOut, settings: EvalSettings, reference: torch.nn.Module | None = None
 ) -> EvalReport:
     """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`score_tasks`
-    on the ``held_out`` windows with a progress bar on stderr (an ``R`` the headline budget cannot refocus with is
-    refused first). The headline figures come from ``corpus`` at the first budget;
-    :mod:`mcfn.tools.eval_report` formats the report."""
-    check_settings(settings, system.layout)
+    on the ``held_out`` windows with a progress bar on stderr. The headline figures come from ``corpus`` at the first
+    budget, which must refocus every ``R``: every caller checks its settings' budgets as it makes them
+    (:func:`mcfn.core.focus.evaluation_budgets`). :mod:`mcfn.tools.eval_report` formats the report."""
     windows = held_out.windows
     probes = len(windows[: settings.probe_batches])
     total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted
