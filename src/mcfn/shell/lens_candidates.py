@@ -32,13 +32,14 @@ def with_match_prior(cfg: RunConfig) -> RunConfig:
 
 
 def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple[Checkpoint, Corpus]:
-    """The run's checkpoint and corpus (``corpus``, if already at hand), refused in one line where the run has no
-    LensNet (``purpose``: what the caller would do with it) or the corpus no longer fits it."""
+    """The run's checkpoint and corpus (``corpus``: the run's own, where a run ends with the stage), refused in one
+    line where the run has no LensNet (``purpose``: what the caller would do with it) or its config no longer
+    rebuilds the corpus it was trained on (:func:`~mcfn.data.corpus.prepare_corpus` checks, before building)."""
     ckpt = Checkpoint.read(run_dir)
     if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
         raise UserError(f"{ckpt.path} has no LensNet {purpose} (a plain or --set mc.lens.enabled=false run)")
-    corpus = prepare_corpus(ckpt.cfg.data) if corpus is None else corpus
-    ckpt.check_fits("the LensNet stage's checkpoint", corpus.key, than="the corpus its config rebuilds")
+    if corpus is None:
+        corpus = prepare_corpus(ckpt.cfg.data, trained_on=(ckpt.corpus_key, f"checkpoint {ckpt.path}"))
     return ckpt, corpus
 
 
