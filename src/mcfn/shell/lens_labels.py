@@ -92,25 +92,17 @@ def measure_set(
         for w, chosen in enumerate(by_window)
         for corr in attention_utility(attentions[w], chosen, system.nodes, cfg.mc.refocus_every)
     ])  # fmt: skip
-    figures = {
-        "single-edit ΔNLL": edits.to_json() | {"seconds": edit_s, "utility_corr": utility[0], "utility_se": utility[1]},
-        "two-chunk ΔNLL": two.to_json() | {"seconds": two_s},
-        "whole cuts": whole.to_json() | {"seconds": edit_s},
-        "attention": attention.to_json()
-        | {"seconds": attention_s, "utility_corr": attention_worth[0], "utility_se": attention_worth[1]},
-        "attention beyond position": beyond.to_json() | {"seconds": attention_s},
+    measured = {  # each kind: its reliability, the seconds it took, and its further figures
+        "single-edit ΔNLL": (edits, edit_s, {"utility_corr": utility[0], "utility_se": utility[1]}),
+        "two-chunk ΔNLL": (two, two_s, {}),
+        "whole cuts": (whole, edit_s, {}),
+        "attention": (attention, attention_s, {"utility_corr": attention_worth[0], "utility_se": attention_worth[1]}),
+        "attention beyond position": (beyond, attention_s, {}),
     }
-    kinds = {
-        "single-edit ΔNLL": edits,
-        "two-chunk ΔNLL": two,
-        "whole cuts": whole,
-        "attention": attention,
-        "attention beyond position": beyond,
-    }
-    for kind, r in kinds.items():
+    for kind, (r, seconds, _) in measured.items():
         say(
             f"[labels] {name}, {kind}: split-half agreement {r.half:+.3f} ± {r.se:.3f} over {r.windows} "
-            f"clusters ({r.states} states, {figures[kind]['seconds']:.0f} s); full-length {r.full:+.3f}, "
+            f"clusters ({r.states} states, {seconds:.0f} s); full-length {r.full:+.3f}, "
             f"a predictor's ceiling {r.ceiling:.2f}"
         )
     say(
@@ -118,7 +110,7 @@ def measure_set(
         f"{utility[0]:+.3f} ± {utility[1]:.3f}; with the attention label's worth {attention_worth[0]:+.3f} "
         f"± {attention_worth[1]:.3f}"
     )
-    return figures
+    return {kind: r.to_json() | {"seconds": seconds} | more for kind, (r, seconds, more) in measured.items()}
 
 
 def traced(
