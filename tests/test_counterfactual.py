@@ -11,7 +11,7 @@ from builders import VOCAB, awake, check_cut, make_system, rewritten_after
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.core.edits import COLLAPSE, DROP, EXPAND, cut_worth, edit_worth, ranking_loss, single_edits
+from mcfn.core.edits import COLLAPSE, DROP, EXPAND, edit_worth, ranking_loss, single_edits
 from mcfn.core.focus import Refocus, focus_cut, view_context
 from mcfn.core.system import tree_stage
 from mcfn.errors import UserError
@@ -187,42 +187,6 @@ def test_an_edits_predicted_worth_is_what_it_gains_minus_what_it_gives_up():
     scores = torch.tensor([[0.5, -1.0, 2.0, 0.25]])
     gain, loss = torch.tensor([[2, -1, 0]]), torch.tensor([[1, 3, -1]])
     assert edit_worth(scores, gain, loss).tolist() == [[3.0, -0.25, 0.5]]
-
-
-@settings(max_examples=12, deadline=None)
-@given(st.integers(0, 10_000), st.integers(0, H // R - 1))
-def test_property_a_single_edit_is_worth_as_a_whole_cut_what_it_gains_minus_what_it_gives_up(system, seed, chunk):
-    """A whole cut's predicted worth (LensNet's scores over the gists it opens, less those over the spans it leaves
-    out) differs from the policy's cut's, for every single edit of any state, by exactly the edit's ``s[gain] -
-    s[loss]``: edits and whole cuts rank on one scale. Counting the shown gists instead, or every left-out node,
-    breaks it."""
-    window = window_of(seed)
-    tree, cv, cut, scores = policy_state(system, window, T - H + 1 + chunk * R)
-    edits = single_edits(cut, scores, cv.nodes)
-    worth = cut_worth(scores, torch.cat([cut[None], edits.shown]), cv.nodes)
-    torch.testing.assert_close(worth[1:] - worth[0], edit_worth(scores, edits.gain, edits.loss))
-
-
-def test_a_states_ranking_list_holds_its_edits_then_its_whole_cuts_against_the_policys(system):
-    """The stage's list for a traced state: every edit (predicted ``s[gain] - s[loss]``), then every whole cut but
-    the policy's (predicted its worth minus the policy cut's), each with its measured ΔNLL; padding marked."""
-    from mcfn.shell.lens_stage import ranking_lists
-
-    window = window_of(6)
-    tree = tree_stage(system, window)
-    states = trace_window(system, tree, window, Refocus(R, 4, 1), 2, torch.Generator(), 0)
-    packed = Traces.of(window, tree.emb, states, "x").states
-    cv = chunk_view(tree, window, system.nodes, states[1].n, R)
-    scores = lens_view_scores(system, cv)
-    predicted, delta, valid = ranking_lists(scores, packed[1:2], cv.nodes)
-    labelled, E = states[1].labelled, packed["delta"].size(1)
-    e = labelled.delta.numel()
-    assert predicted.shape == delta.shape == valid.shape == (1, E + 4) and int(valid.sum()) == e + 4
-    torch.testing.assert_close(predicted[0, :e], edit_worth(scores[0], labelled.edits.gain, labelled.edits.loss))
-    worth = cut_worth(scores[0], labelled.cuts, cv.nodes)
-    torch.testing.assert_close(predicted[0, E:], worth[1:] - worth[0])
-    nll = labelled.cuts_by_token.mean(-1)
-    torch.testing.assert_close(delta[0, E:], (nll[0] - nll[1:]).cpu())
 
 
 def test_traces_are_written_read_back_and_refused_for_another_checkpoint_or_config(system, tmp_path):

@@ -16,11 +16,6 @@ Each edit *gains* at most one node's detail and *gives up* at most one: ``gain``
 scores ``s`` over nodes (a complete group scores as its parent, :meth:`NodeTable.spread_block_scores`), LensNet's
 predicted worth of an edit is ``s[gain] - s[loss]``: what the allocator weighs when it makes the same trade. The
 label is the edit's measured ΔNLL, the policy cut's chunk NLL minus the edited cut's (> 0: the edit helps).
-
-A **whole cut** (another policy's, a random one) is worth the same sum over every decision it makes: ``+s`` on each
-gist it opens (shows something inside, not the gist itself), ``-s`` on each largest span it leaves out
-(:func:`cut_worth`). Relative to the policy's cut, a single edit's whole-cut worth is its ``s[gain] - s[loss]``, so
-whole cuts and edits can share one ranking list.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from einops import einsum
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
@@ -100,21 +94,6 @@ def edit_worth(
         return torch.where(index >= 0, scores.gather(-1, index.clamp(min=0)), 0.0)
 
     return at(gain) - at(loss)
-
-
-def cut_decisions(shown: Bool[Tensor, "*rows nodes"], nodes: NodeTable) -> Float[Tensor, "*rows nodes"]:
-    """Each cut's decisions: ``+1`` on a gist it opens (something inside it shown, not the gist), ``-1`` on a
-    largest span it leaves out (:meth:`NodeTable.left_out`), 0 elsewhere."""
-    opened = nodes.covered_inside(shown) & ~shown
-    return opened.float() - nodes.left_out(shown).float()
-
-
-def cut_worth(
-    scores: Float[Tensor, "*rows nodes"], shown: Bool[Tensor, "*rows c nodes"], nodes: NodeTable
-) -> Float[Tensor, "*rows c"]:
-    """LensNet's predicted worth of each whole cut: its scores summed over the cut's decisions (:func:`cut_decisions`);
-    only differences between cuts of one row mean anything."""
-    return einsum(scores, cut_decisions(shown, nodes), "... n, ... c n -> ... c")
 
 
 @typechecked

@@ -6,11 +6,11 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
 
 1. **trace**: walk fresh training windows (corpus text and the run's long-range tasks, half and half:
    :data:`TRACE_TASK_SHARE`) under generation's protocol with the current policy, and label every single edit of
-   each chunk's cut and every whole cut traced beside it (``match``'s, truncation's, random ones) with its ΔNLL;
+   each chunk's cut with its ΔNLL;
 2. **train**: a few epochs of the ranking loss (:func:`mcfn.core.edits.ranking_loss`) over every round's traces so
-   far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model; each
-   state's list holds its edits and its whole cuts (:func:`ranking_lists`): the whole cuts' rewards carry the most
-   signal of the ΔNLL labels (``train.lens --reliability``; LABLOG, twenty-fourth session);
+   far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model. The
+   whole cuts traced beside the edits carry more signal (``train.lens --reliability``) but taught a worse policy
+   (LABLOG, twenty-fifth session), so the list holds the single edits;
 3. **measure**: the policy on the *selection* windows (validation windows, never traced).
 
 Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as ``lens_original``
@@ -34,14 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tensordict import TensorDict
-from torch import Tensor
 from tqdm import tqdm
 
 from mcfn.config import LensStageConfig, RunConfig
-from mcfn.core.edits import cut_worth, edit_worth, ranking_loss
+from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
-from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import MATCH
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
@@ -72,18 +69,6 @@ def utility_summary(states: list[State]) -> dict[str, float]:
     return {"utility_corr": float(corr.mean()), "se": float(corr.std() / corr.numel() ** 0.5), "states": len(states)}
 
 
-def ranking_lists(scores: Tensor, states: TensorDict, nodes: NodeTable) -> tuple[Tensor, Tensor, Tensor]:
-    """Each state's ranking list ``[s, e + C - 1]`` from LensNet's node ``scores [s, view_nodes]``: its single edits,
-    then its whole cuts but the policy's own (the anchor, worth and ΔNLL 0, that the loss adds), each predicted
-    relative to the policy's cut (:func:`mcfn.core.edits.cut_worth`); the predicted worths, the measured ΔNLLs and
-    which items are real."""
-    worth = cut_worth(scores, states["cuts"][..., : nodes.layout.n_nodes], nodes)
-    others = states["cut_delta"][:, 1:]
-    predicted = torch.cat([edit_worth(scores, states["gain"], states["loss"]), worth[:, 1:] - worth[:, :1]], -1)
-    delta = torch.cat([states["delta"], others], -1)
-    return predicted, delta, torch.cat([states["valid"], torch.ones_like(others, dtype=torch.bool)], -1)
-
-
 def train_on_traces(
     system: MegaContext, traces: list[Traces], settings: LensStageConfig, protocol: Refocus, seed: int, bar: tqdm
 ) -> float:
@@ -110,7 +95,7 @@ def train_on_traces(
             cv = chunk_view(Tree(emb=t.trees[states["window"]], batch_size=[rows.numel()]), windows, nodes,
                             int(states["n"][0]), protocol.every)  # fmt: skip
             scores = block_scores(lensnet.scorer(cv.nodes.layout, cv.window), cv.tree, cv.window, cv.nodes, cv.horizon)
-            loss = ranking_loss(*ranking_lists(scores, states, cv.nodes))
+            loss = ranking_loss(edit_worth(scores, states["gain"], states["loss"]), states["delta"], states["valid"])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -8,7 +8,7 @@ current policy (:func:`trace`).
 A trace file holds what LensNet needs to score each state again without rerunning the base model (the seed's
 two-stage mode: LensNet in its own stage, from cached working contexts): every traced window's tokens and summary
 tree, and per state (a window's chunk) the edits' nodes and their ΔNLL in fixed-capacity rows (a TensorDict of
-``[S, E]`` fields with a ``valid`` mask), and its whole cuts in the view (the policy's first) with theirs.
+``[S, E]`` fields with a ``valid`` mask).
 
 The labels measure the base model and GistNet: a trace is tied to them by a fingerprint of their weights, the
 checkpoint's step and its config outside ``[mc.lens]`` (what the policy may change). Reading a trace made by another
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor
 from tqdm import tqdm
@@ -39,7 +38,7 @@ from mcfn.errors import UserError
 from mcfn.shell.session import training_sampler
 from mcfn.tools.counterfactual import TRACED, State, trace_window
 
-TRACE_FORMAT = 2  # 2: the whole cuts of each state
+TRACE_FORMAT = 1
 FINGERPRINTED = ("base.", "gistnet.")  # the modules whose weights the labels measure
 FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
 # The share of traced windows that carry a long-range task, whatever the run's data.mix > 0 (1 in the default, where
@@ -98,25 +97,14 @@ class Traces:
 
     windows: Tensor
     trees: Tensor
-    # window, n [S]; gain, loss, delta, valid [S, E]; cuts [S, C, view_nodes] and cut_delta [S, C] (the policy's
-    # cut first, its ΔNLL 0); nll_lens, nll_match, nll_recency [S]
-    states: TensorDict
+    states: TensorDict  # window, n [S]; gain, loss, delta, valid [S, E]; nll_lens, nll_match, nll_recency [S]
     fingerprint: str
     round: int = 0  # the policy round that made them (0: LensNet's first policy)
 
     @classmethod
     def of(cls, windows: Tensor, trees: Tensor, states: list[State], fingerprint: str, round: int = 0) -> Traces:
-        """Pack ``states`` into fixed-capacity rows, ``E`` the most edits of any state, ``view_nodes`` the widest
-        view's."""
+        """Pack ``states`` into fixed-capacity rows, ``E`` the most edits of any state."""
         E = max(s.labelled.delta.numel() for s in states)
-        N = max(s.labelled.cuts.size(-1) for s in states)
-
-        def whole(s: State) -> tuple[Tensor, Tensor]:
-            """The state's whole cuts padded to ``N`` view nodes, and each one's ΔNLL against the policy's."""
-            nll = s.labelled.cuts_by_token.mean(-1).cpu()
-            return F.pad(s.labelled.cuts.cpu(), (0, N - s.labelled.cuts.size(-1))), nll[0] - nll
-
-        cuts, cut_delta = zip(*(whole(s) for s in states), strict=True)
 
         def padded(x: Tensor, fill: float) -> Tensor:
             return torch.cat([x.cpu(), x.new_full((E - x.numel(),), fill).cpu()])
@@ -128,8 +116,6 @@ class Traces:
             "loss": torch.stack([padded(s.labelled.edits.loss, -1) for s in states]),
             "delta": torch.stack([padded(s.labelled.delta.float(), 0.0) for s in states]),
             "valid": torch.stack([torch.arange(E) < s.labelled.delta.numel() for s in states]),
-            "cuts": torch.stack(cuts),
-            "cut_delta": torch.stack(cut_delta),
             **{f"nll_{name}": torch.tensor([float(s.labelled.nll[name][0]) for s in states])
                for name in TRACED},
         }  # fmt: skip

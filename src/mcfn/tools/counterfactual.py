@@ -40,8 +40,7 @@ class Labelled:
     delta: Tensor  # [e]: the policy cut's chunk NLL minus each edit's (nats per prediction)
     nll: dict[str, Tensor]  # per candidate policy, [c] chunk NLLs (the labelled cut is the lens policy's)
     delta_by_token: Tensor  # [e, k]: the same for each of the chunk's k predictions (delta is their mean)
-    cuts: Tensor  # [c, view_nodes]: each whole cut in the view, the policy's first, then the others'
-    cuts_by_token: Tensor  # [c, k]: the NLL of each whole cut at each prediction
+    cuts_by_token: Tensor  # [c, k]: the NLL of each whole cut (the policy's, then the others') at each prediction
 
 
 def lens_view_scores(system: MegaContext, cv: ChunkView) -> Tensor:
@@ -60,19 +59,18 @@ def label_edits(
     others: dict[str, Tensor] | None = None,
 ) -> Labelled:
     """The edits of one row's ``policy`` cut ``[view_nodes]`` (chosen with ``scores [view_nodes]``) and their ΔNLL;
-    ``others`` are further candidates ``[1, c, view_nodes]`` (cuts of the view) scored in the same forward. ``tree
+    ``others`` are further candidates ``[1, c, nodes]`` (cuts of the window) scored in the same forward. ``tree
     [1, n_nodes, D]`` and ``window [1, T + 1]`` are the row's; ``cv`` its view at the chunk."""
     edits = single_edits(policy, scores, cv.nodes)
-    views = {LENS.name: policy[None, None], EDITS: edits.shown[None], **(others or {})}
-    shown, slots = stacked({name: cv.window_cut(cut) for name, cut in views.items()})
+    views = torch.cat([policy[None], edits.shown])
+    cuts = cv.window_cut(views)
+    shown, slots = stacked({LENS.name: cuts[None, :1], EDITS: cuts[None, 1:], **(others or {})})
     by_token = chunk_predictions(system, tree, shown, window, cv)[0][0]  # [S, k]
     nll = by_token.mean(-1)
     by_slot = {name: nll[where] for name, where in slots.items()}
     delta_by_token = by_token[slots[LENS.name]] - by_token[slots[EDITS]]
-    whole = [name for name in slots if name != EDITS]
-    cuts = torch.cat([views[name][0] for name in whole])
-    by_cut = torch.cat([by_token[slots[name]] for name in whole])
-    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot, delta_by_token, cuts, by_cut)
+    whole = torch.cat([by_token[where] for name, where in slots.items() if name != EDITS])
+    return Labelled(edits, by_slot[LENS.name] - by_slot.pop(EDITS), by_slot, delta_by_token, whole)
 
 
 def utility_corr(labelled: Labelled, scores: Tensor) -> float:
@@ -116,10 +114,11 @@ def trace_window(
             )
             previous[policy], cuts[policy] = contexts[0], view_cuts[0, 0]
         scores = lens_view_scores(system, cv)[0]
+        truncation = RECENCY.refocus(system, cv.tree, cv.window, cv.view, protocol)[0]
         others = {
-            MATCH.name: cuts[MATCH][None, None],
-            RECENCY.name: RECENCY.refocus(system, cv.tree, cv.window, cv.view, protocol)[0],
-            RANDOM.name: cv.random(random_cuts, 1, generator),
+            MATCH.name: cv.window_cut(cuts[MATCH])[None, None],
+            RECENCY.name: cv.window_cut(truncation),
+            RANDOM.name: cv.window_cut(cv.random(random_cuts, 1, generator)),
         }
         labelled = label_edits(system, tree, window, cv, cuts[LENS], scores, others)
         states.append(State(index, n, labelled, utility_corr(labelled, scores)))
