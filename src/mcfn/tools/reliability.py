@@ -163,10 +163,11 @@ def attention_halves(
     attention: Float[Tensor, "h t"], nodes: NodeTable, generator: torch.Generator
 ) -> tuple[Float[Tensor, " g"], Float[Tensor, " g"]]:
     """The attention label of the gists outside the tail from two disjoint random halves of the tail's predictions
-    (``attention``: :func:`tail_attention`): the mean attention mass a query puts under each gist's span, per half."""
-    order = torch.randperm(attention.size(0), generator=generator).to(attention.device)
+    (``attention``: :func:`tail_attention`; :func:`random_halves`, as the ΔNLL labels split theirs): the mean
+    attention mass a query puts under each gist's span, per half."""
     gists = (nodes.lod > 0) & nodes.eligible
-    a, b = (node_mass(attention[half].mean(0)[None], nodes.layout)[0, gists] for half in order.chunk(2))
+    halves = (half.to(attention.device) for half in random_halves(attention.size(0), generator))
+    a, b = (node_mass(attention[half].mean(0)[None], nodes.layout)[0, gists] for half in halves)
     return a, b
 
 
