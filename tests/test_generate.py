@@ -72,28 +72,40 @@ def test_the_token_step_matches_the_full_forward():
         decoder.token(tokens[0, :1], 20)
 
 
-@pytest.mark.parametrize("kept", [0, 5, 70])
-def test_the_compiled_refill_in_padded_chunks_writes_what_eager_extending_writes(fresh_dynamo, kept):
-    """A refocus's refill compiled in fixed chunks of REFILL_CHUNK entries (the last one padded), after ``kept``
-    cached entries: the same last hidden state and the same cache slots as extending eagerly, and stale slots past
-    the kept prefix (a longer earlier context) never read."""
+@pytest.mark.parametrize(("kept", "n"), [(0, REFILL_CHUNK + 7), (5, REFILL_CHUNK + 12), (70, 2 * REFILL_CHUNK + 7),
+                                         (3, 30)])  # fmt: skip
+def test_the_compiled_refill_in_chunks_writes_what_eager_extending_writes(fresh_dynamo, kept, n):
+    """A refocus's refill compiled in fixed chunks of REFILL_CHUNK entries, after ``kept`` cached entries, in a
+    cache of exactly the context's length (the last chunk ends at the context's end, recomputing entries before it),
+    or of one chunk where the context is shorter (padded): the same last hidden state and the same cache slots as
+    extending eagerly, and stale slots past the kept prefix (a longer earlier context) never read."""
     base = decisive_system().base
-    n = kept + REFILL_CHUNK + 7  # two chunks, the second padded
     emb = torch.randn(1, n, base.cfg.n_embd, generator=torch.Generator().manual_seed(1))
     pos = torch.arange(n, dtype=torch.float32)[None] * 2.0
     span = torch.randint(1, 3, (1, n)).float()
-    eager = KVCache(base, n + REFILL_CHUNK, torch.device("cpu"))
+    capacity = max(n, REFILL_CHUNK)
+    eager = KVCache(base, capacity, torch.device("cpu"))
     want = extend(base, eager, emb, pos, span)
     with one_graph("inductor") as compile_fn:
-        decoder = Decoder(base, KVCache(base, n + REFILL_CHUNK, torch.device("cpu")), compile_fn)
+        decoder = Decoder(base, KVCache(base, capacity, torch.device("cpu")), compile_fn)
         decoder.cache.tensors.k.normal_()  # stale slots: a refill must never read past what it wrote
         decoder.cache.tensors.v.normal_()
         extend(base, decoder.cache, emb[:, :kept], pos[:, :kept], span[:, :kept])
-        got = decoder.extend(emb[:, kept:], pos[:, kept:], span[:, kept:])
+        got = decoder.refill(emb, pos, span, kept)
     torch.testing.assert_close(got, want[:, -1:], atol=1e-4, rtol=1e-4)
     for got_slots, want_slots in zip(decoder.cache.tensors[:2], eager.tensors[:2], strict=True):  # keys, values
         torch.testing.assert_close(got_slots[:, :, :, :n], want_slots[:, :, :, :n])
     assert decoder.cache.length == n
+
+
+def test_a_refill_chunk_must_fit_its_cache_and_keep_an_entry_to_run():
+    base = decisive_system().base
+    with pytest.raises(ValueError, match="does not fit a cache of 8"):
+        Decoder(base, KVCache(base, 8, torch.device("cpu")), refill_chunk=9)
+    decoder = Decoder(base, KVCache(base, 8, torch.device("cpu")), refill_chunk=8)
+    emb, ones = torch.zeros(1, 4, base.cfg.n_embd), torch.ones(1, 4)
+    with pytest.raises(ValueError, match="4 entries; 4 asked"):
+        decoder.refill(emb, ones, ones, keep=4)
 
 
 def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):

@@ -32,6 +32,7 @@ def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):
     assert figures["run"]["steps"] == 3 and figures["run"]["graph_breaks"] == 0
     assert figures["run"]["fwd_bwd_ms_median"] > 0 and figures["run"]["optim_ms_median"] > 0
     assert {row["prompt_tokens"] for row in figures["decode"]["rows"]} == {256, 512}
+    assert "one-chunk refill" in figures["decode"]["refocus_ms_of_which_focus"]
     assert [row["prompt_tokens"] for row in figures["decode_r64"]["rows"]] == [512]
     assert "full_tok_s" not in figures["decode_r64"]["rows"][0]  # MC alone
     assert {row["condition"] for row in figures["sweep"]["rows"]} == {"plain", "mc"}

@@ -120,8 +120,8 @@ def test_the_token_step_carries_the_key_smear_and_a_refill_smears_the_kept_entry
     extend(model, decoder.cache, emb[:, :9], positions[:, :9], span[:, :9])
     got = [decoder.token(tokens[i - 9 : i - 8], int(positions[0, i])) for i in range(9, 14)]
     torch.testing.assert_close(torch.stack(got), want_logits[9:], atol=1e-4, rtol=1e-4)
-    decoder.cache.length = 10  # keep entries 0-9: entry 10 (the token after token 9) must smear entry 9's keys again
-    refilled = decoder.extend(emb[:, 10:], positions[:, 10:], span[:, 10:])
+    # Keep entries 0-9: entry 10 (the token after token 9) must smear entry 9's keys again.
+    refilled = decoder.refill(emb, positions, span, keep=10)
     torch.testing.assert_close(refilled, want[:, 10:], atol=1e-5, rtol=1e-5)
 
 

@@ -14,7 +14,8 @@ first, since a lease is short:
 3. ``tests``: the CUDA tests (``pytest -m cuda``), in parallel processes where pytest-xdist is there: before the
    decode figures, since they hold the CUDA-graph decoding to eager's tokens;
 4. ``decode``: ``train.bench --decode`` with the run's checkpoint on prompts of 16k and 128k tokens, MC
-   against full context: tokens/s and the cost of a refocus (its choice and its refill); ``decode_r64``: MC alone
+   against full context: tokens/s and the cost of a refocus (its choice and its refill; and with the refill in one
+   chunk of the whole budget, ``mc_one_chunk``); ``decode_r64``: MC alone
    with a refocus every 64 tokens instead of the run's 16;
 5. ``sweep``: with what time is left, ``--sweep-T`` of the ``gpu-h100`` model up to T = 65536, eagerly at B = 1.
 
@@ -92,10 +93,16 @@ def figures(name: str, work: Path, log: str) -> dict[str, Any]:
         flat = "; ".join(f"{r['prompt_tokens']}: {r['mc_tok_s']:.0f} / {r.get('full_tok_s', float('nan')):.0f}"
                          for r in rows)  # fmt: skip
         refocus = "; ".join(f"{r['prompt_tokens']}: {r['mc_refocus_ms_per_refocus']:.1f} "
-                            f"({r['mc_focus_ms_per_refocus']:.1f})" for r in rows)  # fmt: skip
+                            f"({r['mc_focus_ms_per_refocus']:.1f})" + one_chunk(r) for r in rows)  # fmt: skip
         return {"tok_s_mc_over_full": flat, "refocus_ms_of_which_focus": refocus,
                 "recompiles": len(re.findall(r"Recompiling function", log)), "rows": rows}  # fmt: skip
     return {"rows": json.loads((work / "sweep" / "bench_sweep.json").read_text())}
+
+
+def one_chunk(row: dict[str, Any]) -> str:
+    """A decode row's refocus milliseconds with the refill in one chunk, where that mode ran."""
+    ms = row.get("mc_one_chunk_refocus_ms_per_refocus")
+    return "" if ms is None else f", one-chunk refill {ms:.1f}"
 
 
 def step_phases(run_dir: Path, mfu_per_step_ms: float | None) -> dict[str, float]:

@@ -94,8 +94,7 @@ def refill(
     entries = torch.stack([wc.start[0], wc.lod[0]], -1)
     # Keep at least one entry out of the prefix: its hidden state gives the next token.
     keep = min(shared_prefix(cached, entries), entries.size(0) - 1)
-    decoder.cache.length = keep
-    hidden = decoder.extend(wc.emb[:, keep:], wc.position[:, keep:], wc.span[:, keep:].float())
+    hidden = decoder.refill(wc.emb, wc.position, wc.span.float(), keep)
     stats.reused_entries += keep
     stats.recomputed_entries += entries.size(0) - keep
     return hidden, entries
@@ -104,17 +103,21 @@ def refill(
 class MCContexts:
     """MegaContext's contexts for one text: a refocus every ``refocus.every`` tokens with ``policy``'s context and
     the cache refilled where it changed (``use_cache=False``: the whole context recomputed at every token instead, to
-    hold the cache to the same tokens). ``on_refocus(n, layout)`` hears each refocus's LOD layout."""
+    hold the cache to the same tokens). ``on_refocus(n, layout)`` hears each refocus's LOD layout. ``refill_chunk``:
+    the entries a compiled refill runs at once (:class:`~mcfn.inference.decode.Decoder`; at most ``W``)."""
 
     def __init__(self, system: MegaContext, policy: FocusPolicy, refocus: Refocus, device: torch.device,
-                 compile_fn=None, use_cache: bool = True, on_refocus=None):  # fmt: skip
+                 compile_fn=None, use_cache: bool = True, on_refocus=None,
+                 refill_chunk: int = REFILL_CHUNK):  # fmt: skip
         self.system, self.policy, self.refocus, self.stats = system, policy, refocus, GenerationStats()
         self.use_cache, self.on_refocus, self.device = use_cache, on_refocus, device
         self.budget = refocus_budget(system.layout, refocus.every)
         self.every = refocus.every
         self.stream = StreamingTree(system, device)
-        # The cache holds the context, the R tokens decoded after it and a refill's padding.
-        self.decoder = Decoder(system.base, KVCache(system.base, system.layout.W + REFILL_CHUNK, device), compile_fn)
+        # The cache holds the context (within W - R) and the R tokens decoded after it; a context shorter than a
+        # refill chunk is padded to one.
+        capacity = max(system.layout.W, refill_chunk)
+        self.decoder = Decoder(system.base, KVCache(system.base, capacity, device), compile_fn, refill_chunk)
         self.context: WorkingContext | None = None
         self.cached = torch.zeros(0, 2, dtype=torch.int64, device=device)  # (start, LOD) of each cache entry
         self.entries: tuple[Tensor, Tensor, Tensor] | None = None  # use_cache=False: the context's inputs so far

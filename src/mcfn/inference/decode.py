@@ -8,9 +8,11 @@ so one compiled graph serves every length of a cache; the writes are in place (i
 
 :class:`Decoder` drives one cache. Eagerly it extends by exactly the entries given. Compiled, it has two graphs of
 fixed shape: the token step (embedding, the model, the logits) and the refill of a refocus in chunks of
-:data:`REFILL_CHUNK` entries (the last one padded: padding lands past the cache's length, where nothing reads it).
-On a GPU each graph is captured once per cache as a CUDA graph and replayed: one token is then one launch, not
-hundreds (BENCHMARKS.md: a token was launch-bound at about 7 ms on 12 layers).
+``refill_chunk`` entries. The last chunk ends at the context's last entry, recomputing a few entries before the
+ones that changed instead of padding past the end, so the cache needs no room beyond the context (a context shorter
+than one chunk is padded, within a capacity of at least one chunk). On a GPU each graph is captured once per cache
+as a CUDA graph and replayed: one token is then one launch, not hundreds (BENCHMARKS.md: a token was launch-bound at
+about 7 ms on 12 layers).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from mcfn.core.model import GPT, Entry
 from mcfn.core.step import compile_step
 from mcfn.typecheck import typechecked
 
-REFILL_CHUNK = 64  # entries a compiled refill runs at once: a refocus recomputes what changed in ceil(n / 64) calls
+REFILL_CHUNK = 64  # entries a compiled refill runs at once by default: what changed is recomputed in n / 64 calls
 # Decoding's graphs compile without inductor's own CUDA graphs: Replay captures them, and captures do not nest.
 WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
@@ -187,14 +189,24 @@ class Replay:
 
 
 class Decoder:
-    """Decoding against one :class:`KVCache`: :meth:`extend` (a refocus's changed entries) and :meth:`token` (one
+    """Decoding against one :class:`KVCache`: :meth:`refill` (a refocus's changed entries) and :meth:`token` (one
     decoded token). ``compile_fn`` (``mcfn.core.step.compile_step``) compiles both into fixed shapes, one graph
-    each for every length of every cache of one capacity, replayed as CUDA graphs on a GPU (:class:`Replay`);
-    without it they run eagerly, the refill over exactly the entries given."""
+    each for every length of every cache of one capacity, replayed as CUDA graphs on a GPU (:class:`Replay`), the
+    refill in chunks of ``refill_chunk`` entries (at most the cache's capacity; by default :data:`REFILL_CHUNK` or
+    the capacity where smaller); without it they run eagerly, the refill over exactly the entries that changed."""
 
-    def __init__(self, model: GPT, cache: KVCache, compile_fn: Callable[[Callable], Callable] | None = None):
+    def __init__(
+        self,
+        model: GPT,
+        cache: KVCache,
+        compile_fn: Callable[[Callable], Callable] | None = None,
+        refill_chunk: int | None = None,
+    ):
+        refill_chunk = min(REFILL_CHUNK, cache.capacity) if refill_chunk is None else refill_chunk
+        if not 1 <= refill_chunk <= cache.capacity:
+            raise ValueError(f"a refill chunk of {refill_chunk} entries does not fit a cache of {cache.capacity}")
         self.model, self.cache = model, cache
-        device, d, c = cache.tensors.k.device, model.cfg.n_embd, REFILL_CHUNK
+        device, d, c = cache.tensors.k.device, model.cfg.n_embd, refill_chunk
         # The compiled graphs' inputs, filled in place before each call.
         self.start = torch.zeros((), dtype=torch.int64, device=device)
         self.token_in = torch.zeros(1, dtype=torch.int64, device=device)
@@ -215,24 +227,33 @@ class Decoder:
         return sum(g.first_s or 0.0 for g in (self.token_graph, self.refill_graph) if g is not None)
 
     @torch.no_grad()
-    def extend(
-        self, emb: Float[Tensor, "1 n d"], positions: Float[Tensor, "1 n"], spans: Float[Tensor, "1 n"]
-    ) -> Float[Tensor, "1 m d"]:
-        """Append ``n`` entries after the cache's ``length``; hidden states whose last is the last entry's (``m =
-        n`` eagerly, 1 compiled: the one the next token reads)."""
-        cache, n = self.cache, emb.size(1)
+    def refill(
+        self, emb: Float[Tensor, "1 m d"], positions: Float[Tensor, "1 m"], spans: Float[Tensor, "1 m"], keep: int
+    ) -> Float[Tensor, "1 r d"]:
+        """Bring the cache, whose first ``keep`` slots hold the first entries of the context ``[1, m]`` given (its
+        inputs: embeddings, positions, spans), to the whole context: entries ``keep..m`` run through the model.
+        Hidden states whose last is the context's last entry's (``r = m - keep`` eagerly, 1 compiled: the one the
+        next token reads)."""
+        cache, m = self.cache, emb.size(1)
+        if not 0 <= keep < m:
+            raise ValueError(f"a refill keeps fewer than the context's {m} entries; {keep} asked")
+        cache.length = keep
         if self.refill_graph is None:
-            return extend(self.model, cache, emb, positions, spans)
-        end = cache.end_after(n)
-        cache.end_after(-(-n // REFILL_CHUNK) * REFILL_CHUNK)  # the padded last chunk needs room too
+            return extend(self.model, cache, emb[:, keep:], positions[:, keep:], spans[:, keep:])
+        cache.end_after(m - keep)
         emb_in, positions_in, spans_in = self.chunk
-        for lo in range(0, n, REFILL_CHUNK):
-            m, at = min(REFILL_CHUNK, n - lo), slice(lo, lo + REFILL_CHUNK)
-            self.start.fill_(cache.length + lo)
-            emb_in[:, :m], positions_in[:, :m], spans_in[:, :m] = emb[:, at], positions[:, at], spans[:, at]
+        c = emb_in.size(1)
+        for lo in range(keep, m, c):
+            # The last chunk ends at entry m - 1: its first entries were written already (or kept), and writing them
+            # again writes what is there, where padding would need room past the context.
+            first = max(0, min(lo, m - c))
+            n = min(c, m - first)
+            self.start.fill_(first)
+            at = slice(first, first + n)
+            emb_in[:, :n], positions_in[:, :n], spans_in[:, :n] = emb[:, at], positions[:, at], spans[:, at]
             hidden = self.refill_graph()
-        cache.length = end
-        return hidden[:, m - 1 : m]
+        cache.length = m
+        return hidden[:, n - 1 : n]
 
     @torch.no_grad()
     def token(self, token: Int[Tensor, " 1"], position: int) -> Float[Tensor, " vocab"]:

@@ -6,6 +6,9 @@ each figure is the median over the repeats:
 
 * ``mc``: streaming MegaContext, warm refocuses (the default of ``train.generate``);
 * ``mc_cold``: every refocus from the coarsest cut, with a fresh cache (``--warm-steps 0``);
+* ``mc_one_chunk``: ``mc`` with its compiled refill in one chunk of the whole refocus budget ``W - R`` instead of
+  :data:`~mcfn.inference.decode.REFILL_CHUNK` entries: one replay where warm refocuses keep little of the cache
+  (0-4 % on the H100, 2026-11-28), at the cost of recomputing up to ``W - R`` entries where they keep more;
 * ``recency``: the newest ``W - R`` tokens at each refocus (``train.generate --context recency``), truncation;
 * ``full``: the whole prompt at LOD0 with a KV cache over all of it.
 
@@ -23,12 +26,14 @@ from typing import Any
 
 import torch
 
-from mcfn.core.focus import WARM_STEPS
+from mcfn.core.focus import WARM_STEPS, refocus_budget
 from mcfn.core.policy import FULL, LENS, RECENCY
 from mcfn.core.system import MegaContext
+from mcfn.inference.decode import REFILL_CHUNK
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
 
-MODES = ("mc", "mc_cold", RECENCY.name, FULL.name)  # lens warm and cold, truncation, full context
+MODES = ("mc", "mc_cold", "mc_one_chunk", RECENCY.name, FULL.name)  # lens warm, cold, its refill in one chunk;
+# truncation; full context
 
 
 def decode_once(
@@ -40,6 +45,7 @@ def decode_once(
         return generate_full(system.base, prompt, new_tokens, greedy, compile_fn)[1]
     warm_steps = 0 if mode == "mc_cold" else WARM_STEPS
     policy = RECENCY if mode == RECENCY.name else LENS
+    refill_chunk = refocus_budget(system.layout, refocus_every) if mode == "mc_one_chunk" else REFILL_CHUNK
     return generate_mc(
         system,
         prompt,
@@ -49,6 +55,7 @@ def decode_once(
         warm_steps=warm_steps,
         compile_fn=compile_fn,
         policy=policy,
+        refill_chunk=refill_chunk,
     )[1]
 
 
@@ -110,6 +117,8 @@ COLUMNS = (  # (key, heading, format): the table shows the columns whose keys th
     ("mc_refocus_ms_per_refocus", "MC ms/refocus", "{:.2f}"),
     ("mc_focus_ms_per_refocus", "of which LensNet + allocator", "{:.2f}"),
     ("mc_cold_refocus_ms_per_refocus", "MC cold ms/refocus", "{:.2f}"),
+    ("mc_one_chunk_tok_s", "MC one-chunk refill tok/s", "{:.0f}"),
+    ("mc_one_chunk_refocus_ms_per_refocus", "MC one-chunk ms/refocus", "{:.2f}"),
     ("mc_refocuses_per_token", "refocuses/token", "{:.4f}"),
     ("mc_recomputed_per_refocus", "entries recomputed/refocus", "{:.1f}"),
     ("mc_cache_kept", "cache kept", "{:.0%}"),

@@ -42,6 +42,7 @@ from mcfn.core.policy import LENS, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
 from mcfn.inference.contexts import FullContexts, GenerationStats, MCContexts, settled
+from mcfn.inference.decode import REFILL_CHUNK
 
 __all__ = ["GenerationStats", "Sampling", "decode", "decode_mc", "generate_full", "generate_mc", "teacher_forced_mc"]
 
@@ -108,18 +109,22 @@ def generate_mc(
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
     policy: FocusPolicy = LENS,
+    refill_chunk: int = REFILL_CHUNK,
 ) -> tuple[Tensor, GenerationStats]:
     """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
     ``warm_steps = 0`` starts every refocus from the coarsest cut, with a fresh cache. ``compile_fn``
-    compiles the per-token step (every refocus's cache has capacity ``W``: one shape). ``policy`` chooses each
-    refocus's context (a scored one, or ``recency``: truncation at the same cadence)."""
+    compiles the per-token step and the refill in chunks of ``refill_chunk`` entries (every refocus's cache has
+    capacity ``W``: one shape each). ``policy`` chooses each refocus's context (a scored one, or ``recency``:
+    truncation at the same cadence)."""
     generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
 
     def choose(logits: Tensor, _: int) -> Tensor:
         return pick_token(logits, sampling, generator)
 
     steps = Refocus(refocus_every, refocus_steps, warm_steps)
-    return decode_mc(system, prompt, max_new_tokens, steps, policy, choose, use_cache, on_refocus, compile_fn)
+    return decode_mc(
+        system, prompt, max_new_tokens, steps, policy, choose, use_cache, on_refocus, compile_fn, refill_chunk
+    )
 
 
 @torch.no_grad()
@@ -153,6 +158,7 @@ def decode_mc(
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
+    refill_chunk: int = REFILL_CHUNK,
 ) -> tuple[Tensor, GenerationStats]:
     """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]`` with ``policy``'s contexts (:func:`decode`
     with :class:`~mcfn.inference.contexts.MCContexts`); ``choose(logits [vocab], i)`` gives the ``i``-th new token
@@ -161,7 +167,7 @@ def decode_mc(
         raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy")
     if not policy.available(system):
         raise UserError(f"the {policy.name} policy needs the run's LensNet, and this run has none (mc.lens.enabled)")
-    contexts = MCContexts(system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus)
+    contexts = MCContexts(system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus, refill_chunk)
     return decode(contexts, prompt, max_new_tokens, choose)
 
 
