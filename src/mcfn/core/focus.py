@@ -269,14 +269,15 @@ def focus_cut(
     :mod:`mcfn.core.policy`)."""
     layout = view.layout
     nodes = NodeTable.of(layout, window.device)
-    coarsest = coarsest_cut(layout, window.device)[None, None]
     horizon = torch.tensor([view.real - 1], device=window.device)  # the newest real token, no phantom (I11)
     scores = focus_scores(scorer, tree, window, nodes, horizon)
     cut = None
     if previous is not None:
         carried = carried_cut(previous, view, nodes)
         cut = None if carried is None else shrink_to_budget(carried, scores, nodes)
-    return settle(coarsest if cut is None else cut, scores, nodes, steps)
+    if cut is None:  # built only when used: over a long history it is a tenth of a warm refocus's kernels
+        cut = coarsest_cut(layout, window.device)[None, None]
+    return settle(cut, scores, nodes, steps)
 
 
 @typechecked

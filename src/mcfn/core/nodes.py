@@ -110,15 +110,14 @@ class NodeTable:
     @classmethod
     def of(cls, layout: Layout, device: torch.device | None = None) -> NodeTable:
         lod, start, span, parent = [], [], [], []
-        for k, size in enumerate(layout.level_sizes):
-            j = torch.arange(size)
-            lod.append(torch.full((size,), k))
+        for k, size in enumerate(layout.level_sizes):  # built where it is used: a refocus builds one or two
+            j = torch.arange(size, device=device)
+            lod.append(torch.full((size,), k, device=device))
             start.append(j * layout.K**k)
-            span.append(torch.full((size,), layout.K**k))
-            parent.append(layout.level_offsets[k + 1] + j // layout.K if k < layout.L else torch.full((size,), -1))
-        lod, start, span, parent = (
-            torch.cat(parts).to(device=device, dtype=torch.int64) for parts in (lod, start, span, parent)
-        )
+            span.append(torch.full((size,), layout.K**k, device=device))
+            up = layout.level_offsets[k + 1] + j // layout.K if k < layout.L else torch.full_like(j, -1)
+            parent.append(up)
+        lod, start, span, parent = (torch.cat(parts) for parts in (lod, start, span, parent))
         eligible = (lod == 0) | (start + span <= layout.T - layout.H)
         return cls(layout, lod, start, span, parent, eligible)
 
