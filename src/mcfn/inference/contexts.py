@@ -42,7 +42,9 @@ class GenerationStats:
     focus_s: float = 0.0  # of refocus_s: choosing the cut (scoring and the allocator; mc)
     compile_s: float = 0.0  # of decode_s: the compiled graphs' first calls (compilation and capture included)
     reused_entries: int = 0  # context entries whose cached keys and values a refocus kept (mc)
-    recomputed_entries: int = 0  # context entries a refocus ran through the model (mc)
+    # Context entries from the first one a refocus changed, which it runs through the model (mc); a compiled
+    # refill's last chunk may run a few kept ones again, counted as kept.
+    recomputed_entries: int = 0
     layouts: list[str] = field(default_factory=list)  # the LOD layout at each refocus (mc)
 
     @property
