@@ -16,6 +16,7 @@ from mcfn.core.attention import attention_mass
 from mcfn.core.focus import default_budgets, evaluation_budgets
 from mcfn.errors import UserError
 from mcfn.inference.generation import generate_mc
+from mcfn.shell.checkpoint import Checkpoint
 from mcfn.tools.eval_batch import EvalBatch, EvalSettings
 from mcfn.tools.eval_report import format_eval_table
 from mcfn.tools.eval_result import EvalReport, ProtocolResult
@@ -95,7 +96,8 @@ def test_an_evaluations_budgets_are_refused_before_any_work_where_they_cannot_be
     assert evaluation_budgets(layout, (W, layout.coarsest_cover), most) == (W, layout.coarsest_cover)
     cover = layout.coarsest_cover  # 13: W - R cannot even hold the tail and the gists, whatever R
     for budgets, R, says in (((T + 1,), 1, f"outside [{cover}, {T}]"), ((W,), most + 1, f"[1, {most}]"),
-                             ((cover, W), 1, f"[1, {cover - H - (K - 1) * L}]")):  # fmt: skip
+                             ((cover, W), 1, f"[1, {cover - H - (K - 1) * L}]"),
+                             ((W, cover - 1), 1, f"budget {cover - 1} is outside [{cover}, {T}]")):  # fmt: skip
         with pytest.raises(UserError, match=re.escape(says)) as refused:
             evaluation_budgets(layout, budgets, R)
         assert "\n" not in str(refused.value)
@@ -267,17 +269,26 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     # The run's own evaluation is brief, and its report opens with the five summary lines (mcfn.shell.headline).
     final = json.loads((mc / "eval.json").read_text())
     assert final["brief"] and list(final["tasks"]) == ["corpus", "passkey"] and final["W"] == 128
-    assert set(final["tasks"]["passkey"]["accuracy"]) == {"full", "recency", "match", "lens"}
+    assert set(final["tasks"]["passkey"]["accuracy"]) == {"full", "recency", "match", "lens", "shipped"}
+    shipped = final["shipped"]  # chosen on validation windows, recorded in the checkpoint, scored as "shipped"
+    assert list(final)[0] == "shipped" and shipped in ("recency", "match", "lens", "gated")
+    assert Checkpoint.read(mc).state["shipped"]["name"] == shipped
+    assert json.loads((mc / "summary.json").read_text())["shipped"] == shipped
     opening = (mc / "report.md").read_text().split("\n\n")[1].splitlines()
-    heads = ["Trained", "Pass key", "Corpus bpb", "A pass-key window as LensNet cuts it", "Generated"]
+    heads = ["Trained", f"Ships `{shipped}`", "Pass key", "Corpus bpb", f"A pass-key window as `{shipped}` cuts it",
+             "Generated"]  # fmt: skip
     assert [line.split("**")[1] for line in opening] == heads, opening
-    assert "LensNet refocusing every 8 tokens (4 refocuses)" in opening[4], "32 tokens generated, R = 8"
-    assert re.search(r"`[0-9·]*\[[0-9·]+\][0-9·]*`$", opening[3]), opening[3]
-    # The opening lines' figures are eval.json's, condition by condition, truncation (recency) among them.
+    assert f"`{shipped}` refocusing every 8 tokens (4 refocuses)" in opening[5], "32 tokens generated, R = 8"
+    assert re.search(r"`[0-9·]*\[[0-9·]+\][0-9·]*`$", opening[4]), opening[4]
+    # The opening lines' figures are eval.json's, condition by condition, truncation (recency) among them, and the
+    # shipped policy's gain over truncation is the paired difference eval.json reports.
     answered, bpb = final["tasks"]["passkey"]["accuracy"], final["bpb"]
-    shown = ("full", "recency", "match", "lens")
-    assert ", ".join(f"{c} {answered[c]:.2f}" for c in shown) in opening[1], opening[1]
-    assert ", ".join(f"{c} {bpb[c]:.4f}" for c in shown) in opening[2], opening[2]
+    shown = ("full", "recency", "match", "lens", "shipped")
+    assert ", ".join(f"{c} {answered[c]:.2f}" for c in shown) in opening[2], opening[2]
+    assert ", ".join(f"{c} {bpb[c]:.4f}" for c in shown) in opening[3], opening[3]
+    over = final["tasks"]["corpus"]["paired"]["shipped_over_recency"]
+    assert f"pass key {answered['shipped']:.2f}, corpus gain over truncation {over['bpb']:+.4f} ± " in opening[1]
+    assert math.isclose(over["bpb"], bpb["recency"] - bpb["shipped"], abs_tol=1e-9)
     # The final evaluation refocuses as generation does: warm after a window's first refocus, with its steps.
     decoding = inspect.signature(generate_mc).parameters
     assert final["warm_steps"] == decoding["warm_steps"].default >= 1, "the final evaluation refocused cold"

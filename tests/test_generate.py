@@ -130,6 +130,28 @@ def test_a_warm_refocus_starts_from_the_previous_context_within_budget():
     assert differs, "the case needs a warm start that is not the coarsest cut"
 
 
+def test_a_warm_refocus_whose_carry_fails_settles_from_the_coarsest_cut(monkeypatch):
+    """Where the last context cannot be carried into the new view (forced here), ``focus_cut`` starts cold: with no
+    allocator step it returns the coarsest cut, and with steps it settles exactly as a cold refocus does."""
+    import mcfn.core.focus as focus
+
+    system = spread_lens(decisive_system(), seed=4)
+    budget, n = W - REFOCUS, 3 * T + 5
+    stream = random_stream(system, n)
+    previous = focused_context(system, stream, budget, LENS, Refocus(REFOCUS, steps=4))
+    stream.append(torch.randint(0, VOCAB, (REFOCUS,), generator=torch.Generator().manual_seed(n)))
+    view = stream_view(len(stream), system.layout, budget)
+    tree, window = view_tree(stream, view)
+    scorer = system.lensnet.scorer(view.layout, window)
+    warm = focus_cut(scorer, tree, window, view, 0, previous)
+    assert not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None]), "the carry works here"
+    monkeypatch.setattr(focus, "carried_cut", lambda *args: None)
+    assert torch.equal(
+        focus_cut(scorer, tree, window, view, 0, previous), coarsest_cut(view.layout, window.device)[None, None]
+    )
+    assert torch.equal(focus_cut(scorer, tree, window, view, 4, previous), focus_cut(scorer, tree, window, view, 4))
+
+
 def random_stream(system, n: int) -> StreamingTree:
     stream = StreamingTree(system, torch.device("cpu"))
     stream.append(torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)))
@@ -267,7 +289,7 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     capsys.readouterr()
     assert generate_main([*common, "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "[generate] lens:" in err and "20 new tokens" in err and "cache entries kept:" in err
+    assert "[generate] shipped (lens):" in err and "20 new tokens" in err and "cache entries kept:" in err
     assert generate_main([*common, "--context", "full"]) == 0
     assert "[generate] full:" in capsys.readouterr().err
     # Truncation at the same cadence: every refocus shows the newest W - R = 20 tokens, as blocks of K = 4 tokens.

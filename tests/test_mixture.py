@@ -144,3 +144,19 @@ def test_each_batch_index_draws_its_own_facts_and_rows_whatever_came_before(spli
     assert torch.equal(late.batch(9, 8), mixed(split, tok, 0.5, tasks=("passkey",)).batch(9, 8))
     for i in (3, 9, 4):  # out of order, after other batches: the same windows as drawn first
         assert facts(late.batch(i, 8)) == drawn[i]
+
+
+def test_each_listed_task_gets_its_share_of_the_rewritten_rows(split, tok):
+    """With ``passkey,kv-recall`` and ``mix`` 1, each task writes about half the rows, told apart by the question the
+    row itself ends with (not by the sampler's own draw): a sampler that trained on one task alone fails here."""
+    sampler = mixed(split, tok, 1.0)
+    counts = {"What is the pass key?": 0, "Recall:": 0}
+    rows = 0
+    for index in range(30):
+        for window in sampler.batch(index, 8):
+            ending = tok.decode(window[-H:].tolist())
+            rows += 1
+            for question in counts:
+                counts[question] += question in ending
+    assert sum(counts.values()) == rows, "every row carries exactly one of the two questions"
+    assert all(0.38 < n / rows < 0.62 for n in counts.values()), counts  # 240 rows: ±0.12 is beyond 3.7 SE

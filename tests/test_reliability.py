@@ -205,3 +205,45 @@ def test_an_edits_two_chunk_label_is_its_chunk_label_then_the_next_chunk_with_it
     cut = focus_cut(scorer, there.tree, there.window, there.view, protocol.warm_steps, carried)
     nll = chunk_predictions(system, tree, there.window_cut(cut[:, 0])[None], window, there)[0][0, 0]
     torch.testing.assert_close(labels[edit, k:], following.labelled.cuts_by_token[0] - nll, atol=1e-5, rtol=1e-5)
+
+
+def test_the_single_edit_labels_error_is_over_documents_computed_by_hand():
+    """Four windows from two documents, one state each, two predictions a chunk (so the two halves are the two
+    predictions, whichever order the draw takes): the pooled agreement and its jackknife error over the two
+    documents, computed here by hand, are what ``single_edit_reliability`` reports with the windows' documents."""
+    from types import SimpleNamespace
+
+    from mcfn.tools.reliability import single_edit_reliability
+
+    by_state = [  # [edits, 2 predictions] ΔNLL per window
+        torch.tensor([[0.5, 0.4], [-0.2, 0.1], [0.3, -0.6]]),
+        torch.tensor([[1.0, 0.8], [0.1, 0.2], [-0.4, -0.5]]),
+        torch.tensor([[0.2, -0.3], [-0.1, 0.6], [0.7, 0.1]]),
+        torch.tensor([[-0.5, -0.2], [0.9, -0.1], [0.0, 0.4]]),
+    ]
+    documents = [0, 0, 1, 1]
+
+    def by_hand(labels: torch.Tensor) -> tuple[float, float]:
+        a, b = [0.0, *labels[:, 0].tolist()], [0.0, *labels[:, 1].tolist()]  # the unedited cut's 0 first
+        n = d = 0.0
+        for i in range(len(a)):
+            for j in range(len(a)):
+                da, db = a[i] - a[j], b[i] - b[j]
+                sign = (da > 0) - (da < 0), (db > 0) - (db < 0)
+                n += (abs(da) + abs(db)) * sign[0] * sign[1]
+                d += abs(da) + abs(db)
+        return n, d
+
+    sums = {doc: [0.0, 0.0] for doc in (0, 1)}
+    for labels, doc in zip(by_state, documents, strict=True):
+        n, d = by_hand(labels)
+        sums[doc][0] += n
+        sums[doc][1] += d
+    N, D = sum(s[0] for s in sums.values()), sum(s[1] for s in sums.values())
+    leave_out = [(N - sums[doc][0]) / (D - sums[doc][1]) for doc in (0, 1)]
+    mean = sum(leave_out) / 2
+    se = math.sqrt(0.5 * sum((x - mean) ** 2 for x in leave_out))
+    states = [SimpleNamespace(window=w, labelled=SimpleNamespace(delta_by_token=x)) for w, x in enumerate(by_state)]
+    got = single_edit_reliability(states, seed=0, clusters=documents)
+    assert got.windows == 2 and got.states == 4
+    assert math.isclose(got.half, N / D, rel_tol=1e-5) and math.isclose(got.se, se, rel_tol=1e-5)

@@ -19,7 +19,7 @@ from mcfn.errors import UserError, exit_code
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS
-    from mcfn.core.policy import LENS, policies
+    from mcfn.core.policy import policies
 
     p = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", type=Path, required=True, help="run directory (or its checkpoint.pt)")
@@ -29,10 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--context",
         choices=[policy.name for policy in policies() if policy.generates],
-        default=LENS.name,
         help="the focus policy: refocus with LensNet (lens) or a training-free scorer (match: the n-gram match; attn: "
         "the base model's attention), keep the newest W - R tokens (recency: truncation, same cadence), or read the "
-        "whole prompt (full); the run's report says which its evaluation found best",
+        "whole prompt (full); default: the policy the run ships (chosen on validation at the end of its training; "
+        "report.md names it)",
     )
     p.add_argument(
         "--refocus-every", type=int, help="tokens decoded between refocuses (mc; default: the run's mc.refocus_every)"
@@ -99,7 +99,14 @@ def run(args: argparse.Namespace) -> None:
     ids = [tok.bos_id, *tok.encode(text)][: args.max_prompt_tokens]
     prompt = torch.tensor(ids, dtype=torch.int64, device=device)
     sampling = Sampling(args.temperature, args.top_k, args.seed)
-    model, policy = trained.model, POLICIES[args.context]
+    model = trained.model
+    if args.context is not None:
+        name, policy = args.context, POLICIES[args.context]
+    elif trained.shipped is not None:
+        shipped, policy = trained.shipped
+        name = f"shipped ({shipped})"
+    else:  # a plain GPT ships nothing: it reads the whole prompt
+        name, policy = FULL.name, FULL
     compile_fn = decoding_compiler(trained.cfg.train.compile_mode) if args.compile else None
     if policy is not FULL:
         if not isinstance(model, MegaContext):
@@ -118,7 +125,7 @@ def run(args: argparse.Namespace) -> None:
         extra = f", refocus {stats.refocus_s:.2f} s of it (cache entries kept: {stats.cache_kept:.0%})"
     extra += f", compilation {stats.compile_s:.1f} s of it (excluded from tok/s)" if args.compile else ""
     print(
-        f"[generate] {args.context}: prompt {stats.prompt_tokens} tokens read in {stats.prefill_s:.2f} s; "
+        f"[generate] {name}: prompt {stats.prompt_tokens} tokens read in {stats.prefill_s:.2f} s; "
         f"{stats.new_tokens} new tokens in {stats.decode_s:.2f} s = {stats.tokens_per_s:.1f} tok/s{extra}",
         file=sys.stderr,
     )

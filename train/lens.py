@@ -3,10 +3,11 @@
 ``--reliability N`` measures instead how much signal the stage's labels carry (``mcfn.shell.lens_labels``).
 
 The LensNet stage (``mcfn.shell.lens_stage``) on an existing MegaContext run: rounds of counterfactual traces under
-generation's protocol and LensNet training on them from the run's own, each round's policy measured on selection
-windows; the policy kept (never one that loses what the run's LensNet knew) goes back into the run's checkpoint,
-beside the original LensNet; ``train.eval --ckpt DIR`` then scores it. Bad input (no checkpoint, a
-plain run, traces of another checkpoint) ends with a one-line ``error:`` message and exit code 2.
+generation's protocol and LensNet training on them from the run's own, each round's policy measured on validation
+windows; then the ship choice (``mcfn.shell.ship``) among truncation, ``match``, the run's own LensNet, its gated
+variant and each round's, recorded in the checkpoint; ``train.eval --ckpt DIR`` scores it as ``shipped``.
+Bad input (no checkpoint, a plain run, traces of another checkpoint) ends with a one-line ``error:`` message and
+exit code 2.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--held-out",
         type=int,
-        help="validation windows that select the kept policy, as many report it (lens_stage.held_out)",
+        help="validation windows each round's policy is measured on (lens_stage.held_out)",
     )
     p.add_argument(
         "--reliability",
@@ -43,6 +44,7 @@ def run(args: argparse.Namespace) -> None:
     from mcfn.errors import UserError
     from mcfn.shell.devices import resolve_device
     from mcfn.shell.lens_stage import run_stage
+    from mcfn.shell.ship import ship_run
     from mcfn.shell.trainer import say
 
     if any(n is not None and n < 1 for n in (args.rounds, args.windows, args.held_out)):
@@ -55,7 +57,9 @@ def run(args: argparse.Namespace) -> None:
         (run_dir / "lens_labels.json").write_text(json.dumps(figures, indent=2))
         return
     overrides = {"rounds": args.rounds, "windows": args.windows, "held_out": args.held_out}
-    _, summary = run_stage(run_dir, resolve_device(args.device), say, **overrides)
+    device = resolve_device(args.device)
+    rounds, summary = run_stage(run_dir, device, say, **overrides)
+    summary["ship"] = ship_run(run_dir, device, say, rounds=rounds).to_json()
     (run_dir / "lens_stage.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -262,7 +262,7 @@ class LensStageConfig:
     # the stage on a finished run, 3 rounds unless this or --rounds says otherwise).
     rounds: int = 0
     windows: int = 64  # fresh training windows traced per round
-    held_out: int = 32  # validation windows that select the policy kept, and as many others that report it
+    held_out: int = 32  # validation windows each round's policy is measured on (the ship choice then reads its own)
     states_per_batch: int = 16  # traced states (chunks of one history length) per step of the ranking loss
     random_cuts: int = 2  # random candidates per traced state, beside the policy, its edits, match and recency
 

@@ -19,6 +19,7 @@ and ``reach``, the number of predictions the cut serves (``R`` under generation'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -29,6 +30,7 @@ from torch import Tensor
 from mcfn.core.attention import attention_scores
 from mcfn.core.context import Scorer, WorkingContext
 from mcfn.core.focus import Refocus, StreamView, focus_cut, view_context
+from mcfn.core.lensnet import LensNet
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext
@@ -142,6 +144,24 @@ FULL = register(FocusPolicy("full", Choice.FULL))
 RECENCY = register(FocusPolicy("recency", Choice.TRUNCATION))
 RECENT = register(FocusPolicy("recent", Choice.FIXED, brief=False))
 RANDOM = register(FocusPolicy("random", Choice.RANDOM, brief=False))
+SHIPPED = "shipped"  # the name the evaluation scores a run's shipped policy under (mcfn.shell.ship)
+
+
+def renamed(policy: FocusPolicy, name: str) -> FocusPolicy:
+    """``policy`` under another name: a candidate of the ship choice, or the run's shipped policy."""
+    return dataclasses.replace(policy, name=name)
+
+
+def lensnet_policy(name: str, lensnet: LensNet) -> FocusPolicy:
+    """A scored policy named ``name`` that scores with ``lensnet`` instead of the system's own (a candidate LensNet:
+    the run's own gated over ``match``, a round of the LensNet stage), the system's base, GistNet and tree unchanged."""
+
+    def scorer_of(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+        return lensnet.scorer(layout, window)
+
+    return FocusPolicy(name, Choice.SCORED, scorer_of)
+
+
 ATTN = register(FocusPolicy("attn", Choice.SCORED, _attention, brief=False))
 MATCH = register(FocusPolicy("match", Choice.SCORED, _match))
 LENS = register(FocusPolicy("lens", Choice.SCORED, _lensnet, needs_lensnet=True))

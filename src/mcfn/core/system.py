@@ -45,6 +45,14 @@ from mcfn.typecheck import typechecked
 NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
 
 
+def lensnet_of(cfg: RunConfig, layout: Layout, match_prior: str | None = None) -> LensNet:
+    """A new LensNet of ``cfg``'s sizes over ``layout``, with ``cfg``'s match prior unless ``match_prior`` says
+    another: the system's own, or a candidate policy's (:mod:`mcfn.shell.ship`)."""
+    prior = cfg.mc.lens.match_prior if match_prior is None else match_prior
+    return LensNet(cfg.model.n_embd, cfg.aux_width, AUX_LAYERS, cfg.aux_heads, layout,
+                   match_reach=cfg.mc.refocus_every, match_prior=prior)  # fmt: skip
+
+
 class MegaContext(nn.Module):
     def __init__(self, cfg: RunConfig):
         super().__init__()
@@ -56,19 +64,7 @@ class MegaContext(nn.Module):
         self.use_recon = mc.gist.recon_weight > 0
         self.grad_blocks = mc.gist.grad_blocks if sparse_gradient_bites(self.layout, mc.gist.grad_blocks) else 0
         self.gist_decoder = GistDecoder(cfg.model.n_embd, width, mc.block_size, mc.lod_max) if self.use_recon else None
-        self.lensnet = (
-            LensNet(
-                cfg.model.n_embd,
-                width,
-                AUX_LAYERS,
-                heads,
-                self.layout,
-                match_reach=mc.refocus_every,
-                match_prior=mc.lens.match_prior,
-            )
-            if mc.lens.enabled
-            else None
-        )
+        self.lensnet = lensnet_of(cfg, self.layout) if mc.lens.enabled else None
         self.alloc_variants = mc.alloc_variants
         self.alloc_noise = mc.alloc.noise
         self.use_teacher = mc.teacher.enabled

@@ -100,9 +100,13 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
     refocus_every = cfg.mc.refocus_every if refocus_every is None else refocus_every
     budgets = evaluation_budgets(layout, budgets, refocus_every)  # every request is checked before the work starts
     plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
-    settings = EvalSettings(budgets, random_contexts, refocus, chosen, refocus_every=refocus_every)
+    assert trained.shipped is not None, "a MegaContext run ships a policy"
+    shipped, policy = trained.shipped  # scored as "shipped" beside the others
+    settings = EvalSettings(
+        budgets, random_contexts, refocus, chosen, refocus_every=refocus_every, candidates=(policy,)
+    )
     report = evaluate(trained.model, HeldOut(windows, trained.token_bytes, tok, docs, name), settings, plain)
     provenance = Provenance(data or f"{cfg.data.source} ({name} split)", None if reference is None else str(reference))
-    report = dataclasses.replace(report, checkpoint_step=trained.step, provenance=provenance)
+    report = dataclasses.replace(report, checkpoint_step=trained.step, provenance=provenance, shipped=shipped)
     table = write_eval_outputs(report, request.out or (ckpt if ckpt.is_dir() else ckpt.parent))
     return report, table

@@ -1,6 +1,7 @@
-"""The five lines a run's report opens with: what was trained and for how long (:func:`trained_line`), then
-(:func:`summary_lines`) the pass key and the corpus under the conditions a reader needs, one pass-key window as
-LensNet's cut shows it, and a continuation generated with LensNet refocusing.
+"""The lines a run's report opens with: what was trained and for how long (:func:`trained_line`), then
+(:func:`summary_lines`) the policy the run ships with its pass key and its corpus gain over truncation, the pass key
+and the corpus under the conditions a reader needs, one pass-key window as the shipped policy cuts it, and a
+continuation generated with it refocusing.
 
 The two examples run generation itself (:func:`~mcfn.inference.generation.generate_mc`, greedy) on the first
 window of the test split, so what the report shows is what ``train.generate`` does.
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from mcfn.config import RunConfig
-from mcfn.core.policy import LENS, MATCH, policies
+from mcfn.core.policy import RECENCY, SHIPPED, FocusPolicy, policies
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
@@ -24,8 +25,9 @@ from mcfn.tools.eval_result import EvalReport
 
 
 def briefed() -> list[str]:
-    """What the summary compares, in the registry's order: the policies a brief evaluation scores."""
-    return [policy.name for policy in policies(brief=True)]
+    """What the summary compares, in the registry's order: the policies a brief evaluation scores, then the shipped
+    one."""
+    return [*(policy.name for policy in policies(brief=True)), SHIPPED]
 
 
 CONTINUATION = 32  # tokens generated after the held-out prompt
@@ -48,12 +50,11 @@ def _one_line(text: str, keep: int, tail: bool) -> str:
 
 
 def generate_example(
-    system: MegaContext, prompt: Tensor, expected: Tensor, tokenizer: Tokenizer, every: int
+    system: MegaContext, policy: FocusPolicy, prompt: Tensor, expected: Tensor, tokenizer: Tokenizer, every: int
 ) -> Example:
-    """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with LensNet refocusing every ``every``
-    tokens, as ``train.generate`` does."""
+    """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with ``policy`` refocusing every
+    ``every`` tokens, as ``train.generate`` does."""
     maps: list[str] = []
-    policy = LENS if LENS.available(system) else MATCH
     tokens, _ = generate_mc(
         system, prompt, expected.numel(), every, policy=policy, on_refocus=lambda _, m: maps.append(m)
     )
@@ -61,14 +62,16 @@ def generate_example(
     return Example(maps, decode(prompt.tolist()), decode(tokens.tolist()), decode(expected.tolist()))
 
 
-def passkey_example(system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int) -> tuple[Example, str]:
-    """The pass key written into ``window [T + 1]`` as the evaluation writes its first one, generation's answer,
-    and the LOD map of the refocus that answered it with the blocks holding the key in brackets."""
+def passkey_example(
+    system: MegaContext, policy: FocusPolicy, window: Tensor, tokenizer: Tokenizer, every: int
+) -> tuple[Example, str]:
+    """The pass key written into ``window [T + 1]`` as the evaluation writes its first one, generation's answer with
+    ``policy``, and the LOD map of the refocus that answered it with the blocks holding the key in brackets."""
     layout = system.layout
     probe = evaluation_probe("passkey", window[None].cpu(), tokenizer, layout.H, 0)
     answer = probe.answer[0].nonzero().flatten() + 1  # the key's tokens' positions in the window
     tokens = probe.window[0].to(window.device)
-    example = generate_example(system, tokens[: int(answer[0])], tokens[answer], tokenizer, every)
+    example = generate_example(system, policy, tokens[: int(answer[0])], tokens[answer], tokenizer, every)
     key, lod = tokens[answer].tolist(), example.maps[-1]
     at = next((i for i in range(int(answer[0])) if tokens[i : i + len(key)].tolist() == key), None)
     if at is None:  # the key tokenised differently inside the fact: the map without brackets
@@ -79,29 +82,39 @@ def passkey_example(system: MegaContext, window: Tensor, tokenizer: Tokenizer, e
 
 @torch.no_grad()
 def summary_lines(
-    system: MegaContext, window: Tensor, tokenizer: Tokenizer, every: int, report: EvalReport
+    system: MegaContext,
+    shipped: tuple[str, FocusPolicy],
+    window: Tensor,
+    tokenizer: Tokenizer,
+    every: int,
+    report: EvalReport,
 ) -> list[str]:
-    """The report's opening lines after :func:`trained_line`: the pass key and corpus figures of the final evaluation's
-    ``report`` (which scored the pass key), and the two examples generated on the held-out ``window [T + 1]``."""
+    """The report's opening lines after :func:`trained_line`: the ``shipped`` policy (the candidate's name and its
+    policy) with its pass key and its paired corpus gain over truncation, the pass key and corpus figures of the final
+    evaluation's ``report`` (which scored the pass key and the shipped policy), and the two examples generated with
+    the shipped policy on the held-out ``window [T + 1]``."""
     W, T, K = report.W, report.T, system.layout.K
+    name, policy = shipped
     passkey, corpus = report.scored("passkey"), report.head.head
     assert passkey is not None and passkey.refocus.head.accuracy is not None, "the caller checks it was scored"
     share = passkey.refocus.head.accuracy  # of the pass-key windows answered, per condition
     accuracy = ", ".join(f"{c} {share[c]:.2f}" for c in briefed() if c in share)
     bpb = ", ".join(f"{c} {corpus.bpb[c]:.4f}" for c in briefed() if c in corpus.bpb)
-    gain = corpus.gains["lens_gain"]
-    error = f"; lens − recency {-gain.bpb:+.4f} ± {gain.se:.4f}" if gain else ""
-    key, lod = passkey_example(system, window, tokenizer, every)
+    gain = corpus.paired.get(f"{SHIPPED}_over_{RECENCY.name}")
+    over = f"{gain.bpb:+.4f} ± {gain.se:.4f} bits per byte" if gain else "n/a"
+    key, lod = passkey_example(system, policy, window, tokenizer, every)
     answered = "answers" if key.generated == key.expected else "misses"
     cut = window.numel() - 1 - CONTINUATION
-    text = generate_example(system, window[:cut], window[cut : cut + CONTINUATION], tokenizer, every)
+    text = generate_example(system, policy, window[:cut], window[cut : cut + CONTINUATION], tokenizer, every)
     return [
+        f"**Ships `{name}`** (chosen on validation windows; `train.generate` uses it when no `--context` is given): "
+        f"pass key {share[SHIPPED]:.2f}, corpus gain over truncation {over} (paired, on the test windows below).",
         f"**Pass key** at W = {W} = T/{T // W}, share of {report.windows_per_probe} test windows answered: {accuracy}.",
         f"**Corpus bpb** at W = {W}, last {report.H} tokens of {report.windows} test windows from "
-        f"{report.documents} documents: {bpb}{error} (bootstrap standard error over documents).",
-        f"**A pass-key window as LensNet cuts it** (a character per {K} tokens: 0 tokens, k a level-k gist, · left "
+        f"{report.documents} documents: {bpb} (paired standard errors by bootstrap over documents in eval.json).",
+        f"**A pass-key window as `{name}` cuts it** (a character per {K} tokens: 0 tokens, k a level-k gist, · left "
         f"out; the key in brackets), where generation {answered} `{key.generated.strip()}`: `{lod}`",
-        f"**Generated** with LensNet refocusing every {every} tokens ({len(text.maps)} refocuses): "
+        f"**Generated** with `{name}` refocusing every {every} tokens ({len(text.maps)} refocuses): "
         f"`…{_one_line(text.prompt, SHOWN_CHARS, True)}` → `{_one_line(text.generated, SHOWN_CHARS, False)}`",
     ]
 
@@ -113,5 +126,5 @@ def trained_line(cfg: RunConfig, summary: dict[str, Any]) -> str:
     return (
         f"**Trained** on `{cfg.data.source}` ({summary['params']:,} parameters): {steps} steps of "
         f"{cfg.train.batch_size} × {cfg.data.seq_len} tokens, {summary['wall_s'] / 60:.1f} min on {summary['device']} "
-        f"with the final evaluation, which took {summary['final_eval_s'] / 60:.1f} min."
+        f"with the ship choice and the final evaluation, which took {summary['final_eval_s'] / 60:.1f} min."
     )

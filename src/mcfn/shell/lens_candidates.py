@@ -1,6 +1,5 @@
-"""The LensNet policies the stage starts from and judges beside its rounds (:mod:`mcfn.shell.lens_stage`): the run's
-own LensNet (the original, where an earlier stage replaced it), ``match``'s cut, and the run's own gated over
-``match``'s cut."""
+"""The LensNets the stage and the ship choice start from: the run's own (the original, where a stage of an earlier
+mcfn replaced it in the checkpoint), and the run's own gated over ``match``'s cut (:mod:`mcfn.shell.ship`)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint
 
 # The run's own LensNet gated over match's cut: its learned scores times this, where they stand out of their row
@@ -60,14 +58,6 @@ def under_match_prior(own: MegaContext, cfg: RunConfig, device: torch.device) ->
     system = MegaContext(cfg).to(device)
     system.load_state_dict(own.state_dict())
     return system, cfg
-
-
-def match_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """``match``'s cut as a candidate: the run's system with the match prior and a fresh LensNet (zero head)."""
-    torch.manual_seed(derive_seed(cfg.train.seed, "lens_stage", 0))
-    system, cfg = under_match_prior(own, cfg, device)
-    system.lensnet.reset_parameters()  # the match prior's head starts at zero
-    return system.eval(), cfg
 
 
 def gated_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:

@@ -1,11 +1,10 @@
-"""How the LensNet stage judges a candidate policy: as the run's final evaluation judges one (generation's protocol
-at the run's ``W``, bits per byte on the corpus beside ``match``'s, pass key accuracy), and when it refuses one: a
-policy that lost retrieval, or one behind ``match`` on text (issue 66)."""
+"""How the LensNet stage measures its policy after each round: as the run's final evaluation judges one (generation's
+protocol at the run's ``W``, bits per byte on the corpus beside ``match``'s, pass key accuracy). Which policy the run
+ships is chosen afterwards, by paired errors (:mod:`mcfn.shell.ship`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from mcfn.core.focus import evaluation_budgets
@@ -14,7 +13,6 @@ from mcfn.core.system import MegaContext
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.evaluation import HeldOut, evaluate
 
-PROBE_SE = 2.0  # a candidate this many standard errors below the run's own LensNet on the pass key is refused
 JUDGED_TASKS = ("corpus", "passkey")  # as the run's final evaluation judges a policy
 
 
@@ -43,19 +41,6 @@ def judge(system: MegaContext, held: HeldOut, refocus_every: int) -> Judged:
     lens, match = LENS.name, MATCH.name
     return Judged(corpus.bpb[lens], corpus.bpb[match], None if accuracy is None else accuracy[lens],
                   sum(w.size(0) for w in held.windows))  # fmt: skip
-
-
-def refusal(candidate: Judged, own: Judged) -> str | None:
-    """Why ``candidate`` may not be kept, or None: a pass key accuracy more than :data:`PROBE_SE` standard errors
-    (of the difference of two proportions) below the run's own, or corpus bits per byte above ``match``'s."""
-    if candidate.passkey is not None and own.passkey is not None:
-        p, q, n = candidate.passkey, own.passkey, candidate.probes
-        se = math.sqrt((p * (1 - p) + q * (1 - q)) / n)
-        if q - p > max(PROBE_SE * se, 0.0):
-            return f"answers the pass key {p:.2f} against the run's own {q:.2f} (± {se:.2f})"
-    if candidate.lens_bpb > candidate.match_bpb:
-        return f"{candidate.lens_bpb:.4f} bits per byte on the corpus against match's {candidate.match_bpb:.4f}"
-    return None
 
 
 def judged_line(judged: Judged) -> str:

@@ -11,17 +11,13 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
    far (a replay buffer), LensNet scoring each state again from the cached trees, without the base model. The
    whole cuts traced beside the edits carry more signal (``train.lens --reliability``) but taught a worse policy
    (LABLOG, twenty-fifth session), so the list holds the single edits;
-3. **measure**: the policy on the *selection* windows (validation windows, never traced).
+3. **measure**: the policy on validation windows (never traced).
 
-Rounds start from the run's own LensNet, the one its MC phase trained (kept in the checkpoint as ``lens_original``
-the first time a stage writes back, so a second stage starts from it again). The candidates are the run's own,
-``match``'s cut (a fresh LensNet with the match prior and a zero head), the run's own gated over ``match``'s cut
-(its scores added to ``match``'s only where they stand out; :mod:`mcfn.shell.lens_candidates` builds these three)
-and each round's, each judged as the run's final evaluation judges a policy on *selection* windows of the
-validation split, and refused where it lost retrieval or trails ``match`` on text (:mod:`mcfn.shell.lens_judge`);
-the lowest corpus bits per byte among the rest is kept, and when every one is refused the run's own stays. The
-figures the stage reports for the kept policy and the run's own come from *report* windows, disjoint validation
-windows that chose nothing. The stage reads no test split.
+Rounds start from the run's own LensNet, the one its MC phase trained (a checkpoint written by an earlier mcfn, whose
+stage replaced it, keeps it as ``lens_original``, and the stage starts from that). The stage changes nothing the
+run evaluates or generates with: each round's LensNet is a candidate of the ship choice (:mod:`mcfn.shell.ship`),
+judged beside truncation, ``match``, the run's own and the run's own gated over ``match``'s cut by paired errors on
+validation windows. The stage reads no test split.
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ from tqdm import tqdm
 from mcfn.config import LensStageConfig, RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
-from mcfn.core.policy import MATCH
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus
@@ -47,8 +42,8 @@ from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.seeding import derive_seed
 from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from mcfn.shell.lens_candidates import GATED, gated_system, match_system, read_run, run_system
-from mcfn.shell.lens_judge import Judged, judge, judged_line, refusal
+from mcfn.shell.lens_candidates import read_run, run_system
+from mcfn.shell.lens_judge import Judged, judge, judged_line
 from mcfn.shell.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
 from mcfn.tools.chunks import chunk_view
 from mcfn.tools.counterfactual import State
@@ -106,23 +101,9 @@ def train_on_traces(
     return sum(losses) / max(1, len(losses))
 
 
-def reference_candidates(stage: Stage, device: torch.device, say: Callable[[str], None]) -> dict[str, tuple]:
-    """The candidates no round trains, each judged on the selection windows: the run's own LensNet, ``match``'s cut
-    and the run's own gated over ``match``'s."""
-    own_judged = stage.measure(stage.own)
-    original = " (the original)" if "lens_original" in stage.ckpt.state else ""
-    say(f"[lens] the run's own LensNet{original}: {judged_line(own_judged)}")
-    candidates = {"run": (own_judged, stage.own, stage.cfg)}
-    for name, build in ((MATCH.name, match_system), (GATED, gated_system)):
-        system, cfg = build(stage.own, stage.cfg, device)
-        candidates[name] = (stage.measure(system), system, cfg)
-        say(f"[lens] {describe(name)}: {judged_line(candidates[name][0])}")
-    return candidates
-
-
 class Stage:
     """The stage on one run: the run's own system (fixed), the one it trains (starting from it), the sampler, the
-    selection and report windows, and the traces so far."""
+    validation windows it measures on, and the traces so far."""
 
     def __init__(self, ckpt: Checkpoint, corpus: Corpus, settings: LensStageConfig, device: torch.device):
         self.ckpt, self.settings, self.device = ckpt, settings, device
@@ -131,26 +112,22 @@ class Stage:
         self.protocol = Refocus(self.cfg.mc.refocus_every)  # as generation and the evaluation refocus
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
         self.sampler = trace_sampler(self.cfg, corpus)
-        # Validation windows, as the final evaluation draws them: the first half select the policy kept, the second
-        # report it, so that no figure reported comes from a window that chose.
+        # Validation windows, as the final evaluation draws them, on which each round's policy is measured.
         h, batch = settings.held_out, self.cfg.train.batch_size
-        windows, docs = (torch.cat(x) for x in evaluation_windows(corpus.val, self.cfg.data.seq_len + 1, 2 * h, 1))
-        if windows.size(0) < 2:
-            raise UserError("the validation split has too few windows for the LensNet stage to select and report")
-        half = min(h, windows.size(0) // 2)
+        windows, docs = evaluation_windows(corpus.val, self.cfg.data.seq_len + 1, h, batch)
+        if not windows:
+            raise UserError("the validation split has no window for the LensNet stage to measure its rounds on")
         token_bytes = corpus.tokenizer.token_bytes(self.cfg.model.vocab_size).to(device)
-        self.held = {name: HeldOut(list(windows[part].to(device).split(batch)), token_bytes, corpus.tokenizer,
-                                   list(docs[part].split(batch)), "validation")
-                     for name, part in (("selection", slice(0, half)), ("report", slice(half, 2 * half)))}  # fmt: skip
+        self.held = HeldOut([w.to(device) for w in windows], token_bytes, corpus.tokenizer, docs, "validation")
         self.traces: list[Traces] = []
 
-    def measure(self, system: MegaContext | None = None, split: str = "selection") -> Judged:
-        """A policy (by default the stage's current one) on the selection (or report) windows."""
-        return judge(self.system if system is None else system, self.held[split], self.cfg.mc.refocus_every)
+    def measure(self, system: MegaContext | None = None) -> Judged:
+        """A policy (by default the stage's current one) on the stage's validation windows."""
+        return judge(self.system if system is None else system, self.held, self.cfg.mc.refocus_every)
 
     def round(self, r: int, run_dir: Path) -> tuple[dict[str, object], Judged]:
         """Trace fresh training windows with the current policy, save them, train on every round's traces; the
-        round's figures and the trained policy on the selection windows."""
+        round's figures and the trained policy on the validation windows."""
         settings, seed = self.settings, self.cfg.train.seed
         started = time.perf_counter()
         first = FIRST_TRACE_BATCH + (r - 1) * settings.windows
@@ -187,16 +164,16 @@ def run_stage(
     say: Callable[[str], None],
     corpus: Corpus | None = None,
     **overrides: int | None,
-) -> tuple[MegaContext, dict[str, object]]:
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
     """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand), as
-    its ``[lens_stage]`` says with ``overrides`` on top (:func:`stage_settings`): the system with the policy kept and
-    the stage's figures, both also saved in the run's checkpoint."""
+    its ``[lens_stage]`` says with ``overrides`` on top (:func:`stage_settings`): each round's LensNet weights, the
+    candidates of the ship choice (:mod:`mcfn.shell.ship`), and the stage's figures, also saved in the checkpoint."""
     ckpt, corpus = read_run(run_dir, "to train", corpus)
     settings = stage_settings(ckpt.cfg, **overrides)
     stage = Stage(ckpt, corpus, settings, device)
-    candidates: dict[str | int, tuple[Judged, MegaContext | dict, RunConfig]] = reference_candidates(stage, device, say)
-    own = candidates["run"][0]
-    rounds = []
+    own = stage.measure(stage.own)
+    say(f"[lens] the run's own LensNet: {judged_line(own)}")
+    rounds, weights = [], {}
     for r in range(1, settings.rounds + 1):
         round_figures, held = stage.round(r, run_dir)
         seconds = round_figures["seconds"]
@@ -205,49 +182,10 @@ def run_stage(
             f"[lens] round {r}: {round_figures['states']} states traced in {seconds['trace']:.0f} s, trained in "
             f"{seconds['train']:.0f} s (loss {round_figures['loss']:.4f}); {judged_line(held)}"
         )
-        candidates[r] = (held, copy.deepcopy(stage.system.lensnet.state_dict()), stage.cfg)
-    refused = {name: why for name, (held, _, _) in candidates.items() if (why := refusal(held, own))}
-    for name, why in refused.items():
-        say(f"[lens] refused {describe(name)}: {why}")
-    allowed = [name for name in candidates if name not in refused]
-    kept = min(allowed, key=lambda name: candidates[name][0].lens_bpb) if allowed else "run"
-    system, kept_cfg = kept_system(stage, candidates[kept][1:])
-    why = "every candidate was refused, so " if not allowed else ""
-    say(f"[lens] {why}kept {describe(kept)} ({candidates[kept][0].lens_bpb:.4f} bits per byte on the selection)")
-    report = {"run": stage.measure(stage.own, "report")}
-    report["kept"] = report["run"] if kept == "run" else stage.measure(system, "report")
-    say(f"[lens] on the report windows, which chose nothing: kept {judged_line(report['kept'])}; the run's own "
-        f"{judged_line(report['run'])}")  # fmt: skip
+        weights[r] = copy.deepcopy(stage.system.lensnet.state_dict())
     summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings) | {"epochs": EPOCHS, "lr": LR},
-               "run_policy": own.to_json(), **{name: candidates[name][0].to_json() for name in (MATCH.name, GATED)},
-               "rounds": rounds, "refused": {str(k): v for k, v in refused.items()},
-               "kept_round": kept, "report": {k: v.to_json() for k, v in report.items()}}  # fmt: skip
-    write_back(ckpt, stage, system, kept_cfg, summary)
-    return system, summary
-
-
-def kept_system(stage: Stage, kept: tuple[MegaContext | dict, RunConfig]) -> tuple[MegaContext, RunConfig]:
-    """The system of the candidate kept: a system itself, or a round's LensNet weights in the stage's system."""
-    policy, cfg = kept
-    if isinstance(policy, MegaContext):
-        return policy, cfg
-    stage.system.lensnet.load_state_dict(policy)
-    return stage.system, cfg
-
-
-def describe(name: str | int) -> str:
-    named = {"run": "the run's own LensNet", MATCH.name: "match's cut", GATED: "the run's own gated over match's cut"}
-    return named.get(name, f"round {name}'s policy")
-
-
-def write_back(ckpt: Checkpoint, stage: Stage, system: MegaContext, cfg: RunConfig, summary: dict) -> None:
-    """The stage's figures and the policy kept (its LensNet and config) into the run's checkpoint, beside the run's
-    original LensNet and config, written the first time and never replaced: a second stage starts from them."""
+               "run_policy": own.to_json(), "rounds": rounds}  # fmt: skip
     state = load_checkpoint(ckpt.path)
-    if "lens_original" not in state:
-        lensnet = {k: v.cpu() for k, v in stage.own.lensnet.state_dict().items()}
-        state["lens_original"] = {"lensnet": lensnet, "config": stage.cfg.to_dict()}
-    state["model"] = {k: v.cpu() for k, v in system.state_dict().items()}
-    state["config"] = cfg.to_dict()
     state["lens_stage"] = summary
     save_checkpoint(ckpt.path, state)
+    return weights, summary

@@ -16,13 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from mcfn.core.focus import evaluation_budgets
+from mcfn.core.policy import SHIPPED, FocusPolicy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
+from mcfn.shell.checkpoint import run_checkpoint
 from mcfn.shell.headline import summary_lines, trained_line
 from mcfn.shell.lens_stage import run_stage
 from mcfn.shell.session import Progress, Session
+from mcfn.shell.ship import ship, validation, write_shipped
 from mcfn.shell.tracking import read_metrics
 from mcfn.tools.eval_batch import EvalSettings
 from mcfn.tools.eval_report import write_eval_outputs
@@ -47,13 +52,14 @@ def git_commit(repo: Path = REPO_DIR) -> str:
         return "unknown"
 
 
+Shipped = tuple[str, FocusPolicy]  # the candidate a run ships, and its policy named "shipped"
 FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that also carry the pass key
 FINAL_EVAL_TASKS = ("corpus", "passkey")  # natural text, and the retrieval truncation cannot do
 
 
-def final_evaluation(s: Session) -> tuple[EvalReport, list[str]] | None:
-    """An MC run's end-of-run table on the test split, which nothing else reads: brief (full, recency, match and
-    lens at the run's own W, under generation's protocol, on the corpus and the pass key), on
+def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, list[str]] | None:
+    """An MC run's end-of-run table on the test split, which nothing else reads: brief (full, recency, match, lens and
+    the ``shipped`` policy at the run's own W, under generation's protocol, on the corpus and the pass key), on
     ``train.final_eval_batches · batch_size`` windows from as many documents as it has; ``train.eval`` scores
     everything else. With it, the report's summary lines (:mod:`mcfn.shell.headline`), or none without LensNet or
     where the pass key does not fit."""
@@ -68,22 +74,35 @@ def final_evaluation(s: Session) -> tuple[EvalReport, list[str]] | None:
         probe_batches=FINAL_EVAL_PROBE_BATCHES,
         refocus_every=s.cfg.mc.refocus_every,
         brief=True,
+        candidates=() if shipped is None else (shipped[1],),
     )
     held = HeldOut(windows, s.token_bytes, s.corpus.tokenizer, docs, name)
-    report = dataclasses.replace(evaluate(s.model, held, settings), checkpoint_step=cfg.steps)
-    if s.model.lensnet is None or report.scored("passkey") is None:
+    report = dataclasses.replace(evaluate(s.model, held, settings), checkpoint_step=cfg.steps,
+                                 shipped=None if shipped is None else shipped[0])  # fmt: skip
+    if s.model.lensnet is None or shipped is None or report.scored("passkey") is None:
         return report, []
     example = windows[0][0].to(s.device)
-    return report, summary_lines(s.model, example, s.corpus.tokenizer, s.cfg.mc.refocus_every, report)
+    return report, summary_lines(s.model, shipped, example, s.corpus.tokenizer, s.cfg.mc.refocus_every, report)
 
 
-def lens_stage(s: Session, say: Callable[[str], None]) -> dict | None:
-    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint; the trained
-    LensNet then replaces the run's for the final evaluation. Its figures, or None without the stage."""
+def lens_stage(s: Session, say: Callable[[str], None]) -> tuple[dict | None, dict[int, dict[str, Tensor]]]:
+    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint: its figures and
+    each round's LensNet (candidates of the ship choice), or None and none without the stage."""
     if not (s.cfg.lens_stage.rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
+        return None, {}
+    rounds, figures = run_stage(s.out_dir, s.device, say, s.corpus)
+    return figures, rounds
+
+
+def ship_policy(s: Session, rounds: dict[int, dict[str, Tensor]], say: Callable[[str], None]) -> Shipped | None:
+    """The ship choice (:mod:`mcfn.shell.ship`) on validation windows, recorded in the run's checkpoint: the candidate
+    shipped and its policy, named ``shipped``. Made where the run ends with its final evaluation."""
+    if not (s.cfg.train.final_eval_batches and isinstance(s.model, MegaContext)):
         return None
-    s.task.model, figures = run_stage(s.out_dir, s.device, say, s.corpus)
-    return figures
+    held = validation(s.corpus, s.cfg, s.token_bytes, s.device)
+    shipped, verdict = ship(s.model, s.cfg, held, say, rounds)
+    write_shipped(run_checkpoint(s.out_dir), shipped, verdict)
+    return shipped.name, renamed(shipped.policy, SHIPPED)
 
 
 def summarise(s: Session, progress: Progress, t_start: float, final_eval: EvalReport | None) -> dict[str, Any]:
@@ -126,14 +145,17 @@ def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], 
     """Evaluate (unless stopped early), write ``summary.json`` and the report; returns the summary."""
     if not s.world.is_main:
         return {"steps": s.cfg.train.steps, "rank": s.world.rank, "stopped_at": progress.stopped_at}
-    stage = None if progress.stopped_at is not None else lens_stage(s, say)
+    stopped = progress.stopped_at is not None
+    stage, rounds = (None, {}) if stopped else lens_stage(s, say)
     t_eval = time.perf_counter()
-    evaluated = None if progress.stopped_at is not None else final_evaluation(s)
+    shipped = None if stopped else ship_policy(s, rounds, say)
+    evaluated = None if stopped else final_evaluation(s, shipped)
     final_eval, headline = evaluated or (None, [])
     if final_eval is not None:
         say(f"\n{write_eval_outputs(final_eval, s.out_dir)}")
     summary = summarise(s, progress, t_start, final_eval)
     summary["lens_stage"] = stage
+    summary["shipped"] = None if shipped is None else shipped[0]
     summary["final_eval_s"] = time.perf_counter() - t_eval if final_eval is not None else None
     tmp = s.out_dir / f"{SUMMARY_NAME}.tmp"
     tmp.write_text(json.dumps(summary, indent=2))

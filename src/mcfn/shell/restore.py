@@ -11,9 +11,11 @@ from torch import Tensor, nn
 
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT
+from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.shell.checkpoint import Checkpoint
+from mcfn.shell.ship import shipped_policy
 
 
 @dataclass
@@ -22,6 +24,7 @@ class Trained:
     corpus: Corpus
     token_bytes: Tensor  # [vocab] bytes per token id, on the model's device
     checkpoint: Checkpoint  # what it was read from, without its payload (the weights are in the model)
+    shipped: tuple[str, FocusPolicy] | None = None  # the candidate the run ships and its policy (MC runs)
 
     @property
     def cfg(self) -> RunConfig:
@@ -41,5 +44,6 @@ def load_trained(path: Path, device: torch.device) -> Trained:
     model.load_state_dict(ckpt.state["model"])
     model.eval()
     token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
+    shipped = shipped_policy(ckpt.state, model, cfg) if isinstance(model, MegaContext) else None
     # Keep the file's identity (path, config, step, corpus) for later checks, not its optimizer states.
-    return Trained(model=model, corpus=corpus, token_bytes=token_bytes, checkpoint=dataclasses.replace(ckpt, state={}))
+    return Trained(model, corpus, token_bytes, dataclasses.replace(ckpt, state={}), shipped)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
 from mcfn.core.nodes import NodeTable
+from mcfn.core.policy import FocusPolicy, policies
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.probes import PROBES
@@ -35,6 +36,19 @@ class EvalSettings:
     # Only what a reader needs first (a run's final evaluation): full, recency, match and lens under generation's
     # protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
     brief: bool = False
+    # Policies scored beside the registry's, each under its own name (mcfn.core.policy.renamed, lensnet_policy): the
+    # run's shipped policy, or the candidates of the ship choice (mcfn.shell.ship). They refocus as generation does.
+    candidates: tuple[FocusPolicy, ...] = ()
+
+    def policies(self, system: MegaContext) -> list[FocusPolicy]:
+        """What is scored on ``system``: the registry's policies it can run (a brief evaluation's only), then the
+        candidates."""
+        return [*policies(system, self.brief), *self.candidates]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The candidates' names."""
+        return tuple(policy.name for policy in self.candidates)
 
     @property
     def protocols(self) -> tuple[str, ...]:

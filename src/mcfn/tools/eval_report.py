@@ -32,7 +32,13 @@ def format_eval_table(report: EvalReport) -> str:
         f"{report.se}s. Generation's protocol: every condition that "
         f"chooses a cut refocuses every R={R} tokens, as train.generate does.",
         "",
-        f"Generate with `--context {report.best_context}`: its condition scored the lowest corpus bpb here."
+        (
+            f"The run ships `{report.shipped}` (`train.generate` uses it when no `--context` is given), chosen on "
+            "validation windows. "
+            if report.shipped
+            else ""
+        )
+        + f"Generate with `--context {report.best_context}`: its condition scored the lowest corpus bpb here."
         + (
             f" LensNet's utility_corr (its predicted worth of each single edit of its cut against the edit's measured "
             f"ΔNLL, per state, averaged): {_cell(utility.corr)}."
@@ -46,19 +52,19 @@ def format_eval_table(report: EvalReport) -> str:
             continue
         what = "tail bpb" if result.refocus.head.accuracy is None else "answer accuracy / answer bpb"
         lines += ["", f"**{task}** ({what}), refocused every R = {R}:", ""]
-        lines += protocol_table(result.refocus, report.W)
+        lines += protocol_table(result.refocus, report.W, report.settings.names)
         if "one_cut" in result.protocols:
             lines += ["", f"**{task}**, one cut (R = H = {report.H}):", ""]
-            lines += protocol_table(result.protocols["one_cut"], report.W)
+            lines += protocol_table(result.protocols["one_cut"], report.W, report.settings.names)
     if report.settings.brief:
         lines += ["", "A brief evaluation: the conditions and tasks that show the point. "
                   "`python -m train.eval --ckpt DIR` scores every condition, task and budget."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def protocol_table(result: ProtocolResult, W: int) -> list[str]:
-    """One protocol's rows of a task, its paired gains at ``W`` and its long-range tokens."""
-    names = [c for c in (*conditions(), FULL_PLAIN) if c in result.head.bpb]
+def protocol_table(result: ProtocolResult, W: int, candidates: tuple[str, ...] = ()) -> list[str]:
+    """One protocol's rows of a task, its paired gains and differences at ``W`` and its long-range tokens."""
+    names = [c for c in (*conditions(candidates), FULL_PLAIN) if c in result.head.bpb]
     lines = ["| W | " + " | ".join(names) + " | retained [95% CI] | lens_rank_corr |"]
     lines += ["|---:|" + "---:|" * (len(names) + 2)]
     for row in result.sweep:
@@ -70,6 +76,12 @@ def protocol_table(result: ProtocolResult, W: int) -> list[str]:
     gains = [f"{name} {g.bpb:+.4f} ± {g.se:.4f}" for name in GAINS if (g := result.head.gains[name])]
     if gains:
         lines += ["", f"At W={W} (bpb, ± a bootstrap standard error): " + ", ".join(gains) + "."]
+    if result.head.paired:
+        pairs = [f"{name} {pair.bpb:+.4f} ± {pair.se:.4f}" + ("" if pair.accuracy is None else
+                 f" (answered {pair.accuracy:+.2f} ± {pair.accuracy_se:.2f})")
+                 for name, pair in result.head.paired.items()]  # fmt: skip
+        lines += ["", f"Paired on the same windows at W={W} (a_over_b: bpb(b) − bpb(a), positive where a is better): "
+                  + ", ".join(pairs) + "."]  # fmt: skip
     if result.longrange is not None:
         lr = result.longrange
         shown = ", ".join(f"{c} {_cell(lr.row.bpb[c])}" for c in names if c in lr.row.bpb)

@@ -8,7 +8,7 @@ with the keys it has always had, so that what reads the file is unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mcfn.core.policy import policies
@@ -21,6 +21,23 @@ class Gain:
 
     bpb: float
     se: float
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two policies ``a`` and ``b`` on the same windows (``a_over_b``): ``bpb(b) − bpb(a)`` (positive: ``a`` better)
+    and, for a probe, ``accuracy(a) − accuracy(b)``, each with its bootstrap standard error over documents."""
+
+    bpb: float
+    se: float
+    accuracy: float | None = None
+    accuracy_se: float | None = None
+
+    def to_json(self) -> dict[str, float]:
+        out = {"bpb": self.bpb, "se": self.se}
+        if self.accuracy is not None:
+            out |= {"accuracy": self.accuracy, "accuracy_se": self.accuracy_se}
+        return out
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class Row:
     accuracy: dict[str, float] | None = None
     lens_rank_corr: float | None = None
     utility: Utility | None = None
+    paired: dict[str, Paired] = field(default_factory=dict)  # "a_over_b" (mcfn.tools.eval_stats.paired_differences)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -65,6 +83,7 @@ class Row:
         if self.utility is not None:
             u = self.utility
             out |= {"utility_corr": u.corr, "utility_corr_se": u.se, "utility_states": u.states}
+        out["paired"] = {name: pair.to_json() for name, pair in self.paired.items()}
         return out
 
 
@@ -163,6 +182,7 @@ class EvalReport:
     tasks: dict[str, TaskResult | Skipped]  # corpus first
     checkpoint_step: int | None = None
     provenance: Provenance | None = None
+    shipped: str | None = None  # the candidate the run ships (mcfn.shell.ship), scored as "shipped"; None: not scored
 
     @property
     def W(self) -> int:
@@ -201,7 +221,8 @@ class EvalReport:
     def to_json(self) -> dict[str, Any]:
         """``eval.json``'s keys, in their order."""
         head, settings = self.head.head, self.settings
-        out: dict[str, Any] = {
+        out: dict[str, Any] = {} if self.shipped is None else {"shipped": self.shipped}
+        out |= {
             "split": self.split,
             "windows": self.windows,
             "documents": self.documents,

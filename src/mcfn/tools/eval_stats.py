@@ -19,10 +19,10 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from mcfn.core.policy import FULL, LENS, MATCH, RANDOM, RECENCY, RECENT
+from mcfn.core.policy import FULL, LENS, MATCH, RANDOM, RECENCY, RECENT, SHIPPED
 from mcfn.core.preferences import pair_slots
 from mcfn.core.step import bits_per_byte
-from mcfn.tools.eval_result import Gain, Row, Utility
+from mcfn.tools.eval_result import Gain, Paired, Row, Utility
 from mcfn.tools.headroom import BEST_OF, best_of, candidate_slots, cross_fitted, per_chunk
 from mcfn.tools.one_cut import NOGIST, Predictions
 
@@ -132,13 +132,47 @@ GAINS = {
 }
 
 
-def summarise(scores: Scores, task: str, budget: int, T: int) -> Row:
-    """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the gains, the rank and
-    utility correlations where measured."""
+# The policies every row compares pair by pair (:func:`paired_differences`), the more elaborate first; the evaluation
+# adds its candidates' names (the ship choice's) before them.
+PAIRED = (SHIPPED, LENS.name, MATCH.name, RECENCY.name)
+
+
+def paired_accuracy(correct: dict[str, Tensor], a: str, b: str, clusters: Clusters) -> tuple[float, float]:
+    """``accuracy(a) − accuracy(b)`` on the same windows (each window's answer right or not) and its standard error
+    by bootstrap over documents."""
+    diff = correct[a] - correct[b]
+    ones = torch.ones_like(diff)
+    resampled = clusters.sums(diff)[clusters.picks].sum(-1) / clusters.sums(ones)[clusters.picks].sum(-1)
+    return float(diff.mean()), float(resampled.std())
+
+
+def paired_differences(
+    nats: dict[str, Tensor], correct: dict[str, Tensor] | None, nbytes: Tensor, names: tuple[str, ...],
+    clusters: Clusters,
+) -> dict[str, Paired]:  # fmt: skip
+    """For every pair of ``names`` scored here, ``a`` before ``b`` in ``names``, ``"a_over_b"``: ``bpb(b) − bpb(a)``
+    on the same windows (positive: ``a`` better) with its error by document, and for a probe (``correct``) the
+    difference of the share answered, ``accuracy(a) − accuracy(b)``, with its own."""
+    present = [name for name in dict.fromkeys(names) if name in nats]
+    out = {}
+    for i, a in enumerate(present):
+        for b in present[i + 1 :]:
+            gain = paired_gain(nats, nbytes, b, a, clusters)
+            if gain is None:
+                continue
+            accuracy = None if correct is None else paired_accuracy(correct, a, b, clusters)
+            out[f"{a}_over_{b}"] = Paired(gain.bpb, gain.se, *(accuracy or (None, None)))
+    return out
+
+
+def summarise(scores: Scores, task: str, budget: int, T: int, candidates: tuple[str, ...] = ()) -> Row:
+    """One sweep row: bpb (and accuracy for probes) per condition, the retained fraction, the gains, the paired
+    differences among ``candidates`` and :data:`PAIRED`, the rank and utility correlations where measured."""
     nats = {name: torch.cat(parts) for name, parts in scores.nats.items()}
     nbytes = torch.cat(scores.nbytes)
     clusters = Clusters(torch.cat(scores.docs) if scores.docs else torch.arange(nbytes.numel()))
     retained, interval = retained_with_interval(nats, nbytes, clusters)
+    correct = None if task == "corpus" else {name: torch.cat(parts) for name, parts in scores.correct.items()}
     utility = None
     if scores.utility and (per_state := torch.cat(scores.utility)).numel():
         n = per_state.numel()
@@ -150,7 +184,8 @@ def summarise(scores: Scores, task: str, budget: int, T: int) -> Row:
         retained_fraction=retained,
         retained_ci=interval,
         gains={name: paired_gain(nats, nbytes, *pair, clusters) for name, pair in GAINS.items()},
-        accuracy=None if task == "corpus" else {n: float(torch.cat(c).mean()) for n, c in scores.correct.items()},
+        accuracy=None if correct is None else {name: float(value.mean()) for name, value in correct.items()},
+        paired=paired_differences(nats, correct, nbytes, (*candidates, *PAIRED), clusters),
         lens_rank_corr=spearman(torch.cat(scores.predicted), torch.cat(scores.measured)) if scores.predicted else None,
         utility=utility,
     )

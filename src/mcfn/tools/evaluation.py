@@ -84,10 +84,11 @@ from mcfn.tools.one_cut import NOGIST, predict_budget, tail_predictions
 from mcfn.tools.refocused import predict_chunked
 
 
-def conditions() -> tuple[str, ...]:
-    """Every condition an evaluation reports, in the tables' order: each focus policy, then the gist ablation and
-    the best-of conditions (``full_plain``, with ``--reference``, comes last)."""
-    return (*(policy.name for policy in policies()), NOGIST, *BEST_OF)
+def conditions(candidates: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Every condition an evaluation reports, in the tables' order: each focus policy, the ``candidates`` scored
+    beside them (:attr:`EvalSettings.candidates`), then the gist ablation and the best-of conditions (``full_plain``,
+    with ``--reference``, comes last)."""
+    return (*(policy.name for policy in policies()), *candidates, NOGIST, *BEST_OF)
 
 
 def full_predictions(base: GPT, window: Tensor, tail: int) -> tuple[Tensor, Tensor]:
@@ -209,14 +210,14 @@ def summarise_task(scores: TaskScores, task: str, settings: EvalSettings, layout
     protocols = {}
     for name in settings.protocols:
         budgets = protocol_budgets(settings, layout, name)
-        rows = tuple(summarise(scores.all[name, w], task, w, layout.T) for w in budgets)
+        rows = tuple(summarise(scores.all[name, w], task, w, layout.T, settings.names) for w in budgets)
         longrange = depth = None
         if (name, budgets[0]) in scores.longrange:
             head = scores.longrange[name, budgets[0]]
             longrange = LongRange(
                 f"trigram context seen only beyond the last W - R = {budgets[0] - settings.refocus_every} tokens",
                 int(sum(int((b > 0).sum()) for b in head.nbytes)),
-                summarise(head, task, budgets[0], layout.T),
+                summarise(head, task, budgets[0], layout.T, settings.names),
             )
         if task != "corpus":
             condition = LENS.name if lens else ATTN.name

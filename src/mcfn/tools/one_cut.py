@@ -16,7 +16,7 @@ from mcfn.core.context import WorkingContext, assemble, seen_until, tail_entries
 from mcfn.core.focus import refocus
 from mcfn.core.model import GPT
 from mcfn.core.nodes import NodeTable
-from mcfn.core.policy import LENS, RANDOM, Choice, policies
+from mcfn.core.policy import LENS, RANDOM, Choice
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
@@ -55,7 +55,7 @@ def budget_contexts(batch: EvalBatch, nodes: NodeTable, generator: torch.Generat
     system, window = batch.system, batch.window
     B, M, device = window.size(0), batch.settings.random_contexts, window.device
     parts = {}
-    for policy in policies(system):
+    for policy in batch.settings.policies(system):
         if policy.choice is Choice.TRUNCATION:
             parts[policy.name] = recency_cut(nodes.layout, B, device)
         elif policy.choice is Choice.FIXED:

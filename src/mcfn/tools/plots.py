@@ -63,13 +63,18 @@ def plot_depth_heatmap(task: str, depth_accuracy: DepthAccuracy, path: Path) -> 
 Series = dict[str, tuple[list[float], list[float]]]
 
 
-def plot_panels(path: Path, title: str, xlabel: str, panels: list[tuple[str, Series]]) -> None:
-    """One row of line charts sharing an x axis label: ``panels`` is ``[(ylabel, {label: (xs, ys)})]``."""
+def plot_panels(
+    path: Path, title: str, xlabel: str, panels: list[tuple[str, Series]], marks: dict[str, float] | None = None
+) -> None:
+    """One row of line charts sharing an x axis label: ``panels`` is ``[(ylabel, {label: (xs, ys)})]``; ``marks``
+    draws a labelled vertical line at each x on every panel (the switch from the plain to the MC phase)."""
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), dpi=110, squeeze=False)
     for ax, (ylabel, series) in zip(axes[0], panels, strict=True):
         for label, (xs, ys) in series.items():
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) < 20 else None, markersize=3, label=label)
+        for label, x in (marks or {}).items():
+            ax.axvline(x, color="grey", linestyle="--", linewidth=1, label=label)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

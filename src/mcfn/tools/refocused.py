@@ -31,7 +31,7 @@ from torch import Tensor
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import StreamView, refocus_budget
 from mcfn.core.nodes import NodeTable
-from mcfn.core.policy import LENS, Choice, policies
+from mcfn.core.policy import LENS, Choice
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
@@ -81,7 +81,7 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
     slots, nll, hit = None, None, None
     preference = torch.zeros(B, n_chunks, M * (M - 1) // 2, device=device)
     utility = torch.full((B, n_chunks), torch.nan, dtype=torch.float64)
-    focuses = [policy.name for policy in policies(system, batch.settings.brief) if policy.refocuses]
+    focuses = [policy.name for policy in batch.settings.policies(system) if policy.refocuses]
     previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in focuses}
     cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in focuses}
     for c in range(n_chunks):
@@ -129,7 +129,7 @@ def predict_chunk(
     parts: dict[str, Tensor] = {}
     contexts: dict[str, list[WorkingContext]] = {}
     view_cuts: dict[str, Tensor] = {}
-    for policy in policies(system, brief):
+    for policy in batch.settings.policies(system):
         if policy.refocuses:  # truncation and the scored policies: generation's refocus
             view_cuts[policy.name], contexts[policy.name] = refocus_rows(
                 system, policy, cv.tree, cv.window, cv.view, protocol, carried[policy.name]

@@ -18,18 +18,43 @@ def _series(records: list[dict[str, Any]], key: str, scale: float = 1.0) -> tupl
     return [x for x, _ in rows], [y for _, y in rows]
 
 
+def mc_phase(record: dict[str, Any]) -> bool:
+    """Whether a logged step trained MegaContext (its metrics carry ``mc/``), not the plain GPT alone."""
+    return any(key.startswith("mc/") for key in record)
+
+
+def language_model_loss(records: list[dict[str, Any]], scale: float) -> Series:
+    """The base model's next-token loss over whole windows, continuous across the phases: ``train/loss_lm`` in the
+    plain phase, the full-window teacher's ``train/loss_full`` (the same loss, unweighted) in the MC phase."""
+    plain = [r for r in records if "train/loss_lm" in r and not mc_phase(r)]
+    mc = [r for r in records if mc_phase(r)]
+    return {"plain phase: train/loss_lm": _series(plain, "train/loss_lm", scale),
+            "MC phase: train/loss_full": _series(mc, "train/loss_full", scale)}  # fmt: skip
+
+
+def mc_terms(records: list[dict[str, Any]], scale: float) -> Series:
+    """The MC phase's own loss terms (the variants' tail loss, reconstruction, LensNet's, ...) and their sum."""
+    mc = [r for r in records if mc_phase(r)]
+    keys = sorted({k for r in mc for k in r if k.startswith("train/loss") and k != "train/loss_full"})
+    return {key: _series(mc, key, scale) for key in keys}
+
+
 def plot_loss_and_timings(out_dir: Path, records: list[dict[str, Any]], tokens_per_step: float) -> None:
-    """``loss.png`` (train loss and validation bpb against tokens) and ``timings.png`` (phase times per step)."""
+    """``loss.png`` (the language-model loss across both phases with the switch marked, the MC phase's own terms,
+    validation bpb and the pass key against tokens) and ``timings.png`` (phase times per step)."""
     val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
-    panels = [
-        ("train loss (nats)", {"train/loss": _series(records, "train/loss", tokens_per_step)}),
-        ("val bits per byte", {k: _series(records, k, tokens_per_step) for k in val_keys}),
-    ]
+    panels = [("language-model loss (nats)", language_model_loss(records, tokens_per_step))]
+    terms = mc_terms(records, tokens_per_step)
+    if terms:
+        panels.append(("MC phase: loss terms (nats)", terms))
+    panels.append(("val bits per byte", {k: _series(records, k, tokens_per_step) for k in val_keys}))
     if any("probe/passkey_full" in r for r in records):  # when retrieval forms
         panels.append(
             ("pass key answered, full window", {"passkey": _series(records, "probe/passkey_full", tokens_per_step)})
         )
-    plot_panels(out_dir / "loss.png", "Loss, validation bits per byte and retrieval", "tokens", panels)
+    switch = next((r["step"] * tokens_per_step for r in records if mc_phase(r)), None)
+    marks = {} if switch is None else {"MC phase starts": switch}
+    plot_panels(out_dir / "loss.png", "Loss, validation bits per byte and retrieval", "tokens", panels, marks)
     timed = [r for r in records if "time/step_ms" in r][1:]  # the first logged step includes compilation
     plot_panels(
         out_dir / "timings.png",

@@ -1,0 +1,211 @@
+"""Which focus policy a run ships (issue 78): chosen on validation windows by paired errors, with a rule fixed here
+before any run, and recorded in the checkpoint for ``train.eval`` (scored as ``shipped``), ``train.generate`` (its
+policy when no ``--context`` is given) and the report's opening lines.
+
+The candidates, simplest first: ``recency`` (truncation), ``match`` (the n-gram copy focus), ``lens`` (the run's own
+LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.shell.lens_candidates.gated_system`)
+and, where the LensNet stage ran, each of its rounds' LensNets (``round1``, ...). They are scored in one evaluation
+under generation's protocol at the run's ``W`` on the corpus and the pass key of the *validation* split (the test
+split is never read here), so every difference between two of them is paired, window by window, with its bootstrap
+error over documents (:func:`mcfn.tools.eval_stats.paired_differences`). The rule (:func:`choose`):
+
+1. refuse a candidate whose pass key accuracy is more than :data:`PASSKEY_SE` paired standard errors below the best
+   candidate's (where the pass key fits the run's tail);
+2. of the rest, take the lowest corpus bits per byte, and then the simplest candidate whose corpus bits per byte lie
+   within one paired standard error of it (a tie goes to the simpler policy).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mcfn.config import RunConfig
+from mcfn.core.focus import evaluation_budgets
+from mcfn.core.policy import LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
+from mcfn.core.system import MegaContext, lensnet_of
+from mcfn.data.corpus import Corpus
+from mcfn.data.loader import evaluation_windows
+from mcfn.errors import UserError
+from mcfn.shell.checkpoint import load_checkpoint, save_checkpoint
+from mcfn.shell.lens_candidates import GATED, gated_system, read_run, run_system
+from mcfn.tools.eval_batch import EvalSettings
+from mcfn.tools.eval_result import EvalReport, Row
+from mcfn.tools.evaluation import HeldOut, evaluate
+
+PASSKEY_SE = 2.0  # a candidate this many paired standard errors below the best candidate's pass key is refused
+TIE_SE = 1.0  # within this many paired standard errors of the lowest corpus bpb, the simpler candidate is shipped
+SHIP_TASKS = ("corpus", "passkey")
+SHIP_WINDOWS = 128  # validation windows the choice reads (fewer where the split has fewer), each also a pass key
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A policy the run may ship: how the evaluation scores it (a policy under the candidate's name, or the
+    registry's own for ``recency``, ``match`` and ``lens``) and what the checkpoint keeps to rebuild it."""
+
+    name: str
+    policy: FocusPolicy
+    runs: str  # the registered policy it refocuses as: recency, match or lens
+    match_prior: str = ""  # its LensNet's prior ("" or "gated"), where it runs a LensNet of its own
+    lensnet: dict[str, torch.Tensor] | None = None  # that LensNet's weights; None: none, or the run's own
+
+    @property
+    def extra(self) -> bool:
+        """Whether the evaluation scores it beside the registry's policies (a LensNet other than the run's own)."""
+        return self.lensnet is not None
+
+    def record(self) -> dict[str, Any]:
+        """What the checkpoint keeps (``shipped``): enough to rebuild the policy with :func:`shipped_policy`."""
+        out: dict[str, Any] = {"name": self.name, "policy": self.runs, "match_prior": self.match_prior}
+        if self.lensnet is not None:
+            out["lensnet"] = {k: v.detach().cpu().clone() for k, v in self.lensnet.items()}
+        return out
+
+
+def candidates(system: MegaContext, cfg: RunConfig, rounds: dict[int, dict[str, torch.Tensor]]) -> list[Candidate]:
+    """The run's candidates, simplest first: truncation, ``match``, its own LensNet, its own gated over ``match``'s
+    cut, then each round of the LensNet stage (``rounds``: its LensNet's weights by round)."""
+    out = [Candidate(RECENCY.name, RECENCY, RECENCY.name), Candidate(MATCH.name, MATCH, MATCH.name)]
+    if system.lensnet is None:
+        return out
+    out.append(Candidate(LENS.name, LENS, LENS.name))
+    gated, gated_cfg = gated_system(system, cfg, next(system.parameters()).device)
+    out.append(Candidate(GATED, lensnet_policy(GATED, gated.lensnet), LENS.name, "gated", gated.lensnet.state_dict()))
+    for r, weights in rounds.items():
+        lensnet = lensnet_of(cfg, system.layout, "").to(next(system.parameters()).device).eval()
+        lensnet.load_state_dict(weights)
+        name = f"round{r}"
+        out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, "", copy.deepcopy(weights)))
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The choice: the candidate shipped, those refused (with why) and, per candidate, its validation figures."""
+
+    shipped: str
+    refused: dict[str, str]
+    figures: dict[str, dict[str, float | None]]  # per candidate: corpus bpb, pass key accuracy
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shipped": self.shipped, "refused": self.refused, "figures": self.figures}
+
+
+def paired(row: Row, a: str, b: str) -> tuple[float, float, float | None, float | None]:
+    """``row``'s paired difference of ``a`` over ``b`` whichever order it was recorded in: ``bpb(b) − bpb(a)`` and
+    its error, ``accuracy(a) − accuracy(b)`` and its error."""
+    if (pair := row.paired.get(f"{a}_over_{b}")) is not None:
+        return pair.bpb, pair.se, pair.accuracy, pair.accuracy_se
+    pair = row.paired[f"{b}_over_{a}"]
+    return -pair.bpb, pair.se, None if pair.accuracy is None else -pair.accuracy, pair.accuracy_se
+
+
+def choose(names: list[str], corpus: Row, passkey: Row | None) -> Verdict:
+    """The rule of the module's docstring over ``names`` (simplest first), from the corpus row and the pass key row
+    (None where the pass key does not fit) of one evaluation that scored them all on the same windows."""
+    refused: dict[str, str] = {}
+    if passkey is not None and passkey.accuracy is not None:
+        accuracy = passkey.accuracy
+        best = max(names, key=lambda name: accuracy[name])
+        for name in names:
+            _, _, behind, se = paired(passkey, best, name) if name != best else (0.0, 0.0, 0.0, 0.0)
+            assert behind is not None and se is not None, "a probe's row carries paired accuracies"
+            if behind > PASSKEY_SE * se:
+                refused[name] = (f"answers the pass key {accuracy[name]:.2f}, {behind:.2f} ± {se:.2f} below "
+                                 f"{best}'s {accuracy[best]:.2f}")  # fmt: skip
+    allowed = [name for name in names if name not in refused]
+    lowest = min(allowed, key=lambda name: corpus.bpb[name])
+    shipped = next(name for name in allowed if name == lowest or _ties(corpus, name, lowest))
+    figures = {name: {"corpus_bpb": corpus.bpb[name],
+                      "passkey": None if passkey is None or passkey.accuracy is None else passkey.accuracy[name]}
+               for name in names}  # fmt: skip
+    return Verdict(shipped, refused, figures)
+
+
+def _ties(corpus: Row, simpler: str, lowest: str) -> bool:
+    """Whether ``simpler``'s corpus bpb lies within :data:`TIE_SE` paired standard errors of ``lowest``'s."""
+    worse, se, _, _ = paired(corpus, lowest, simpler)
+    return worse <= TIE_SE * se
+
+
+def validation(corpus: Corpus, cfg: RunConfig, token_bytes: torch.Tensor, device: torch.device) -> HeldOut:
+    """The choice's windows: up to :data:`SHIP_WINDOWS` of the validation split, as the final evaluation draws its
+    own from the test split (which the choice never reads)."""
+    B = cfg.train.batch_size
+    windows, docs = evaluation_windows(corpus.val, cfg.data.seq_len + 1, SHIP_WINDOWS, B)
+    if not windows:
+        raise UserError("the validation split has no window of T + 1 tokens to choose the shipped policy on")
+    return HeldOut([w.to(device) for w in windows], token_bytes, corpus.tokenizer, docs, "val")
+
+
+def ship(
+    system: MegaContext,
+    cfg: RunConfig,
+    held: HeldOut,
+    say: Callable[[str], None],
+    rounds: dict[int, dict[str, torch.Tensor]] | None = None,
+) -> tuple[Candidate, Verdict]:
+    """Score every candidate on ``held`` (validation windows) in one brief evaluation and apply the rule; says the
+    verdict in a few lines."""
+    pool = candidates(system, cfg, rounds or {})
+    budgets = evaluation_budgets(system.layout, (system.layout.W,), cfg.mc.refocus_every)
+    settings = EvalSettings(budgets, tasks=SHIP_TASKS, refocus_every=cfg.mc.refocus_every, brief=True,
+                            candidates=tuple(c.policy for c in pool if c.extra))  # fmt: skip
+    report = evaluate(system, held, settings)
+    verdict = choose([c.name for c in pool], report.head.head, _passkey_row(report))
+    for name, why in verdict.refused.items():
+        say(f"[ship] refused {name}: {why}")
+    figures = verdict.figures[verdict.shipped]
+    answered = "" if figures["passkey"] is None else f", pass key {figures['passkey']:.2f}"
+    say(f"[ship] shipping {verdict.shipped} (validation, {sum(w.size(0) for w in held.windows)} windows: corpus "
+        f"{figures['corpus_bpb']:.4f} bits per byte{answered})")  # fmt: skip
+    return next(c for c in pool if c.name == verdict.shipped), verdict
+
+
+def _passkey_row(report: EvalReport) -> Row | None:
+    result = report.scored(SHIP_TASKS[1])
+    return None if result is None else result.refocus.head
+
+
+def shipped_policy(state: dict[str, Any], system: MegaContext, cfg: RunConfig) -> tuple[str, FocusPolicy]:
+    """The shipped candidate's name and its policy, named ``shipped``, from a checkpoint's ``state``; a checkpoint
+    saved before the choice existed ships ``lens`` (or ``match`` without LensNet)."""
+    record = state.get("shipped")
+    if record is None:
+        default = LENS if system.lensnet is not None else MATCH
+        return default.name, renamed(default, SHIPPED)
+    if "lensnet" not in record:
+        return record["name"], renamed(POLICIES[record["policy"]], SHIPPED)
+    device = next(system.parameters()).device
+    lensnet = lensnet_of(cfg, system.layout, record["match_prior"]).to(device).eval()
+    lensnet.load_state_dict(record["lensnet"])
+    return record["name"], lensnet_policy(SHIPPED, lensnet)
+
+
+def write_shipped(path: Path, shipped: Candidate, verdict: Verdict) -> None:
+    """Record the shipped candidate (and the verdict that chose it) in the checkpoint file at ``path``."""
+    state = load_checkpoint(path)
+    state["shipped"] = shipped.record() | {"verdict": verdict.to_json()}
+    save_checkpoint(path, state)
+
+
+def ship_run(
+    run_dir: Path,
+    device: torch.device,
+    say: Callable[[str], None],
+    corpus: Corpus | None = None,
+    rounds: dict[int, dict[str, torch.Tensor]] | None = None,
+) -> Verdict:
+    """The choice on a saved run (``train.ship``, and ``train.lens`` after its rounds), recorded in its checkpoint."""
+    ckpt, corpus = read_run(run_dir, "to choose a policy among", corpus)
+    system, cfg = run_system(ckpt, device)
+    token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
+    shipped, verdict = ship(system, cfg, validation(corpus, cfg, token_bytes, device), say, rounds)
+    write_shipped(ckpt.path, shipped, verdict)
+    return verdict

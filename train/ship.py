@@ -1,0 +1,42 @@
+"""Choose the focus policy a run ships: ``python -m train.ship --run DIR``.
+
+Every MegaContext run makes this choice at its end (``mcfn.shell.ship``): truncation, ``match``, the run's own
+LensNet and the run's own gated over ``match``'s cut, scored on validation windows under generation's protocol and
+judged by paired errors; the choice is recorded in the checkpoint, where ``train.eval`` scores it as ``shipped`` and
+``train.generate`` decodes with it when no ``--context`` is given. This command makes it again on a saved run (one
+trained before the choice existed ships ``lens`` until then). Bad input ends with a one-line ``error:`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mcfn.errors import exit_code
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.ship", description=__doc__.split("\n")[0])
+    p.add_argument("--run", type=Path, required=True, help="the run directory (or its checkpoint.pt)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    from mcfn.shell.devices import resolve_device
+    from mcfn.shell.ship import ship_run
+    from mcfn.shell.trainer import say
+
+    run_dir = args.run if args.run.is_dir() else args.run.parent
+    verdict = ship_run(run_dir, resolve_device(args.device), say)
+    (run_dir / "ship.json").write_text(json.dumps(verdict.to_json(), indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return exit_code(lambda: run(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
