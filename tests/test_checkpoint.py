@@ -5,16 +5,16 @@ import dataclasses
 import pytest
 import torch
 
-from mcfn.config import RunConfig
-from mcfn.core.model import GPT
-from mcfn.errors import UserError
-from mcfn.shell.checkpoint import (
+from mcfn.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpoint,
     load_checkpoint,
     run_state,
     save_checkpoint,
 )
+from mcfn.config import RunConfig
+from mcfn.core.model import GPT
+from mcfn.errors import UserError
 
 
 def test_checkpoint_roundtrip_and_corruption(tmp_path):

@@ -15,9 +15,9 @@ from mcfn.core.edits import COLLAPSE, DROP, EXPAND, edit_worth, ranking_loss, si
 from mcfn.core.focus import Refocus, focus_cut, view_context
 from mcfn.core.system import tree_stage
 from mcfn.errors import UserError
-from mcfn.shell.traces import Traces, fingerprint
-from mcfn.tools.chunks import chunk_view
-from mcfn.tools.counterfactual import label_edits, lens_view_scores, trace_window
+from mcfn.evaluation.chunks import chunk_view
+from mcfn.evaluation.counterfactual import label_edits, lens_view_scores, trace_window
+from mcfn.stage.traces import Traces, fingerprint
 
 T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
 

@@ -12,17 +12,17 @@ import pytest
 import torch
 from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
+from mcfn.checkpoint import Checkpoint
 from mcfn.core.attention import attention_mass
 from mcfn.core.focus import default_budgets, evaluation_budgets
 from mcfn.errors import UserError
+from mcfn.evaluation.batch import EvalBatch, EvalSettings
+from mcfn.evaluation.evaluate import HeldOut, conditions, evaluate
+from mcfn.evaluation.one_cut import predict_budget
+from mcfn.evaluation.report import format_eval_table
+from mcfn.evaluation.result import EvalReport, ProtocolResult
+from mcfn.evaluation.stats import Clusters, paired_gain, retained_with_interval, spearman
 from mcfn.inference.generation import generate_mc
-from mcfn.shell.checkpoint import Checkpoint
-from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.eval_report import format_eval_table
-from mcfn.tools.eval_result import EvalReport, ProtocolResult
-from mcfn.tools.eval_stats import Clusters, paired_gain, retained_with_interval, spearman
-from mcfn.tools.evaluation import HeldOut, conditions, evaluate
-from mcfn.tools.one_cut import predict_budget
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 

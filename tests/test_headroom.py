@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from builders import VOCAB, decisive, make_system, spread_lens
 
-from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.evaluation import HeldOut, evaluate, record
-from mcfn.tools.headroom import candidate_slots, halves, per_chunk
-from mcfn.tools.long_range import far_context_tokens
-from mcfn.tools.one_cut import Predictions
-from mcfn.tools.refocused import predict_chunked
+from mcfn.evaluation.batch import EvalBatch, EvalSettings
+from mcfn.evaluation.evaluate import HeldOut, evaluate, record
+from mcfn.evaluation.headroom import candidate_slots, halves, per_chunk
+from mcfn.evaluation.long_range import far_context_tokens
+from mcfn.evaluation.one_cut import Predictions
+from mcfn.evaluation.refocused import predict_chunked
 
 T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
 

@@ -7,9 +7,9 @@ import dataclasses
 import torch
 from builders import one_line_error, tiny_sections, write_profile
 
+from mcfn.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from mcfn.core.system import MegaContext
 from mcfn.profile import resolve
-from mcfn.shell.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from mcfn.shell.init_from import base_weights, init_base_from
 from mcfn.shell.tracking import read_metrics
 from train.run import main

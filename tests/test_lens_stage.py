@@ -11,10 +11,11 @@ import shutil
 import pytest
 import torch
 
+from mcfn.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.data.corpus import prepare_corpus
-from mcfn.shell import lens_stage, traces
-from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from mcfn.shell.lens_stage import run_stage
+from mcfn.stage import rounds as lens_stage
+from mcfn.stage import traces
+from mcfn.stage.rounds import run_stage
 from train.lens import main as lens_main
 
 TINY = ["--rounds", "2", "--windows", "2", "--held-out", "2"]
@@ -57,7 +58,7 @@ def test_the_round_shipped_is_its_own_weights_and_the_run_keeps_its_original(dec
     """When the choice ships round 1 after round 2 trained further, the checkpoint's shipped LensNet is round 1's
     byte for byte (a copy, not the live network's), and the run's own LensNet in the checkpoint is the one it had
     before the stage."""
-    from mcfn.shell import ship
+    from mcfn.stage import ship
 
     run = tmp_path / "run"
     shutil.copytree(decoding_run[0], run)

@@ -70,8 +70,8 @@ def policy_literals(path: Path) -> list[tuple[str, int, str]]:
 
 # The same words meaning something else: each (module, literal) and what it names there.
 NOT_POLICIES = {
-    ("src/mcfn/shell/traces.py", "lens"): "the config section [mc.lens]",
-    ("src/mcfn/tools/sweep.py", "lens"): "LensNet's share of an MC step's time, a column of stored sweeps",
+    ("src/mcfn/stage/traces.py", "lens"): "the config section [mc.lens]",
+    ("src/mcfn/bench/sweep.py", "lens"): "LensNet's share of an MC step's time, a column of stored sweeps",
     ("train/gpu_check.py", "full"): "the GPU check's full mode, beside its dry run",
     ("src/mcfn/core/weights.py", "full"): "the full-window teacher's loss weight, a LossWeights field",
 }

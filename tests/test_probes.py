@@ -9,8 +9,8 @@ from builders import make_documents
 from mcfn.data.probes import PAIRS, PROBES, QUERIES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.errors import UserError
-from mcfn.tools.eval_stats import record
-from mcfn.tools.one_cut import Predictions
+from mcfn.evaluation.one_cut import Predictions
+from mcfn.evaluation.stats import record
 
 T, H = 512, 128
 

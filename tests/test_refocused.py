@@ -12,10 +12,10 @@ from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 from mcfn.core.focus import Refocus
 from mcfn.core.match import match_votes
 from mcfn.core.policy import RECENCY
+from mcfn.evaluation.batch import EvalBatch, EvalSettings
+from mcfn.evaluation.refocused import predict_chunked
 from mcfn.inference.generation import teacher_forced_mc
 from mcfn.inference.render import lod_string
-from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.refocused import predict_chunked
 
 T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
 
@@ -83,8 +83,8 @@ def test_best_of_random_is_never_worse_than_any_random_cut_of_its_chunk():
     system = moving_system()
     window = torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(5))
     pred = chunked(system, window, torch.full((3,), T - H))
-    from mcfn.tools.evaluation import record
-    from mcfn.tools.headroom import per_chunk
+    from mcfn.evaluation.evaluate import record
+    from mcfn.evaluation.headroom import per_chunk
 
     scored = torch.ones(3, H)
     full = (torch.zeros(3, H), torch.zeros(3, H, dtype=torch.bool))
@@ -123,9 +123,9 @@ def test_lens_rank_corr_compares_each_chunks_preferences_with_its_own_gaps(monke
     """A LensNet whose preference between two random cuts of a chunk is exactly their measured gap on that chunk
     ranks every pair right: ``lens_rank_corr`` is 1. Fails when a chunk's preferences meet another chunk's gaps."""
     from mcfn.core.preferences import pair_slots
-    from mcfn.tools import refocused
-    from mcfn.tools.eval_stats import spearman
-    from mcfn.tools.evaluation import record
+    from mcfn.evaluation import refocused
+    from mcfn.evaluation.evaluate import record
+    from mcfn.evaluation.stats import spearman
 
     real = refocused.predict_chunk
 

@@ -1,4 +1,4 @@
-"""The split-half reliability of LensNet's labels (mcfn.tools.reliability): 1 for identical estimates, about 0 for
+"""The split-half reliability of LensNet's labels (mcfn.stage.reliability): 1 for identical estimates, about 0 for
 noise, between the two as the noise grows, with an error that counts windows, not states."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.tools.reliability import pair_agreement, pooled, split_halves, whole_cut_rewards
+from mcfn.stage.reliability import pair_agreement, pooled, split_halves, whole_cut_rewards
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,7 +74,7 @@ def test_a_runs_labels_are_measured_on_both_sets_and_the_checkpoint_is_untouched
     import json
     import shutil
 
-    from mcfn.shell.checkpoint import Checkpoint
+    from mcfn.checkpoint import Checkpoint
     from train.lens import main as lens_main
 
     run = tmp_path / "run"
@@ -98,12 +98,12 @@ def test_a_runs_labels_are_measured_on_both_sets_and_the_checkpoint_is_untouched
 
 
 def test_the_labels_halves_split_are_the_labels_own_predictions(decoding_run):
+    from mcfn.checkpoint import Checkpoint
     from mcfn.core.focus import Refocus
     from mcfn.data.corpus import prepare_corpus
-    from mcfn.shell.checkpoint import Checkpoint
-    from mcfn.shell.lens_candidates import run_system
-    from mcfn.shell.session import training_sampler
-    from mcfn.shell.traces import trace
+    from mcfn.data.mixture import training_sampler
+    from mcfn.stage.candidates import run_system
+    from mcfn.stage.traces import trace
 
     class Bar:
         def update(self, _):
@@ -125,12 +125,12 @@ def test_the_labels_halves_split_are_the_labels_own_predictions(decoding_run):
 
 
 def test_the_attention_labels_halves_together_are_the_whole_tails_attention(decoding_run):
+    from mcfn.checkpoint import Checkpoint
     from mcfn.core.attention import hidden_and_tail_attention, node_mass
     from mcfn.data.corpus import prepare_corpus
-    from mcfn.shell.checkpoint import Checkpoint
-    from mcfn.shell.lens_candidates import run_system
-    from mcfn.shell.session import training_sampler
-    from mcfn.tools.reliability import attention_halves, tail_attention
+    from mcfn.data.mixture import training_sampler
+    from mcfn.stage.candidates import run_system
+    from mcfn.stage.reliability import attention_halves, tail_attention
 
     system, cfg = run_system(Checkpoint.read(decoding_run[0]), torch.device("cpu"))
     window = training_sampler(cfg, prepare_corpus(cfg.data)).batch(0, 1)
@@ -148,7 +148,7 @@ def test_a_small_validation_split_gives_windows_of_its_text_with_their_documents
     import numpy as np
 
     from mcfn.data.corpus import Split
-    from mcfn.shell.lens_labels import validation_windows
+    from mcfn.stage.labels import validation_windows
 
     split = Split(tokens=np.arange(300, dtype=np.uint16), doc_offsets=np.array([0, 100, 250, 300]))
     rows, docs = validation_windows(split, 40, 12, 4, seed=0)
@@ -170,7 +170,7 @@ def test_whole_cut_rewards_are_group_relative_and_follow_the_lower_nll():
 
 
 def test_an_edits_two_chunk_label_is_its_chunk_label_then_the_next_chunk_with_its_context_carried():
-    """:func:`~mcfn.tools.carried.carried_delta_by_token`: the first ``k`` columns are the traced chunk's own ΔNLL;
+    """:func:`~mcfn.stage.carried.carried_delta_by_token`: the first ``k`` columns are the traced chunk's own ΔNLL;
     the next are the next chunk's, read with the edit's context carried into LensNet's warm refocus there, against
     the policy's own carried cut: for the edit whose effect carries furthest, a separate warm refocus and forward give
     the same, and the edits' next-chunk labels differ from one another (a cold refocus would give them all one)."""
@@ -179,9 +179,9 @@ def test_an_edits_two_chunk_label_is_its_chunk_label_then_the_next_chunk_with_it
     from mcfn.core.focus import Refocus, focus_cut, view_context
     from mcfn.core.policy import LENS
     from mcfn.core.system import tree_stage
-    from mcfn.tools.carried import carried_delta_by_token
-    from mcfn.tools.chunks import chunk_predictions, chunk_view
-    from mcfn.tools.counterfactual import trace_window
+    from mcfn.evaluation.chunks import chunk_predictions, chunk_view
+    from mcfn.evaluation.counterfactual import trace_window
+    from mcfn.stage.carried import carried_delta_by_token
 
     system = spread_lens(awake(make_system(64, 4, 2, 32, 16, N=2, seed=3, refocus_every=4)), seed=2).eval()
     protocol = Refocus(4)
@@ -213,7 +213,7 @@ def test_the_single_edit_labels_error_is_over_documents_computed_by_hand():
     documents, computed here by hand, are what ``single_edit_reliability`` reports with the windows' documents."""
     from types import SimpleNamespace
 
-    from mcfn.tools.reliability import single_edit_reliability
+    from mcfn.stage.reliability import single_edit_reliability
 
     by_state = [  # [edits, 2 predictions] ΔNLL per window
         torch.tensor([[0.5, 0.4], [-0.2, 0.1], [0.3, -0.6]]),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from builders import tiny_sections, write_profile
 
-from mcfn.shell.checkpoint import load_checkpoint
+from mcfn.checkpoint import load_checkpoint
 from mcfn.shell.tracking import read_metrics
 from train.run import main
 

@@ -11,13 +11,13 @@ import shutil
 import pytest
 import torch
 
+from mcfn.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.core.policy import LENS, RECENCY, SHIPPED, Choice
 from mcfn.data.corpus import prepare_corpus
-from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from mcfn.evaluation.result import Gain, Paired, Row
+from mcfn.evaluation.stats import Clusters, paired_differences
 from mcfn.shell.restore import load_trained
-from mcfn.shell.ship import choose, ship_run
-from mcfn.tools.eval_result import Gain, Paired, Row
-from mcfn.tools.eval_stats import Clusters, paired_differences
+from mcfn.stage.ship import choose, ship_run
 
 NAMES = ["recency", "match", "lens", "gated"]  # simplest first
 
@@ -175,7 +175,7 @@ def test_the_gated_candidate_adds_its_scaled_scores_to_matchs_where_they_stand_o
     LensNet's scores times :data:`GATED_SCALE` on the units standing more than 2 standard deviations above their
     row's mean (computed here by hand), and zero elsewhere."""
     from mcfn.core.context import WorkingContext
-    from mcfn.shell.lens_candidates import GATED_SCALE, gated_system, run_system
+    from mcfn.stage.candidates import GATED_SCALE, gated_system, run_system
 
     own, cfg = run_system(Checkpoint.read(decoding_run[0]), torch.device("cpu"))
     gated, _ = gated_system(own, cfg, torch.device("cpu"))

@@ -3,8 +3,7 @@ that runs past its cap reported as such while the sweep goes on."""
 
 from __future__ import annotations
 
-from mcfn.profile import parse_override, resolve
-from mcfn.tools.sweep import (
+from mcfn.bench.sweep import (
     CONDITIONS,
     format_sweep_table,
     measure_point,
@@ -13,6 +12,7 @@ from mcfn.tools.sweep import (
     sweep_lod_max,
     warm_caches,
 )
+from mcfn.profile import parse_override, resolve
 
 TINY = [
     "model.n_layer=1",

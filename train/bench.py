@@ -2,15 +2,15 @@
 
 Random tokens at the profile's shapes (compute does not depend on the text, so no corpus is needed);
 compiled by default (``--eager`` to compare). Prints a table and writes ``--json FILE``. What is
-measured and how is in :mod:`mcfn.tools.benchmark`.
+measured and how is in :mod:`mcfn.bench.benchmark`.
 
 ``python -m train.bench --decode RUN_DIR --prompt-file F`` instead times generation with a trained model:
 MegaContext (warm and cold refocuses) against full context at several prompt lengths
-(:mod:`mcfn.inference.decode_bench`).
+(:mod:`mcfn.bench.decode`).
 
 ``python -m train.bench --profile NAME --sweep-T 512,1024,...`` instead measures how the training step's cost grows
 with the history: the plain step against the MC step with the teacher off, on and bounded, at each ``T``
-(:mod:`mcfn.tools.sweep`); ``bench_sweep.json`` and ``bench_sweep.png`` go into ``--out``.
+(:mod:`mcfn.bench.sweep`); ``bench_sweep.json`` and ``bench_sweep.png`` go into ``--out``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="also time LensNet's forward over one working context of N entries (mcfn.tools.lens_bench)",
+        help="also time LensNet's forward over one working context of N entries (mcfn.bench.lens)",
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     decode = p.add_argument_group("decode speed (instead of the step)")
@@ -86,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--steps and --warmup must be >= 1")
         if args.lens_entries and args.lens_entries < cfg.mc.tail:
             raise UserError(f"--lens-entries must be 0 or at least mc.tail = {cfg.mc.tail}")
+        from mcfn.bench.benchmark import format_table, run_benchmark, typecheck_cost
         from mcfn.shell.devices import padded_vocab, resolve_device
-        from mcfn.tools.benchmark import format_table, run_benchmark, typecheck_cost
 
         vocab, device = padded_vocab(cfg.data.vocab_size), resolve_device(args.device)
         if args.typecheck_cost:
-            result = typecheck_cost(cfg, vocab, device, args.steps)
+            result = typecheck_cost(cfg, vocab, device, args.steps, evaluate_batch)
         else:
             mode = None if args.eager else cfg.train.compile_mode
             result = run_benchmark(
@@ -116,12 +116,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def evaluate_batch(system, window) -> None:
+    """The held-out evaluation of one batch ``window [B, T + 1]`` at the default budgets, on the corpus: what
+    ``--typecheck-cost`` times beside the step."""
+    import torch
+
+    from mcfn.core.focus import evaluation_budgets
+    from mcfn.evaluation.batch import EvalSettings
+    from mcfn.evaluation.evaluate import HeldOut, score_tasks
+
+    token_bytes = torch.ones(system.base.wte.weight.size(0), dtype=torch.int64, device=window.device)
+    budgets = evaluation_budgets(system.layout, None, system.refocus_every)
+    score_tasks(
+        system,
+        HeldOut([window], token_bytes),
+        EvalSettings(budgets, tasks=("corpus",), refocus_every=system.refocus_every),
+    )
+
+
 def bench_progress(line: str) -> None:
     print(f"[bench] {line}", file=sys.stderr, flush=True)
 
 
 def sweep_benchmark(args: argparse.Namespace) -> None:
-    from mcfn.tools.sweep import CONDITIONS, format_sweep_table, plot_sweep, run_sweep, sweep_lod_max
+    from mcfn.bench.sweep import CONDITIONS, format_sweep_table, plot_sweep, run_sweep, sweep_lod_max
 
     try:
         lengths = [int(n) for n in args.sweep_T.split(",")]
@@ -160,9 +178,9 @@ def sweep_benchmark(args: argparse.Namespace) -> None:
 
 def sweep_point(spec: dict) -> None:
     """One point of the sweep, in a process of its own: its row as the last line of stdout."""
+    from mcfn.bench.sweep import measure_point, point_config
     from mcfn.config import RunConfig
     from mcfn.shell.devices import padded_vocab, resolve_device
-    from mcfn.tools.sweep import measure_point, point_config
 
     cfg: RunConfig = resolve(
         spec["profile"], [parse_override(o) for o in spec["overrides"]] + [("mc", "enabled", True)]
@@ -179,9 +197,9 @@ def sweep_point(spec: dict) -> None:
 def decode_benchmark(args: argparse.Namespace) -> None:
     import torch
 
+    from mcfn.bench.decode import MODES, format_decode_table, run_decode_benchmark
     from mcfn.core.system import MegaContext
     from mcfn.inference.decode import decoding_compiler
-    from mcfn.inference.decode_bench import MODES, format_decode_table, run_decode_benchmark
     from mcfn.shell.devices import resolve_device
     from mcfn.shell.restore import load_trained
 

@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: ``python -m train.eval --ckpt DIR [--data SPEC] [--json FILE] ...``.
 
 Tail bits per byte on held-out windows under full / recency / random / match / lens / best-of working contexts,
-at the checkpoint's budget and a sweep of budgets (see ``mcfn.tools.evaluation``). Prints the table and writes
+at the checkpoint's budget and a sweep of budgets (see ``mcfn.evaluation.evaluate``). Prints the table and writes
 ``eval.json``, ``eval.md`` and ``eval_sweep.png`` into ``--out`` (default: the checkpoint's directory).
 """
 
@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
+    from mcfn.evaluation.report import eval_json
     from mcfn.shell.evaluate import EvalRequest, evaluate_checkpoint
-    from mcfn.tools.eval_report import eval_json
 
     flags = vars(args).copy()
     flags.pop("json")

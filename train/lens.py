@@ -1,10 +1,10 @@
 """Train LensNet on what each choice costs: ``python -m train.lens --run DIR [--rounds N] [--windows N] ...``
 (the run's ``[lens_stage]`` settings, these flags on top).
-``--reliability N`` measures instead how much signal the stage's labels carry (``mcfn.shell.lens_labels``).
+``--reliability N`` measures instead how much signal the stage's labels carry (``mcfn.stage.labels``).
 
-The LensNet stage (``mcfn.shell.lens_stage``) on an existing MegaContext run: rounds of counterfactual traces under
+The LensNet stage (``mcfn.stage.rounds``) on an existing MegaContext run: rounds of counterfactual traces under
 generation's protocol and LensNet training on them from the run's own, each round's policy measured on validation
-windows; then the ship choice (``mcfn.shell.ship``) among truncation, ``match``, the run's own LensNet, its gated
+windows; then the ship choice (``mcfn.stage.ship``) among truncation, ``match``, the run's own LensNet, its gated
 variant and each round's, recorded in the checkpoint; ``train.eval --ckpt DIR`` scores it as ``shipped``.
 Bad input (no checkpoint, a plain run, traces of another checkpoint) ends with a one-line ``error:`` message and
 exit code 2.
@@ -43,15 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     from mcfn.errors import UserError
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.lens_stage import run_stage
-    from mcfn.shell.ship import ship_run
     from mcfn.shell.trainer import say
+    from mcfn.stage.rounds import run_stage
+    from mcfn.stage.ship import ship_run
 
     if any(n is not None and n < 1 for n in (args.rounds, args.windows, args.held_out)):
         raise UserError("--rounds, --windows and --held-out must be >= 1")
     run_dir = args.run if args.run.is_dir() else args.run.parent
     if args.reliability is not None:
-        from mcfn.shell.lens_labels import label_reliability
+        from mcfn.stage.labels import label_reliability
 
         figures = label_reliability(run_dir, args.reliability, args.held_out, resolve_device(args.device), say)
         (run_dir / "lens_labels.json").write_text(json.dumps(figures, indent=2))

@@ -1,6 +1,6 @@
 """Choose the focus policy a run ships: ``python -m train.ship --run DIR``.
 
-Every MegaContext run makes this choice at its end (``mcfn.shell.ship``): truncation, ``match``, the run's own
+Every MegaContext run makes this choice at its end (``mcfn.stage.ship``): truncation, ``match``, the run's own
 LensNet and the run's own gated over ``match``'s cut, scored on validation windows under generation's protocol and
 judged by paired errors; the choice is recorded in the checkpoint, where ``train.eval`` scores it as ``shipped`` and
 ``train.generate`` decodes with it when no ``--context`` is given. This command makes it again on a saved run (one
@@ -26,8 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.ship import ship_run
     from mcfn.shell.trainer import say
+    from mcfn.stage.ship import ship_run
 
     run_dir = args.run if args.run.is_dir() else args.run.parent
     verdict = ship_run(run_dir, resolve_device(args.device), say)

@@ -254,7 +254,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LensStageConfig:
-    """LensNet's second objective, the counterfactual stage (:mod:`mcfn.shell.lens_stage`, ``train.lens``), beside its
+    """LensNet's second objective, the counterfactual stage (:mod:`mcfn.stage.rounds`, ``train.lens``), beside its
     first, the MC phase's ``[mc.lens]``: rounds of traces of fresh training windows, each edit of LensNet's cut
     labelled with its ΔNLL, and the ranking loss over them."""
 

@@ -144,7 +144,7 @@ FULL = register(FocusPolicy("full", Choice.FULL))
 RECENCY = register(FocusPolicy("recency", Choice.TRUNCATION))
 RECENT = register(FocusPolicy("recent", Choice.FIXED, brief=False))
 RANDOM = register(FocusPolicy("random", Choice.RANDOM, brief=False))
-SHIPPED = "shipped"  # the name the evaluation scores a run's shipped policy under (mcfn.shell.ship)
+SHIPPED = "shipped"  # the name the evaluation scores a run's shipped policy under (mcfn.stage.ship)
 
 
 def renamed(policy: FocusPolicy, name: str) -> FocusPolicy:

@@ -47,7 +47,7 @@ NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
 
 def lensnet_of(cfg: RunConfig, layout: Layout, match_prior: str | None = None) -> LensNet:
     """A new LensNet of ``cfg``'s sizes over ``layout``, with ``cfg``'s match prior unless ``match_prior`` says
-    another: the system's own, or a candidate policy's (:mod:`mcfn.shell.ship`)."""
+    another: the system's own, or a candidate policy's (:mod:`mcfn.stage.ship`)."""
     prior = cfg.mc.lens.match_prior if match_prior is None else match_prior
     return LensNet(cfg.model.n_embd, cfg.aux_width, AUX_LAYERS, cfg.aux_heads, layout,
                    match_reach=cfg.mc.refocus_every, match_prior=prior)  # fmt: skip

@@ -23,6 +23,8 @@ import random
 import torch
 from torch import Tensor
 
+from mcfn.config import RunConfig
+from mcfn.data.corpus import Corpus
 from mcfn.data.loader import WindowSampler
 from mcfn.data.probes import PROBES, make_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
@@ -89,3 +91,13 @@ class MixedSampler:
             probe = make_probe(name, windows[row : row + 1], self.tok, self.tail, seed=rng.getrandbits(63))
             windows[row] = probe.window[0]
         return windows
+
+
+def training_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSampler:
+    """Training batch ``i`` as a pure function of the seed and ``i``: corpus windows, with ``data.mix`` of them
+    carrying a long-range task."""
+    sampler = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
+    if cfg.data.mix <= 0:
+        return sampler
+    d = cfg.data
+    return MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed)

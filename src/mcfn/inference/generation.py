@@ -19,7 +19,7 @@ The focus policy (:mod:`mcfn.core.policy`) chooses each refocus's context: ``len
 other scored policy (``match``, the training-free n-gram match; ``attn``, the base model's own attention), or
 ``recency``, the newest ``W - refocus_every`` tokens, truncation at the same cadence. Each refocus is the policy's
 :meth:`~mcfn.core.policy.FocusPolicy.refocus`, the very call the evaluation's generation protocol makes
-(:mod:`mcfn.tools.refocused`); :func:`teacher_forced_mc` feeds a known continuation instead of sampling, and a test
+(:mod:`mcfn.evaluation.refocused`); :func:`teacher_forced_mc` feeds a known continuation instead of sampling, and a test
 holds the evaluation's NLL to its logits (the two read the same contexts, one through the cache, one in one
 forward).
 

@@ -15,12 +15,12 @@ from mcfn.data.corpus import encode_source, held_out
 from mcfn.data.loader import evaluation_windows
 from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
+from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.report import write_eval_outputs
+from mcfn.evaluation.result import EvalReport, Provenance
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.restore import Trained, load_trained
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.eval_result import EvalReport, Provenance
-from mcfn.tools.evaluation import HeldOut, evaluate
 
 
 def parse_tasks(names: list[str] | None) -> tuple[str, ...]:

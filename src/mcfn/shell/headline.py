@@ -20,8 +20,8 @@ from mcfn.core.policy import RECENCY, SHIPPED, FocusPolicy, policies
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
+from mcfn.evaluation.result import EvalReport
 from mcfn.inference.generation import generate_mc
-from mcfn.tools.eval_result import EvalReport
 
 
 def briefed() -> list[str]:

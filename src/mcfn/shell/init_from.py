@@ -12,9 +12,9 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
+from mcfn.checkpoint import Checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.system import MegaContext
-from mcfn.shell.checkpoint import Checkpoint
 
 BASE_PREFIX = "base."  # a MegaContext checkpoint's base-model entries
 

@@ -18,22 +18,22 @@ from typing import Any
 
 from torch import Tensor
 
+from mcfn.checkpoint import run_checkpoint
 from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import SHIPPED, FocusPolicy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
-from mcfn.shell.checkpoint import run_checkpoint
+from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.report import write_eval_outputs
+from mcfn.evaluation.result import EvalReport
 from mcfn.shell.headline import summary_lines, trained_line
-from mcfn.shell.lens_stage import run_stage
+from mcfn.shell.report import write_report
 from mcfn.shell.session import Progress, Session
-from mcfn.shell.ship import ship, validation, write_shipped
 from mcfn.shell.tracking import read_metrics
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.eval_report import write_eval_outputs
-from mcfn.tools.eval_result import EvalReport
-from mcfn.tools.evaluation import HeldOut, evaluate
-from mcfn.tools.report import write_report
+from mcfn.stage.rounds import run_stage
+from mcfn.stage.ship import ship, validation, write_shipped
 
 SUMMARY_NAME = "summary.json"
 LOD_MAPS_NAME = "lod_maps.txt"
@@ -95,7 +95,7 @@ def lens_stage(s: Session, say: Callable[[str], None]) -> tuple[dict | None, dic
 
 
 def ship_policy(s: Session, rounds: dict[int, dict[str, Tensor]], say: Callable[[str], None]) -> Shipped | None:
-    """The ship choice (:mod:`mcfn.shell.ship`) on validation windows, recorded in the run's checkpoint: the candidate
+    """The ship choice (:mod:`mcfn.stage.ship`) on validation windows, recorded in the run's checkpoint: the candidate
     shipped and its policy, named ``shipped``. Made where the run ends with its final evaluation."""
     if not (s.cfg.train.final_eval_batches and isinstance(s.model, MegaContext)):
         return None
@@ -124,7 +124,7 @@ def summarise(s: Session, progress: Progress, t_start: float, final_eval: EvalRe
         "final_val_bpb": progress.last_bpb,
         "step_ms_median": median_ms,
         "tokens_per_s": tokens_per_step / (median_ms / 1e3) if median_ms else None,
-        # Model FLOPs utilisation of the median step on a known GPU (mcfn.tools.flops); None elsewhere.
+        # Model FLOPs utilisation of the median step on a known GPU (mcfn.bench.flops); None elsewhere.
         "mfu": progress.peak_step_s / (median_ms / 1e3) if progress.peak_step_s and median_ms else None,
         # The first step (and first eval) include compilation; the rest do not.
         "compile_s": max(0.0, ((progress.first_step_ms or 0.0) - median_ms) / 1e3),

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from mcfn.checkpoint import Checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.model import GPT
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
-from mcfn.shell.checkpoint import Checkpoint
-from mcfn.shell.ship import shipped_policy
+from mcfn.stage.ship import shipped_policy
 
 
 @dataclass

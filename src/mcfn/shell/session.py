@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mcfn.checkpoint import CHECKPOINT_NAME, Checkpoint, run_state, save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.data.loader import WindowSampler, validation_batches
-from mcfn.data.mixture import MixedSampler
+from mcfn.data.mixture import MixedSampler, training_sampler
 from mcfn.errors import UserError
-from mcfn.shell.checkpoint import CHECKPOINT_NAME, Checkpoint, run_state, save_checkpoint
 from mcfn.shell.devices import autocast_for, padded_vocab
 from mcfn.shell.distributed import World
 from mcfn.shell.init_from import init_base_from
@@ -83,16 +83,6 @@ def _previous_state(cfg: RunConfig, out_dir: Path, resume: bool, corpus_key: str
     if path.exists() or (out_dir / METRICS_NAME).exists():
         raise UserError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out")
     return None
-
-
-def training_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSampler:
-    """Training batch ``i`` as a pure function of the seed and ``i``: corpus windows, with ``data.mix`` of them
-    carrying a long-range task."""
-    sampler = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
-    if cfg.data.mix <= 0:
-        return sampler
-    d = cfg.data
-    return MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed)
 
 
 def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.device, world: World) -> Session:

@@ -28,12 +28,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from mcfn.bench.flops import peak_flops, step_flops
 from mcfn.config import RunConfig
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import cache_root
 from mcfn.data.loader import Prefetcher
 from mcfn.errors import RunAborted
+from mcfn.evaluation.evaluate import probe_accuracy
 from mcfn.shell.compile_cache import CompileCache, artifacts_path
 from mcfn.shell.devices import resolve_device
 from mcfn.shell.distributed import average_gradients, init_world, shutdown
@@ -44,8 +46,6 @@ from mcfn.shell.outcome import LOD_MAPS_NAME, finish
 from mcfn.shell.session import Progress, Session, open_session, save_state
 from mcfn.shell.stopping import StopRequest
 from mcfn.shell.tasks import MCTask
-from mcfn.tools.evaluation import probe_accuracy
-from mcfn.tools.flops import peak_flops, step_flops
 
 LOD_LEGEND = "a character per block of K tokens: 0 tokens, 1 and up gists, · not covered"
 

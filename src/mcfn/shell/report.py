@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mcfn.tools.eval_report import EVAL_PNG, depth_accuracies, format_eval_table
-from mcfn.tools.eval_result import EvalReport
-from mcfn.tools.plots import Series, plot_panels
+from mcfn.evaluation.plots import Series, plot_panels
+from mcfn.evaluation.report import EVAL_PNG, depth_accuracies, format_eval_table
+from mcfn.evaluation.result import EvalReport
 
 REPORT_NAME = "report.md"
 PHASES = ("time/data_ms", "time/fwd_bwd_ms", "time/optim_ms", "time/log_ms")

@@ -2,8 +2,8 @@
 :func:`mcfn.core.focus.evaluation_budgets`), and one held-out batch as every condition is scored from it.
 
 :class:`EvalBatch` carries the model, the batch's window, its summary tree (and the tree with every gist zeroed, for
-``lens_nogist``), and each window's horizon, so that the two protocols (:mod:`mcfn.tools.one_cut`,
-:mod:`mcfn.tools.refocused`) take one value instead of the same six arguments each, and return what they compute.
+``lens_nogist``), and each window's horizon, so that the two protocols (:mod:`mcfn.evaluation.one_cut`,
+:mod:`mcfn.evaluation.refocused`) take one value instead of the same six arguments each, and return what they compute.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class EvalSettings:
     # protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
     brief: bool = False
     # Policies scored beside the registry's, each under its own name (mcfn.core.policy.renamed, lensnet_policy): the
-    # run's shipped policy, or the candidates of the ship choice (mcfn.shell.ship). They refocus as generation does.
+    # run's shipped policy, or the candidates of the ship choice (mcfn.stage.ship). They refocus as generation does.
     candidates: tuple[FocusPolicy, ...] = ()
 
     def policies(self, system: MegaContext) -> list[FocusPolicy]:

@@ -6,7 +6,7 @@ the stage's own training windows (its first round's, beyond every batch the MC p
 long-range task) and corpus text, validation windows past the ones the stage
 selects and reports on (:func:`validation_windows`). Every state's single-edit ΔNLL labels are measured twice, from
 disjoint random halves of the
-chunk's predictions (:mod:`mcfn.tools.reliability`), and so is the attention label on the same windows. The figures
+chunk's predictions (:mod:`mcfn.stage.reliability`), and so is the attention label on the same windows. The figures
 per set and label kind: the split-half agreement with its error (over windows for the training set, over documents
 for the validation set), what it allows a predictor, the seconds it took, and the run's own LensNet's
 ``utility_corr`` with the ΔNLL labels on the same states, with the same clustering.
@@ -31,12 +31,11 @@ from mcfn.core.tree import Tree
 from mcfn.data.corpus import Split
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
+from mcfn.evaluation.counterfactual import State
 from mcfn.seeding import derive_seed
-from mcfn.shell.lens_candidates import read_run, run_system
-from mcfn.shell.traces import FIRST_TRACE_BATCH, trace, trace_sampler
-from mcfn.tools.carried import carried_delta_by_token
-from mcfn.tools.counterfactual import State
-from mcfn.tools.reliability import (
+from mcfn.stage.candidates import read_run, run_system
+from mcfn.stage.carried import carried_delta_by_token
+from mcfn.stage.reliability import (
     attention_reliability,
     attention_utility,
     delta_reliability,
@@ -44,6 +43,7 @@ from mcfn.tools.reliability import (
     tail_attention,
     whole_cut_reliability,
 )
+from mcfn.stage.traces import FIRST_TRACE_BATCH, trace, trace_sampler
 
 
 def label_reliability(
@@ -126,7 +126,7 @@ def traced(
 def two_chunk_labels(
     system: MegaContext, windows: Tensor, trees: Tensor, states: list[State], protocol: Refocus, clusters: list[int]
 ) -> list[tuple[int, Tensor]]:
-    """Each state's edits labelled over its chunk and the next (:mod:`mcfn.tools.carried`), with its cluster; the
+    """Each state's edits labelled over its chunk and the next (:mod:`mcfn.stage.carried`), with its cluster; the
     last chunk of each window has no next one and is left out."""
     return [
         (clusters[state.window],

@@ -1,4 +1,4 @@
-"""What every timing of a training step shares (:mod:`mcfn.tools.benchmark`, :mod:`mcfn.tools.sweep`): a wall or
+"""What every timing of a training step shares (:mod:`mcfn.bench.benchmark`, :mod:`mcfn.bench.sweep`): a wall or
 CUDA-event timer, the compile counters, a :class:`Rig` that builds a fresh system with its random inputs, and the
 step's phases, each compiled and timed on its own.
 

@@ -1,8 +1,8 @@
 """The evaluation's report as values: a :class:`Row` per budget, a :class:`ProtocolResult` per protocol of a task,
 a :class:`TaskResult` (or :class:`Skipped`) per task, and the :class:`EvalReport` that holds them.
 
-:func:`mcfn.tools.evaluation.evaluate` builds one; the tables (:mod:`mcfn.tools.eval_report`), the plots
-(:mod:`mcfn.tools.plots`), the run's report and its opening lines read its fields. ``to_json`` writes ``eval.json``
+:func:`mcfn.evaluation.evaluate.evaluate` builds one; the tables (:mod:`mcfn.evaluation.report`), the plots
+(:mod:`mcfn.evaluation.plots`), the run's report and its opening lines read its fields. ``to_json`` writes ``eval.json``
 with the keys it has always had, so that what reads the file is unchanged.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mcfn.core.policy import policies
-from mcfn.tools.eval_batch import EvalSettings
+from mcfn.evaluation.batch import EvalSettings
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Utility:
 @dataclass(frozen=True)
 class Row:
     """One budget ``W`` of one task and protocol: bpb per condition (and answer accuracy for a probe), the retained
-    fraction with its 95% interval, the paired gains (:data:`~mcfn.tools.eval_stats.GAINS`, None where a condition
+    fraction with its 95% interval, the paired gains (:data:`~mcfn.evaluation.stats.GAINS`, None where a condition
     is missing), and where measured LensNet's rank and utility correlations."""
 
     W: int
@@ -65,7 +65,7 @@ class Row:
     accuracy: dict[str, float] | None = None
     lens_rank_corr: float | None = None
     utility: Utility | None = None
-    paired: dict[str, Paired] = field(default_factory=dict)  # "a_over_b" (mcfn.tools.eval_stats.paired_differences)
+    paired: dict[str, Paired] = field(default_factory=dict)  # "a_over_b" (mcfn.evaluation.stats.paired_differences)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -89,7 +89,7 @@ class Row:
 
 @dataclass(frozen=True)
 class LongRange:
-    """``corpus``'s long-range tokens at the headline budget (:mod:`mcfn.tools.long_range`)."""
+    """``corpus``'s long-range tokens at the headline budget (:mod:`mcfn.evaluation.long_range`)."""
 
     definition: str
     tokens: int
@@ -182,7 +182,7 @@ class EvalReport:
     tasks: dict[str, TaskResult | Skipped]  # corpus first
     checkpoint_step: int | None = None
     provenance: Provenance | None = None
-    shipped: str | None = None  # the candidate the run ships (mcfn.shell.ship), scored as "shipped"; None: not scored
+    shipped: str | None = None  # the candidate the run ships (mcfn.stage.ship), scored as "shipped"; None: not scored
 
     @property
     def W(self) -> int:

@@ -14,7 +14,7 @@ At the profile's ``W``, for each ``T`` and each condition:
 Each point is compiled (``fullgraph=True, dynamic=False``), warmed up, and timed over several steps (the median);
 it reports history tokens per second (``B·T`` over the step time), peak memory, and for the MC steps the share of
 the tree build, LensNet (forward and loss) and the teacher, each stage timed on its own as in
-:mod:`mcfn.tools.benchmark`. The tree's depth grows with ``T``: each ``T`` takes the profile's ``mc.lod_max`` or
+:mod:`mcfn.bench.benchmark`. The tree's depth grows with ``T``: each ``T`` takes the profile's ``mc.lod_max`` or
 the smallest deeper one whose coarsest cover leaves at least half of the budget beyond the tail free.
 
 Each point runs in a process of its own, so its peak memory is its own (the resident set on the CPU, the
@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
+from mcfn.bench.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 from mcfn.config import RunConfig
 from mcfn.core.reconstruction import RECON_TOKENS
 from mcfn.core.step import plain_step
 from mcfn.core.system import MegaContext, process_batch
 from mcfn.errors import UserError
 from mcfn.geometry import coarsest_cover_size
-from mcfn.tools.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 
 CONDITIONS = ("plain", "mc", "mc_teacher", "mc_bounded", "mc_sparse")
 SHARES = {"tree": ("tree_ms",), "lens": ("lens_fwd_ms", "lens_loss_ms"), "teacher": ("teacher_ms",)}
@@ -247,7 +247,10 @@ def format_sweep_table(rows: list[dict[str, Any]]) -> str:
 
 def plot_sweep(rows: list[dict[str, Any]], path: Path) -> None:
     """History tokens per second and peak memory against ``T``, log axes, one line per condition."""
-    from mcfn.tools.plots import plt
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
 
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
     for condition in CONDITIONS:

@@ -5,7 +5,7 @@ generation then refocuses warm from that context at the next chunk, so an edit's
 two-chunk label is its ΔNLL over chunk ``c``'s predictions (the traced label's) and over chunk ``c + 1``'s, where
 its context was carried into the next refocus (LensNet's, warm as the protocol says) against the policy's own
 carried context there (the traced state at ``c + 1``). The per-prediction labels ``[e, k + k']`` feed the split-half
-reliability (:mod:`mcfn.tools.reliability`) as the single edits' ``[e, k]`` do.
+reliability (:mod:`mcfn.stage.reliability`) as the single edits' ``[e, k]`` do.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from mcfn.core.focus import Refocus, focus_cut, view_context
 from mcfn.core.policy import LENS
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.tools.chunks import chunk_predictions, chunk_view
-from mcfn.tools.counterfactual import State
+from mcfn.evaluation.chunks import chunk_predictions, chunk_view
+from mcfn.evaluation.counterfactual import State
 
 
 def scored_once(scorer: Scorer) -> Scorer:

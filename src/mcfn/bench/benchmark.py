@@ -32,16 +32,13 @@ import torch
 import torch._dynamo
 from torch import Tensor
 
+from mcfn.bench.flops import peak_flops, step_flops
+from mcfn.bench.lens import lens_forward_ms
+from mcfn.bench.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 from mcfn.config import RunConfig
-from mcfn.core.focus import evaluation_budgets
 from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext, build_contexts, process_batch
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.evaluation import HeldOut, score_tasks
-from mcfn.tools.flops import peak_flops, step_flops
-from mcfn.tools.lens_bench import lens_forward_ms
-from mcfn.tools.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 from mcfn.typecheck import checks
 
 
@@ -228,18 +225,16 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def typecheck_cost(cfg: RunConfig, vocab: int, device: torch.device, steps: int) -> dict[str, float]:
+def typecheck_cost(
+    cfg: RunConfig, vocab: int, device: torch.device, steps: int, evaluate_batch: Callable[[MegaContext, Tensor], None]
+) -> dict[str, float]:
     """What the eager runtime shape checks cost: an eager training step (forward + backward, LensNet live) and
-    the held-out evaluation of one batch, each timed with the checks on and off in turn, medians of ``steps``."""
+    ``evaluate_batch``, the held-out evaluation of one batch (``train.bench`` hands it in: the benchmarks do not import
+    the evaluation), each timed with the checks on and off in turn, medians of ``steps``."""
     rig = Rig.of(cfg, vocab, device, None)
     system, (window, noise) = rig.system, rig.mc_inputs()
-    held_out = HeldOut([window], torch.ones(vocab, dtype=torch.int64, device=device))
-    budgets = evaluation_budgets(system.layout, None, cfg.mc.refocus_every)
-    settings = EvalSettings(budgets, tasks=("corpus",), refocus_every=cfg.mc.refocus_every)
     step = partial(rig.training_call(process_batch), (system, window, noise, rig.weights))
-
-    def evaluation() -> None:
-        score_tasks(system, held_out, settings)
+    evaluation = partial(evaluate_batch, system, window)
 
     timer, out = Timer(device), {}
     for name, fn in (("step", step), ("eval", evaluation)):

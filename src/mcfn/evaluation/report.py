@@ -1,6 +1,6 @@
 """The evaluation's report, formatted: per task and budget, answer accuracy, bits per byte, the retained fraction
 with its interval and LensNet's rank correlation, as ``eval.json``, Markdown tables and PNG plots. The numbers
-come from :func:`mcfn.tools.evaluation.evaluate`."""
+come from :func:`mcfn.evaluation.evaluate.evaluate`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import math
 from pathlib import Path
 
-from mcfn.tools.eval_result import FULL_PLAIN, DepthAccuracy, EvalReport, ProtocolResult, Skipped, TaskResult
-from mcfn.tools.eval_stats import GAINS
-from mcfn.tools.evaluation import conditions
+from mcfn.evaluation.evaluate import conditions
+from mcfn.evaluation.result import FULL_PLAIN, DepthAccuracy, EvalReport, ProtocolResult, Skipped, TaskResult
+from mcfn.evaluation.stats import GAINS
 
 EVAL_JSON, EVAL_MD, EVAL_PNG = "eval.json", "eval.md", "eval_sweep.png"
 
@@ -107,7 +107,7 @@ def eval_json(report: EvalReport) -> str:
 def write_eval_outputs(report: EvalReport, out_dir: Path) -> str:
     """``eval.json``, ``eval.md`` (the tables), ``eval_sweep.png`` and a depth × budget accuracy heatmap per
     probe (``eval_depth_TASK.png``) in ``out_dir``; returns the tables."""
-    from mcfn.tools.plots import plot_budget_sweep, plot_depth_heatmap  # matplotlib only when writing files
+    from mcfn.evaluation.plots import plot_budget_sweep, plot_depth_heatmap  # matplotlib only when writing files
 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = format_eval_table(report)

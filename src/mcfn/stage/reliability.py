@@ -17,7 +17,7 @@ Label kinds measured (``python -m train.lens --reliability N``):
 * **single-edit ΔNLL** (the LensNet stage's today): per state, each single edit of LensNet's cut scored by the chunk's
   mean NLL against the unedited cut's; the halves are random halves of the chunk's ``R`` predictions;
 * **two-chunk ΔNLL**: the same edits with their context carried into the next chunk's warm refocus, as generation
-  carries it (:mod:`mcfn.tools.carried`), labelled over both chunks' predictions; the halves split all of them;
+  carries it (:mod:`mcfn.stage.carried`), labelled over both chunks' predictions; the halves split all of them;
 * **whole cuts** (REFRAG's group-relative reward, at the chunk's scale): per state, the whole cuts traced beside the
   edits (LensNet's, ``match``'s, ``recency`` and the random ones), each rewarded by minus its mean NLL over the
   chunk's predictions less the group's mean; the halves as above;
@@ -42,8 +42,8 @@ from mcfn.core.edits import edit_worth
 from mcfn.core.focus import stream_view, view_node_ids
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.tools.counterfactual import State
-from mcfn.tools.eval_stats import spearman
+from mcfn.evaluation.counterfactual import State
+from mcfn.evaluation.stats import spearman
 from mcfn.typecheck import typechecked
 
 
@@ -196,7 +196,7 @@ def attention_utility(attention: Tensor, states: Sequence[State], nodes: NodeTab
     tail_start = layout.T - layout.H
     correlations = []
     for state in states:
-        # The chunk at history n predicts from position n - 1 to upto - 1 (mcfn.tools.chunks), all in the tail.
+        # The chunk at history n predicts from position n - 1 to upto - 1 (mcfn.evaluation.chunks), all in the tail.
         queries = slice(state.n - 1 - tail_start, min(state.n + every - 1, layout.T) - tail_start)
         mass = node_mass(attention[queries].sum(0)[None], layout)[0]
         view = stream_view(state.n, layout, layout.W - every)

@@ -10,8 +10,8 @@ matplotlib.use("Agg")  # files only: never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from mcfn.core.policy import FULL, policies  # noqa: E402
-from mcfn.tools.eval_result import FULL_PLAIN, DepthAccuracy, EvalReport  # noqa: E402
-from mcfn.tools.headroom import BEST_OF  # noqa: E402
+from mcfn.evaluation.headroom import BEST_OF  # noqa: E402
+from mcfn.evaluation.result import FULL_PLAIN, DepthAccuracy, EvalReport  # noqa: E402
 
 
 def plot_budget_sweep(report: EvalReport, path: Path) -> None:

@@ -3,11 +3,11 @@ before any run, and recorded in the checkpoint for ``train.eval`` (scored as ``s
 policy when no ``--context`` is given) and the report's opening lines.
 
 The candidates, simplest first: ``recency`` (truncation), ``match`` (the n-gram copy focus), ``lens`` (the run's own
-LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.shell.lens_candidates.gated_system`)
+LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.stage.candidates.gated_system`)
 and, where the LensNet stage ran, each of its rounds' LensNets (``round1``, ...). They are scored in one evaluation
 under generation's protocol at the run's ``W`` on the corpus and the pass key of the *validation* split (the test
 split is never read here), so every difference between two of them is paired, window by window, with its bootstrap
-error over documents (:func:`mcfn.tools.eval_stats.paired_differences`). The rule (:func:`choose`):
+error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rule (:func:`choose`):
 
 1. refuse a candidate whose pass key accuracy is more than :data:`PASSKEY_SE` paired standard errors below the best
    candidate's (where the pass key fits the run's tail);
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
@@ -32,11 +33,10 @@ from mcfn.core.system import MegaContext, lensnet_of
 from mcfn.data.corpus import Corpus
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
-from mcfn.shell.checkpoint import load_checkpoint, save_checkpoint
-from mcfn.shell.lens_candidates import GATED, gated_system, read_run, run_system
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.eval_result import EvalReport, Row
-from mcfn.tools.evaluation import HeldOut, evaluate
+from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.result import EvalReport, Row
+from mcfn.stage.candidates import GATED, gated_system, read_run, run_system
 
 PASSKEY_SE = 2.0  # a candidate this many paired standard errors below the best candidate's pass key is refused
 TIE_SE = 1.0  # within this many paired standard errors of the lowest corpus bpb, the simpler candidate is shipped

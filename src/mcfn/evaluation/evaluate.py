@@ -17,26 +17,27 @@ under these conditions at the same budget ``W``:
   lens`` is what the gists are worth (the zeroed-gist ablation); positions and spans are kept;
 * ``best_of_random``, ``best_of_all`` (optimistic: picked per chunk on the tokens they are scored on) and
   ``best_of_all_oos`` (picked on the other half of each chunk): what a better choice of cut could gain
-  (:mod:`mcfn.tools.headroom`);
+  (:mod:`mcfn.evaluation.headroom`);
 * ``full_plain``: with ``--reference``, a plain GPT trained at length ``T``: what a user would pick instead.
 
-Two protocols, both reported. The headline is **generation's** (:mod:`mcfn.tools.refocused`): every condition that
+Two protocols, both reported. The headline is **generation's** (:mod:`mcfn.evaluation.refocused`): every condition that
 chooses a cut refocuses every ``R = mc.refocus_every`` tokens in generation's own layout, and the predictions of each
 chunk of ``R`` come from the cut chosen at the chunk's horizon. The earlier one, **one cut** for all ``H`` tail
-predictions (:mod:`mcfn.tools.one_cut`, ``R = H``), stays beside it so that earlier figures remain comparable. A cut
+predictions (:mod:`mcfn.evaluation.one_cut`, ``R = H``), stays beside it so that earlier figures remain comparable.
+A cut
 is chosen from each window up to its **horizon** (I11), the position of the first prediction it serves (the tail's
 first token on ``corpus``, the token before the answer on a probe, and ``R`` further for each later chunk): it never
 depends on the tokens it is scored on.
 
 What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
 tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**, defined by
-the tokens alone (:mod:`mcfn.tools.long_range`): tail predictions whose trigram context occurred earlier in the
+the tokens alone (:mod:`mcfn.evaluation.long_range`): tail predictions whose trigram context occurred earlier in the
 window, but only beyond the last ``W - R`` tokens at the run's ``W``. A probe window counts as answered when every
 answer token is the greedy argmax.
 
 ``utility_corr`` (``corpus``, under generation's protocol) is, per state (a window's chunk), the Spearman correlation
 of LensNet's predicted worth of each single edit of its own cut with the edit's measured ΔNLL
-(:mod:`mcfn.tools.counterfactual`), averaged over states.
+(:mod:`mcfn.evaluation.counterfactual`), averaged over states.
 
 ``lens_rank_corr`` is the Spearman correlation, over all pairs of a chunk's random contexts, between
 LensNet's predicted preference and the measured gap in scored nats. LensNet's predicted preference of ``a``
@@ -65,10 +66,12 @@ from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import ProbeBatch, evaluation_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
-from mcfn.geometry import most_refocus_every
-from mcfn.seeding import derive_seed
-from mcfn.tools.eval_batch import EvalBatch, EvalSettings
-from mcfn.tools.eval_result import (
+from mcfn.evaluation.batch import EvalBatch, EvalSettings
+from mcfn.evaluation.headroom import BEST_OF
+from mcfn.evaluation.long_range import far_context_tokens
+from mcfn.evaluation.one_cut import NOGIST, predict_budget, tail_predictions
+from mcfn.evaluation.refocused import predict_chunked
+from mcfn.evaluation.result import (
     FULL_PLAIN,
     DepthAccuracy,
     EvalReport,
@@ -77,11 +80,9 @@ from mcfn.tools.eval_result import (
     Skipped,
     TaskResult,
 )
-from mcfn.tools.eval_stats import Scores, accuracy_by_depth, record, summarise
-from mcfn.tools.headroom import BEST_OF
-from mcfn.tools.long_range import far_context_tokens
-from mcfn.tools.one_cut import NOGIST, predict_budget, tail_predictions
-from mcfn.tools.refocused import predict_chunked
+from mcfn.evaluation.stats import Scores, accuracy_by_depth, record, summarise
+from mcfn.geometry import most_refocus_every
+from mcfn.seeding import derive_seed
 
 
 def conditions(candidates: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -263,7 +264,7 @@ def evaluate(
     """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`score_tasks`
     on the ``held_out`` windows with a progress bar on stderr. The headline figures come from ``corpus`` at the first
     budget, which must refocus every ``R``: every caller checks its settings' budgets as it makes them
-    (:func:`mcfn.core.focus.evaluation_budgets`). :mod:`mcfn.tools.eval_report` formats the report."""
+    (:func:`mcfn.core.focus.evaluation_budgets`). :mod:`mcfn.evaluation.report` formats the report."""
     windows = held_out.windows
     probes = len(windows[: settings.probe_batches])
     total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted

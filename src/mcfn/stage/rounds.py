@@ -2,7 +2,7 @@
 loses what the run's LensNet knew (issue 66).
 
 After a run's plain and MC phases, the base model and GistNet are fixed, and LensNet is trained in rounds on its own
-counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces`):
+counterfactual traces (:mod:`mcfn.evaluation.counterfactual`, :mod:`mcfn.stage.traces`):
 
 1. **trace**: walk fresh training windows (corpus text and the run's long-range tasks, half and half:
    :data:`TRACE_TASK_SHARE`) under generation's protocol with the current policy, and label every single edit of
@@ -15,7 +15,7 @@ counterfactual traces (:mod:`mcfn.tools.counterfactual`, :mod:`mcfn.shell.traces
 
 Rounds start from the run's own LensNet, the one its MC phase trained (a checkpoint written by an earlier mcfn, whose
 stage replaced it, keeps it as ``lens_original``, and the stage starts from that). The stage changes nothing the
-run evaluates or generates with: each round's LensNet is a candidate of the ship choice (:mod:`mcfn.shell.ship`),
+run evaluates or generates with: each round's LensNet is a candidate of the ship choice (:mod:`mcfn.stage.ship`),
 judged beside truncation, ``match``, the run's own and the run's own gated over ``match``'s cut by paired errors on
 validation windows. The stage reads no test split.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from mcfn.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.config import LensStageConfig, RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
@@ -40,14 +41,13 @@ from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
+from mcfn.evaluation.chunks import chunk_view
+from mcfn.evaluation.counterfactual import State
+from mcfn.evaluation.evaluate import HeldOut
 from mcfn.seeding import derive_seed
-from mcfn.shell.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from mcfn.shell.lens_candidates import read_run, run_system
-from mcfn.shell.lens_judge import Judged, judge, judged_line
-from mcfn.shell.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
-from mcfn.tools.chunks import chunk_view
-from mcfn.tools.counterfactual import State
-from mcfn.tools.evaluation import HeldOut
+from mcfn.stage.candidates import read_run, run_system
+from mcfn.stage.judge import Judged, judge, judged_line
+from mcfn.stage.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
 
 TRACES_DIR = "lens_traces"
 
@@ -167,7 +167,7 @@ def run_stage(
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
     """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand), as
     its ``[lens_stage]`` says with ``overrides`` on top (:func:`stage_settings`): each round's LensNet weights, the
-    candidates of the ship choice (:mod:`mcfn.shell.ship`), and the stage's figures, also saved in the checkpoint."""
+    candidates of the ship choice (:mod:`mcfn.stage.ship`), and the stage's figures, also saved in the checkpoint."""
     ckpt, corpus = read_run(run_dir, "to train", corpus)
     settings = stage_settings(ckpt.cfg, **overrides)
     stage = Stage(ckpt, corpus, settings, device)

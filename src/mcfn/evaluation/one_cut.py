@@ -1,7 +1,7 @@
 """The evaluation's earlier protocol, kept beside generation's for comparison: one cut for all ``H`` tail predictions
 (``R = H``), chosen at the first scored prediction's position. Generation refocuses every ``R`` tokens instead
-(:mod:`mcfn.tools.refocused`); under one cut nothing a policy may read beat truncation on natural text, because which
-far text a tail will copy is mostly not legible from before it (LABLOG has the measurements)."""
+(:mod:`mcfn.evaluation.refocused`); under one cut nothing a policy may read beat truncation on natural text, because
+which far text a tail will copy is mostly not legible from before it (LABLOG has the measurements)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from mcfn.core.step import split_window
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise, recency_cut, recent_cut
-from mcfn.tools.eval_batch import EvalBatch
+from mcfn.evaluation.batch import EvalBatch
 from mcfn.typecheck import typechecked
 
 NOGIST = f"{LENS.name}_nogist"  # the lens policy's cuts read with every gist zeroed: what the gists are worth
@@ -83,7 +83,8 @@ def stacked(parts: dict[str, Tensor]) -> tuple[Tensor, dict[str, slice]]:
 @dataclass
 class Predictions:
     """Every working context's tail predictions for one batch at one budget, under one cut for the whole tail
-    (``chunk`` all 0) or a cut per chunk of ``R`` tail tokens (:class:`mcfn.tools.refocused.ChunkedPredictions`)."""
+    (``chunk`` all 0) or a cut per chunk of ``R`` tail tokens
+    (:class:`mcfn.evaluation.refocused.ChunkedPredictions`)."""
 
     nll: Tensor  # [B, S, H]
     hit: Tensor  # [B, S, H] bool: the argmax is the target

@@ -1,5 +1,5 @@
 """Counterfactual traces: which windows the LensNet stage walks, how, and the labelled states of
-:mod:`mcfn.tools.counterfactual` on disk, tied to what made them.
+:mod:`mcfn.evaluation.counterfactual` on disk, tied to what made them.
 
 The stage's windows are training batches from :data:`FIRST_TRACE_BATCH` on (never read by the MC phase), half of them
 with one of the run's long-range tasks (:data:`TRACE_TASK_SHARE`), each walked under generation's protocol with the
@@ -33,10 +33,9 @@ from mcfn.core.focus import Refocus
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.data.corpus import Corpus
 from mcfn.data.loader import WindowSampler
-from mcfn.data.mixture import MixedSampler
+from mcfn.data.mixture import MixedSampler, training_sampler
 from mcfn.errors import UserError
-from mcfn.shell.session import training_sampler
-from mcfn.tools.counterfactual import TRACED, State, trace_window
+from mcfn.evaluation.counterfactual import TRACED, State, trace_window
 
 TRACE_FORMAT = 1
 FINGERPRINTED = ("base.", "gistnet.")  # the modules whose weights the labels measure

@@ -12,7 +12,7 @@ Every condition that chooses a cut chooses it per chunk, in the view that genera
   chunk's context (``warm_steps``), as generation starts its first refocus and its later ones;
 * ``recency``: the newest ``W - R`` tokens, so that both sides predict the same targets from as many entries;
 * ``recent`` (the fixed rule) and ``random`` (``M`` random cuts): the view's own, per chunk; the best-of conditions
-  pick among each chunk's cuts (:mod:`mcfn.tools.headroom`), and ``lens_rank_corr`` compares LensNet's preference
+  pick among each chunk's cuts (:mod:`mcfn.evaluation.headroom`), and ``lens_rank_corr`` compares LensNet's preference
   with each chunk's measured gap;
 * ``lens_nogist``: the ``lens`` cuts read with every gist zeroed.
 
@@ -36,10 +36,10 @@ from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import recent_cut
-from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
-from mcfn.tools.counterfactual import label_edits, lens_view_scores, utility_corr
-from mcfn.tools.eval_batch import EvalBatch
-from mcfn.tools.one_cut import NOGIST, Predictions, stacked
+from mcfn.evaluation.batch import EvalBatch
+from mcfn.evaluation.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
+from mcfn.evaluation.counterfactual import label_edits, lens_view_scores, utility_corr
+from mcfn.evaluation.one_cut import NOGIST, Predictions, stacked
 
 
 @dataclass
@@ -121,7 +121,8 @@ def predict_chunk(
 ) -> Chunk:
     """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions of the tokens after
     the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold).
-    With ``batch.utility``, each row's LensNet cut is also labelled edit by edit (:mod:`mcfn.tools.counterfactual`)."""
+    With ``batch.utility``, each row's LensNet cut is also labelled edit by edit
+    (:mod:`mcfn.evaluation.counterfactual`)."""
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
     protocol, M, brief = batch.settings.protocol, batch.settings.random_contexts, batch.settings.brief
     cv = chunk_view(tree, window, nodes, n, protocol.every)
@@ -156,7 +157,7 @@ def predict_chunk(
 
 def edit_correlations(system: MegaContext, tree: Tree, window: Tensor, cv: ChunkView, policy: Tensor) -> Tensor:
     """``[g]``: per row, the Spearman correlation of LensNet's predicted worth of each edit of its cut ``policy
-    [g, view_nodes]`` with the edit's measured ΔNLL (:func:`~mcfn.tools.counterfactual.utility_corr`)."""
+    [g, view_nodes]`` with the edit's measured ΔNLL (:func:`~mcfn.evaluation.counterfactual.utility_corr`)."""
     scores = lens_view_scores(system, cv)
     corr = []
     for i in range(policy.size(0)):

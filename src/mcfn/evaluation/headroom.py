@@ -18,7 +18,7 @@ from einops import repeat
 from torch import Tensor
 
 from mcfn.core.policy import RANDOM, policies
-from mcfn.tools.one_cut import Predictions
+from mcfn.evaluation.one_cut import Predictions
 
 BEST_OF = ("best_of_random", "best_of_all", "best_of_all_oos")  # the conditions this module defines
 

@@ -1,6 +1,6 @@
 """How the LensNet stage measures its policy after each round: as the run's final evaluation judges one (generation's
 protocol at the run's ``W``, bits per byte on the corpus beside ``match``'s, pass key accuracy). Which policy the run
-ships is chosen afterwards, by paired errors (:mod:`mcfn.shell.ship`)."""
+ships is chosen afterwards, by paired errors (:mod:`mcfn.stage.ship`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import MegaContext
-from mcfn.tools.eval_batch import EvalSettings
-from mcfn.tools.evaluation import HeldOut, evaluate
+from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.evaluate import HeldOut, evaluate
 
 JUDGED_TASKS = ("corpus", "passkey")  # as the run's final evaluation judges a policy
 

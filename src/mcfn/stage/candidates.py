@@ -1,5 +1,5 @@
 """The LensNets the stage and the ship choice start from: the run's own (the original, where a stage of an earlier
-mcfn replaced it in the checkpoint), and the run's own gated over ``match``'s cut (:mod:`mcfn.shell.ship`)."""
+mcfn replaced it in the checkpoint), and the run's own gated over ``match``'s cut (:mod:`mcfn.stage.ship`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
+from mcfn.checkpoint import Checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus, prepare_corpus
 from mcfn.errors import UserError
 from mcfn.profile import config_from_saved
-from mcfn.shell.checkpoint import Checkpoint
 
 # The run's own LensNet gated over match's cut: its learned scores times this, where they stand out of their row
 # (mcfn.core.lensnet.standing_out). Chosen on the selection windows of the five cpu-longrange bases among 16, 32, 64

@@ -1,6 +1,6 @@
 """The counterfactual evaluator: what each single edit of LensNet's own cut is worth, under generation's protocol.
 
-At a chunk's refocus (:mod:`mcfn.tools.chunks`: the view, ``focus_cut`` and the warm start that ``train.generate``
+At a chunk's refocus (:mod:`mcfn.evaluation.chunks`: the view, ``focus_cut`` and the warm start that ``train.generate``
 and the evaluation use), the state is the one LensNet itself reached: on-policy, warm from its previous chunk's
 context. The candidates are LensNet's cut, every single legal edit of it (:func:`mcfn.core.edits.single_edits`),
 ``match``'s cut, ``recency`` and a few random cuts, all scored on the chunk's next-token NLLs in one packed forward
@@ -24,9 +24,9 @@ from mcfn.core.focus import Refocus, focus_scores
 from mcfn.core.policy import LENS, MATCH, RANDOM, RECENCY, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.tools.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
-from mcfn.tools.eval_stats import spearman
-from mcfn.tools.one_cut import stacked
+from mcfn.evaluation.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
+from mcfn.evaluation.one_cut import stacked
+from mcfn.evaluation.stats import spearman
 
 EDITS = "edits"  # the slots of a state's single edits among the candidates scored in one forward
 TRACED = (LENS.name, MATCH.name, RECENCY.name)  # the policies whose chunk NLL every traced state records

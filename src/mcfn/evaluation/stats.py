@@ -22,9 +22,9 @@ from torch import Tensor
 from mcfn.core.policy import FULL, LENS, MATCH, RANDOM, RECENCY, RECENT, SHIPPED
 from mcfn.core.preferences import pair_slots
 from mcfn.core.step import bits_per_byte
-from mcfn.tools.eval_result import Gain, Paired, Row, Utility
-from mcfn.tools.headroom import BEST_OF, best_of, candidate_slots, cross_fitted, per_chunk
-from mcfn.tools.one_cut import NOGIST, Predictions
+from mcfn.evaluation.headroom import BEST_OF, best_of, candidate_slots, cross_fitted, per_chunk
+from mcfn.evaluation.one_cut import NOGIST, Predictions
+from mcfn.evaluation.result import Gain, Paired, Row, Utility
 
 
 @dataclass
@@ -207,7 +207,7 @@ def record(
 ) -> Scores:
     """One batch's per-window scores: ``scored [B, H]`` holds the bytes of each tail target that counts (0: not
     scored); ``references`` are the no-budget conditions' tail NLL and hits ``[B, H]``. The best-of conditions pick
-    per chunk (:mod:`mcfn.tools.headroom`), and the rank pairs are compared chunk by chunk. ``per_state``: also the
+    per chunk (:mod:`mcfn.evaluation.headroom`), and the rank pairs are compared chunk by chunk. ``per_state``: also the
     per-state figures (``utility_corr``), which belong to a batch, not to a subset of its tokens."""
     out = Scores()
     mask = scored > 0

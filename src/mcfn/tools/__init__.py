@@ -1,1 +1,0 @@
-"""Measurement: the held-out evaluation's math, the step benchmark, FLOPs, and the run report with its plots."""
