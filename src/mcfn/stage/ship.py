@@ -74,14 +74,16 @@ def candidates(system: MegaContext, cfg: RunConfig, rounds: dict[int, dict[str, 
     out = [Candidate(RECENCY.name, RECENCY, RECENCY.name), Candidate(MATCH.name, MATCH, MATCH.name)]
     if system.lensnet is None:
         return out
+    device = next(system.parameters()).device
     out.append(Candidate(LENS.name, LENS, LENS.name))
-    gated, gated_cfg = gated_system(system, cfg, next(system.parameters()).device)
-    out.append(Candidate(GATED, lensnet_policy(GATED, gated.lensnet), LENS.name, "gated", gated.lensnet.state_dict()))
+    gated = gated_system(system, cfg, device)[0].lensnet
+    out.append(Candidate(GATED, lensnet_policy(GATED, gated), LENS.name, "gated", gated.state_dict()))
+    prior = cfg.mc.lens.match_prior  # a round trains the run's own LensNet, its prior included
     for r, weights in rounds.items():
-        lensnet = lensnet_of(cfg, system.layout, "").to(next(system.parameters()).device).eval()
+        lensnet = lensnet_of(cfg, system.layout, prior).to(device).eval()
         lensnet.load_state_dict(weights)
         name = f"round{r}"
-        out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, "", copy.deepcopy(weights)))
+        out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, prior, copy.deepcopy(weights)))
     return out
 
 
