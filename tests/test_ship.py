@@ -175,10 +175,10 @@ def test_the_gated_candidate_adds_its_scaled_scores_to_matchs_where_they_stand_o
     LensNet's scores times :data:`GATED_SCALE` on the units standing more than 2 standard deviations above their
     row's mean (computed here by hand), and zero elsewhere."""
     from mcfn.core.context import WorkingContext
-    from mcfn.stage.candidates import GATED_SCALE, gated_system, run_system
+    from mcfn.stage.candidates import GATED_SCALE, gated_lensnet, run_system
 
     own, cfg = run_system(Checkpoint.read(decoding_run[0]), torch.device("cpu"))
-    gated, _ = gated_system(own, cfg, torch.device("cpu"))
+    gated = gated_lensnet(own.lensnet, cfg)
     layout, K = own.layout, own.layout.K
     R, U = 16, own.layout.T // K - 2
     g = torch.Generator().manual_seed(3)
@@ -190,9 +190,9 @@ def test_the_gated_candidate_adds_its_scaled_scores_to_matchs_where_they_stand_o
     tokens = torch.randint(0, 20, (R, layout.T), generator=g)  # a small vocabulary: n-grams recur, match votes
     with torch.no_grad():
         learned = own.lensnet.score(wc)  # the run's own, no prior
-        prior_only = copy.deepcopy(gated.lensnet)
+        prior_only = copy.deepcopy(gated)
         prior_only.head.weight.zero_()
-        added = gated.lensnet.score(wc, tokens) - prior_only.score(wc, tokens)
+        added = gated.score(wc, tokens) - prior_only.score(wc, tokens)
     mean, std = learned.mean(-1, keepdim=True), learned.std(-1, unbiased=False, keepdim=True)
     out = learned - mean > 2 * std
     assert out.any() and not out.all(), "some rows stand out, not every unit"

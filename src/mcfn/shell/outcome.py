@@ -57,13 +57,18 @@ FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that al
 FINAL_EVAL_TASKS = ("corpus", "passkey")  # natural text, and the retrieval truncation cannot do
 
 
+def evaluates_at_end(s: Session) -> bool:
+    """Whether the run ends with the ship choice and the final evaluation: an MC run with final evaluation batches."""
+    return bool(s.cfg.train.final_eval_batches) and isinstance(s.model, MegaContext)
+
+
 def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, list[str]] | None:
     """An MC run's end-of-run table on the test split, which nothing else reads: brief (full, recency, match, lens and
     the ``shipped`` policy at the run's own W, under generation's protocol, on the corpus and the pass key), on
     ``train.final_eval_batches · batch_size`` windows from as many documents as it has; ``train.eval`` scores
     everything else. With it, the report's summary lines (:mod:`mcfn.shell.headline`), or none without LensNet or
     where the pass key does not fit."""
-    if not (s.cfg.train.final_eval_batches and isinstance(s.model, MegaContext)):
+    if not evaluates_at_end(s):
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     name, split = held_out(s.corpus, "test")
@@ -85,21 +90,20 @@ def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, l
     return report, summary_lines(s.model, shipped, example, s.corpus.tokenizer, s.cfg.mc.refocus_every, report)
 
 
-def lens_stage(s: Session, say: Callable[[str], None]) -> tuple[dict | None, dict[int, dict[str, Tensor]]]:
-    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint: its figures and
-    each round's LensNet (candidates of the ship choice), or None and none without the stage."""
+def lens_stage(s: Session, say: Callable[[str], None]) -> tuple[dict[int, dict[str, Tensor]], dict | None]:
+    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint: each round's
+    LensNet (candidates of the ship choice) and its figures, or none and None without the stage."""
     if not (s.cfg.lens_stage.rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
-        return None, {}
-    rounds, figures = run_stage(s.out_dir, s.device, say, s.corpus)
-    return figures, rounds
+        return {}, None
+    return run_stage(s.out_dir, s.device, say, s.corpus)
 
 
 def ship_policy(s: Session, rounds: dict[int, dict[str, Tensor]], say: Callable[[str], None]) -> Shipped | None:
     """The ship choice (:mod:`mcfn.stage.ship`) on validation windows, recorded in the run's checkpoint: the candidate
     shipped and its policy, named ``shipped``. Made where the run ends with its final evaluation."""
-    if not (s.cfg.train.final_eval_batches and isinstance(s.model, MegaContext)):
+    if not evaluates_at_end(s):
         return None
-    held = validation(s.corpus, s.cfg, s.token_bytes, s.device)
+    held = validation(s.corpus, s.cfg, s.device)
     shipped, verdict = ship(s.model, s.cfg, held, say, rounds)
     write_shipped(run_checkpoint(s.out_dir), shipped, verdict)
     return shipped.name, renamed(shipped.policy, SHIPPED)
@@ -146,7 +150,7 @@ def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], 
     if not s.world.is_main:
         return {"steps": s.cfg.train.steps, "rank": s.world.rank, "stopped_at": progress.stopped_at}
     stopped = progress.stopped_at is not None
-    stage, rounds = (None, {}) if stopped else lens_stage(s, say)
+    rounds, stage = ({}, None) if stopped else lens_stage(s, say)
     t_eval = time.perf_counter()
     shipped = None if stopped else ship_policy(s, rounds, say)
     evaluated = None if stopped else final_evaluation(s, shipped)

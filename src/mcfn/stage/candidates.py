@@ -1,18 +1,24 @@
-"""The LensNets the stage and the ship choice start from: the run's own (the original, where a stage of an earlier
-mcfn replaced it in the checkpoint), and the run's own gated over ``match``'s cut (:mod:`mcfn.stage.ship`)."""
+"""What the stage and the ship choice start from: the run (its checkpoint, corpus and validation windows), its own
+LensNet (the original, where a stage of an earlier mcfn replaced it in the checkpoint), and the candidate LensNets
+built from weights: the run's own gated over ``match``'s cut, a stage round's, the shipped one
+(:mod:`mcfn.stage.ship`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from mcfn.checkpoint import Checkpoint
 from mcfn.config import RunConfig
-from mcfn.core.system import MegaContext
+from mcfn.core.lensnet import LensNet
+from mcfn.core.nodes import Layout
+from mcfn.core.system import MegaContext, lensnet_of
 from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
+from mcfn.evaluation.evaluate import HeldOut
 from mcfn.profile import config_from_saved
 
 # The run's own LensNet gated over match's cut: its learned scores times this, where they stand out of their row
@@ -21,12 +27,6 @@ from mcfn.profile import config_from_saved
 # session).
 GATED_SCALE = 128.0
 GATED = "gated"  # the candidate's name
-
-
-def with_match_prior(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with LensNet's score gated over ``match``'s (``mc.lens.match_prior = "gated"``)."""
-    lens = dataclasses.replace(cfg.mc.lens, match_prior="gated")
-    return dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, lens=lens))
 
 
 def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple[Checkpoint, Corpus]:
@@ -52,19 +52,31 @@ def run_system(ckpt: Checkpoint, device: torch.device) -> tuple[MegaContext, Run
     return system.eval(), cfg
 
 
-def under_match_prior(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """The run's system, its own LensNet included, with the match prior on (:func:`with_match_prior`)."""
-    cfg = with_match_prior(cfg)
-    system = MegaContext(cfg).to(device)
-    system.load_state_dict(own.state_dict())
-    return system, cfg
+def loaded_lensnet(
+    cfg: RunConfig, layout: Layout, match_prior: str, weights: dict[str, Tensor], device: torch.device
+) -> LensNet:
+    """A LensNet of ``cfg``'s sizes over ``layout`` with ``match_prior`` and ``weights``, on ``device``, for scoring."""
+    lensnet = lensnet_of(cfg, layout, match_prior).to(device)
+    lensnet.load_state_dict(weights)
+    return lensnet.eval()
 
 
-def gated_system(own: MegaContext, cfg: RunConfig, device: torch.device) -> tuple[MegaContext, RunConfig]:
+def gated_lensnet(own: LensNet, cfg: RunConfig) -> LensNet:
     """The run's own LensNet gated over ``match``'s cut as a candidate: ``match``'s score, plus the run's LensNet's
     (times :data:`GATED_SCALE`) where it stands out; it cuts as ``match`` does except where the run's LensNet is
     sure, as at a pass key."""
-    system, cfg = under_match_prior(own, cfg, device)
+    gated = loaded_lensnet(cfg, own.layout, "gated", own.state_dict(), own.head.weight.device)
     with torch.no_grad():
-        system.lensnet.head.weight.mul_(GATED_SCALE)
-    return system.eval(), cfg
+        gated.head.weight.mul_(GATED_SCALE)
+    return gated
+
+
+def validation_windows(corpus: Corpus, cfg: RunConfig, count: int, device: torch.device, purpose: str) -> HeldOut:
+    """Up to ``count`` windows of the validation split (never the test split), drawn as the final evaluation draws
+    its own, in batches of the run's size on ``device``; refused in one line where the split has none (``purpose``:
+    what they were for)."""
+    windows, docs = evaluation_windows(corpus.val, cfg.data.seq_len + 1, count, cfg.train.batch_size)
+    if not windows:
+        raise UserError(f"the validation split has no window of T + 1 tokens {purpose}")
+    token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
+    return HeldOut([w.to(device) for w in windows], token_bytes, corpus.tokenizer, docs, "validation")

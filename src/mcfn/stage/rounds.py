@@ -39,13 +39,10 @@ from mcfn.core.focus import Refocus, block_scores
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.data.corpus import Corpus
-from mcfn.data.loader import evaluation_windows
-from mcfn.errors import UserError
 from mcfn.evaluation.chunks import chunk_view
 from mcfn.evaluation.counterfactual import State
-from mcfn.evaluation.evaluate import HeldOut
 from mcfn.seeding import derive_seed
-from mcfn.stage.candidates import read_run, run_system
+from mcfn.stage.candidates import read_run, run_system, validation_windows
 from mcfn.stage.judge import Judged, judge, judged_line
 from mcfn.stage.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
 
@@ -113,12 +110,8 @@ class Stage:
         self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
         self.sampler = trace_sampler(self.cfg, corpus)
         # Validation windows, as the final evaluation draws them, on which each round's policy is measured.
-        h, batch = settings.held_out, self.cfg.train.batch_size
-        windows, docs = evaluation_windows(corpus.val, self.cfg.data.seq_len + 1, h, batch)
-        if not windows:
-            raise UserError("the validation split has no window for the LensNet stage to measure its rounds on")
-        token_bytes = corpus.tokenizer.token_bytes(self.cfg.model.vocab_size).to(device)
-        self.held = HeldOut([w.to(device) for w in windows], token_bytes, corpus.tokenizer, docs, "validation")
+        purpose = "for the LensNet stage to measure its rounds on"
+        self.held = validation_windows(corpus, self.cfg, settings.held_out, device, purpose)
         self.traces: list[Traces] = []
 
     def measure(self, system: MegaContext | None = None) -> Judged:

@@ -3,7 +3,7 @@ before any run, and recorded in the checkpoint for ``train.eval`` (scored as ``s
 policy when no ``--context`` is given) and the report's opening lines.
 
 The candidates, simplest first: ``recency`` (truncation), ``match`` (the n-gram copy focus), ``lens`` (the run's own
-LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.stage.candidates.gated_system`)
+LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.stage.candidates.gated_lensnet`)
 and, where the LensNet stage ran, each of its rounds' LensNets (``round1``, ...). They are scored in one evaluation
 under generation's protocol at the run's ``W`` on the corpus and the pass key of the *validation* split (the test
 split is never read here), so every difference between two of them is paired, window by window, with its bootstrap
@@ -17,7 +17,6 @@ error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rul
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,14 +28,12 @@ from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
-from mcfn.core.system import MegaContext, lensnet_of
+from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus
-from mcfn.data.loader import evaluation_windows
-from mcfn.errors import UserError
 from mcfn.evaluation.batch import EvalSettings
 from mcfn.evaluation.evaluate import HeldOut, evaluate
 from mcfn.evaluation.result import EvalReport, Row
-from mcfn.stage.candidates import GATED, gated_system, read_run, run_system
+from mcfn.stage.candidates import GATED, gated_lensnet, loaded_lensnet, read_run, run_system, validation_windows
 
 PASSKEY_SE = 2.0  # a candidate this many paired standard errors below the best candidate's pass key is refused
 TIE_SE = 1.0  # within this many paired standard errors of the lowest corpus bpb, the simpler candidate is shipped
@@ -76,14 +73,13 @@ def candidates(system: MegaContext, cfg: RunConfig, rounds: dict[int, dict[str, 
         return out
     device = next(system.parameters()).device
     out.append(Candidate(LENS.name, LENS, LENS.name))
-    gated = gated_system(system, cfg, device)[0].lensnet
+    gated = gated_lensnet(system.lensnet, cfg)
     out.append(Candidate(GATED, lensnet_policy(GATED, gated), LENS.name, "gated", gated.state_dict()))
     prior = cfg.mc.lens.match_prior  # a round trains the run's own LensNet, its prior included
     for r, weights in rounds.items():
-        lensnet = lensnet_of(cfg, system.layout, prior).to(device).eval()
-        lensnet.load_state_dict(weights)
         name = f"round{r}"
-        out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, prior, copy.deepcopy(weights)))
+        lensnet = loaded_lensnet(cfg, system.layout, prior, weights, device)
+        out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, prior, weights))
     return out
 
 
@@ -136,14 +132,10 @@ def _ties(corpus: Row, simpler: str, lowest: str) -> bool:
     return worse <= TIE_SE * se
 
 
-def validation(corpus: Corpus, cfg: RunConfig, token_bytes: torch.Tensor, device: torch.device) -> HeldOut:
+def validation(corpus: Corpus, cfg: RunConfig, device: torch.device) -> HeldOut:
     """The choice's windows: up to :data:`SHIP_WINDOWS` of the validation split, as the final evaluation draws its
     own from the test split (which the choice never reads)."""
-    B = cfg.train.batch_size
-    windows, docs = evaluation_windows(corpus.val, cfg.data.seq_len + 1, SHIP_WINDOWS, B)
-    if not windows:
-        raise UserError("the validation split has no window of T + 1 tokens to choose the shipped policy on")
-    return HeldOut([w.to(device) for w in windows], token_bytes, corpus.tokenizer, docs, "val")
+    return validation_windows(corpus, cfg, SHIP_WINDOWS, device, "to choose the shipped policy on")
 
 
 def ship(
@@ -185,8 +177,7 @@ def shipped_policy(state: dict[str, Any], system: MegaContext, cfg: RunConfig) -
     if "lensnet" not in record:
         return record["name"], renamed(POLICIES[record["policy"]], SHIPPED)
     device = next(system.parameters()).device
-    lensnet = lensnet_of(cfg, system.layout, record["match_prior"]).to(device).eval()
-    lensnet.load_state_dict(record["lensnet"])
+    lensnet = loaded_lensnet(cfg, system.layout, record["match_prior"], record["lensnet"], device)
     return record["name"], lensnet_policy(SHIPPED, lensnet)
 
 
@@ -207,7 +198,6 @@ def ship_run(
     """The choice on a saved run (``train.ship``, and ``train.lens`` after its rounds), recorded in its checkpoint."""
     ckpt, corpus = read_run(run_dir, "to choose a policy among", corpus)
     system, cfg = run_system(ckpt, device)
-    token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
-    shipped, verdict = ship(system, cfg, validation(corpus, cfg, token_bytes, device), say, rounds)
+    shipped, verdict = ship(system, cfg, validation(corpus, cfg, device), say, rounds)
     write_shipped(ckpt.path, shipped, verdict)
     return verdict
