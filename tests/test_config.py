@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from mcfn.config import RunConfig
+from mcfn.config import DataConfig, LensConfig, RunConfig
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
 from mcfn.profile import PROFILES_DIR, build_config, parse_override, resolve
@@ -163,6 +163,8 @@ FIXED_KNOBS = {
     "model.smear": (False, True),
     "model.mimetic": (False, True),
     "model.gain_init": (1.0, 3.0),
+    "lens_stage.states_per_batch": (16, 8),
+    "lens_stage.random_cuts": (2, 0),
 }
 
 
@@ -187,10 +189,8 @@ def test_a_run_saved_with_train_lens_rounds_loads_it_as_lens_stage_rounds():
 
 
 def test_the_stages_settings_are_reached_by_set_and_checked():
-    cfg = resolve(
-        "default", [parse_override("lens_stage.states_per_batch=8"), parse_override("lens_stage.random_cuts=0")]
-    )
-    assert (cfg.lens_stage.states_per_batch, cfg.lens_stage.random_cuts) == (8, 0)
+    cfg = resolve("default", [parse_override("lens_stage.windows=8"), parse_override("lens_stage.held_out=4")])
+    assert (cfg.lens_stage.windows, cfg.lens_stage.held_out) == (8, 4)
     with pytest.raises(UserError, match="lens_stage.windows"):
         resolve("default", [parse_override("lens_stage.windows=0")])
 
@@ -288,3 +288,12 @@ def test_a_run_saved_with_a_boolean_match_prior_reads_it_as_the_sum_and_a_profil
     assert resolve("default", [parse_override('mc.lens.match_prior="gated"')]).mc.lens.match_prior == "gated"
     with pytest.raises(UserError, match="mc.lens.match_prior"):
         resolve("default", [parse_override('mc.lens.match_prior="always"')])
+
+
+def test_the_indexer_needs_a_match_prior_and_the_mc_mix_a_share():
+    assert LensConfig(match_prior="sum", indexer=True).indexer
+    with pytest.raises(UserError, match="mc.lens.indexer"):
+        LensConfig(indexer=True)
+    assert DataConfig(mc_mix=0.5).mc_mix == 0.5 and DataConfig().mc_mix == -1.0
+    with pytest.raises(UserError, match="data.mc_mix"):
+        DataConfig(mc_mix=1.5)

@@ -35,7 +35,7 @@ def policy_state(system, window: torch.Tensor, n: int):
     """The chunk at history ``n``: its view, LensNet's cold cut in it, and LensNet's scores there."""
     tree = tree_stage(system, window)
     cv = chunk_view(tree, window, system.nodes, n, R)
-    cut = focus_cut(system.lensnet.scorer(cv.view.layout, cv.window), cv.tree, cv.window, cv.view, steps=4)
+    cut = focus_cut(system.lensnet.scorer(cv.view.layout, cv.window, system.base), cv.tree, cv.window, cv.view, steps=4)
     return tree, cv, cut[0, 0], lens_view_scores(system, cv)[0]
 
 

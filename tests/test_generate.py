@@ -121,10 +121,10 @@ def test_a_warm_refocus_starts_from_the_previous_context_within_budget():
         tree, window = view_tree(stream, view)
         nodes = NodeTable.of(view.layout, window.device)
         scores = focus_scores(
-            system.lensnet.scorer(view.layout, window), tree, window, nodes, torch.tensor([view.real - 1])
+            system.lensnet.scorer(view.layout, window, system.base), tree, window, nodes, torch.tensor([view.real - 1])
         )
         start = shrink_to_budget(carried_cut(previous, view, nodes), scores, nodes)
-        warm = focus_cut(system.lensnet.scorer(view.layout, window), tree, window, view, 0, previous)
+        warm = focus_cut(system.lensnet.scorer(view.layout, window, system.base), tree, window, view, 0, previous)
         assert torch.equal(warm, start), n
         differs += not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None])
     assert differs, "the case needs a warm start that is not the coarsest cut"
@@ -142,7 +142,7 @@ def test_a_warm_refocus_whose_carry_fails_settles_from_the_coarsest_cut(monkeypa
     stream.append(torch.randint(0, VOCAB, (REFOCUS,), generator=torch.Generator().manual_seed(n)))
     view = stream_view(len(stream), system.layout, budget)
     tree, window = view_tree(stream, view)
-    scorer = system.lensnet.scorer(view.layout, window)
+    scorer = system.lensnet.scorer(view.layout, window, system.base)
     warm = focus_cut(scorer, tree, window, view, 0, previous)
     assert not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None]), "the carry works here"
     monkeypatch.setattr(focus, "carried_cut", lambda *args: None)
@@ -327,7 +327,7 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
         noisy_window[0, view.real :] = torch.randint(0, VOCAB, (window.size(1) - view.real,), generator=g)
         horizon = torch.tensor([view.real - 1])
         scores = [
-            focus_scores(system.lensnet.scorer(nodes.layout, w), t, w, nodes, horizon)
+            focus_scores(system.lensnet.scorer(nodes.layout, w, system.base), t, w, nodes, horizon)
             for t, w in ((tree, window), (Tree(emb=noisy_emb, batch_size=[1]), noisy_window))
         ]
         assert torch.equal(scores[0], scores[1]), n

@@ -30,7 +30,7 @@ def test_init_from_loads_exactly_the_base_weights(tmp_path, profile):
     system, cfg = mc_system(profile, vocab)
     fresh, _ = mc_system(profile, vocab)
     cfg = dataclasses.replace(cfg, model=system.base.cfg)
-    assert init_base_from(system, cfg, state["corpus_key"], plain) == 5
+    assert init_base_from(system, cfg, state["corpus_key"], plain) == 0  # not a branch: the run starts at 0
     for name, value in system.base.state_dict().items():
         assert torch.equal(value, trained[name]), name
     for part in ("gistnet", "lensnet"):  # everything else is left as initialised
@@ -51,6 +51,22 @@ def test_a_two_stage_run_trains_and_says_where_it_started(tmp_path, profile, cap
     assert f"base model initialised from {plain}" in capsys.readouterr().err
     trained = load_checkpoint(plain / CHECKPOINT_NAME)["model"]["wte.weight"]
     assert not torch.equal(load_checkpoint(out / CHECKPOINT_NAME)["model"]["base.wte.weight"], trained), "then trains"
+
+
+def test_a_branch_starts_after_the_plain_phase_of_the_run_it_comes_from(tmp_path, profile, capsys):
+    """A checkpoint saved at exactly ``train.plain_steps`` starts an MC run there: its steps are the MC phase's
+    only, under the same schedule; a checkpoint at any other step starts from 0, as a plain ``--init-from``."""
+    whole = tmp_path / "plain"
+    assert main(["--profile", str(profile), "--out", str(whole), "--steps", "3", "--no-mc"]) == 0  # saved at 3
+    branch = tmp_path / "branch"
+    args = ["--profile", str(profile), "--out", str(branch), "--steps", "5", "--init-from", str(whole)]
+    assert main([*args, "--set", "train.plain_steps=3"]) == 0
+    assert f"branched from {whole}'s plain phase: the MegaContext phase from step 3" in capsys.readouterr().err
+    records = [r for r in read_metrics(branch) if "train/loss_lm" in r]
+    assert [r["step"] for r in records] == [3, 4] and all("mc/lod_delta/1" in r for r in records)
+    other = tmp_path / "other"
+    assert main([*args[:3], str(other), *args[4:], "--set", "train.plain_steps=2"]) == 0  # saved at 3, not 2
+    assert [r["step"] for r in read_metrics(other) if "train/loss_lm" in r] == [0, 1, 2, 3, 4]
 
 
 def test_mismatched_runs_are_refused_with_exit_2(tmp_path, profile, text_dir, capsys):

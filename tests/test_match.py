@@ -83,7 +83,7 @@ def test_a_new_lensnet_with_the_match_prior_scores_as_match_does_and_learns_from
     for prior in ("sum", ""):
         system = make_system(T, K, 2, 24, H, N=2, seed=1, lens={"match_prior": prior}, refocus_every=R)
         nodes, tree = system.nodes, history_tree(system, window[:, :T])
-        lensnet = focus_scores(system.lensnet.scorer(nodes.layout, window), tree, window, nodes)
+        lensnet = focus_scores(system.lensnet.scorer(nodes.layout, window, system.base), tree, window, nodes)
         match = focus_scores(match_scorer(window[:, :T], K, R, T), tree, window, nodes)
         gists = nodes.eligible & (nodes.lod > 0)  # what every expansion, collapse and drop is decided on
         assert torch.allclose(lensnet[:, gists], match[:, gists], atol=1e-5) == bool(prior)

@@ -51,6 +51,22 @@ def test_a_share_of_rows_is_rewritten_and_the_rest_left_alone(split, tok):
     assert all(torch.equal(mixed(split, tok, 0.0).batch(i, 8), plain.batch(i, 8)) for i in range(5))
 
 
+def test_the_mc_phase_has_its_own_share_and_its_tasked_rows_are_among_the_plain_phases(split, tok):
+    """``data.mc_mix``: from the switch (``train.plain_steps``) on, a batch's tasked rows are drawn at the later share
+    on the same stream, so a lower share keeps a subset of the rows the earlier one would have rewritten."""
+    early = MixedSampler(WindowSampler(split, T + 1, 5), tok, H, 1.0, ("passkey",), 5)
+    switched = MixedSampler(WindowSampler(split, T + 1, 5), tok, H, 1.0, ("passkey",), 5, later=0.25, switch=10)
+    assert [switched.share(i) for i in (0, 9, 10, 30)] == [1.0, 1.0, 0.25, 0.25]
+    for index in range(10):
+        assert torch.equal(switched.batch(index, 8), early.batch(index, 8)), "the plain phase is unchanged"
+    tasked = [switched.tasked(index, 8) for index in range(10, 50)]
+    assert 0.1 < sum(map(sum, tasked)) / 320 < 0.4
+    for index, rows in zip(range(10, 50), tasked, strict=True):
+        batch, natural = switched.batch(index, 8), WindowSampler(split, T + 1, 5).batch(index, 8)
+        for row, asked in enumerate(rows):
+            assert torch.equal(batch[row], natural[row]) != asked
+
+
 def test_the_mixture_never_touches_the_validation_windows(split, tok):
     """Validation windows come from their own sampler, whatever the mixture; the run's session builds them so."""
     before = validation_batches(split, T + 1, 3, 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import shutil
 
@@ -17,7 +18,7 @@ from mcfn.data.corpus import prepare_corpus
 from mcfn.evaluation.result import Gain, Paired, Row
 from mcfn.evaluation.stats import Clusters, paired_differences
 from mcfn.shell.restore import load_trained
-from mcfn.stage.ship import choose, ship_run
+from mcfn.stage.ship import SHIP_EVAL_NAME, choose, ship_run
 
 NAMES = ["recency", "match", "lens", "gated"]  # simplest first
 
@@ -94,6 +95,9 @@ def test_the_choice_reads_validation_windows_never_the_test_split(run_copy, monk
     verdict = ship_run(run, torch.device("cpu"), print, corpus)
     assert verdict.shipped in NAMES and set(verdict.figures) == set(NAMES)
     assert Checkpoint.read(run).state["shipped"]["name"] == verdict.shipped
+    choice = json.loads((run / SHIP_EVAL_NAME).read_text())  # the validation evaluation, for design choices
+    assert choice["verdict"]["shipped"] == verdict.shipped and choice["split"] == "validation"
+    assert set(NAMES) <= set(choice["tasks"]["corpus"]["bpb"])
 
 
 def shipped_record(run, record: dict) -> None:

@@ -61,6 +61,9 @@ class DataConfig:
     # Share of training windows rewritten by the long-range generators (facts written into the real text, the
     # question at the end, in the scored tail), drawn on a stream of their own; 0: natural text only.
     mix: float = 0.0
+    # The share in a MegaContext run's MC phase (after train.plain_steps), where LensNet learns what text reads far
+    # back; -1: data.mix throughout.
+    mc_mix: float = -1.0
     mix_tasks: str = "passkey,kv-recall"  # comma-separated: which generators share the mixed windows
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class DataConfig:
             "must be >= 0 and leave documents for training beside data.val_fraction",
         )
         _require(0.0 <= self.mix <= 1.0, "data.mix", "must lie in [0, 1]")
+        _require(self.mc_mix == -1.0 or 0.0 <= self.mc_mix <= 1.0, "data.mc_mix", "must lie in [0, 1], or be -1")
         _require(bool(self.mix_task_names), "data.mix_tasks", "must name at least one task")
 
     @property
@@ -123,12 +127,18 @@ class LensConfig:
     # where it stands out (mcfn.core.lensnet.standing_out), so that on text it cuts as the match does. "": no prior.
     # The LensNet stage sets it; a checkpoint saved when it was a boolean reads true as "sum".
     match_prior: str = ""
+    # The query-aware indexer (mcfn.core.lensnet): LensNet also reads what the base model is about to ask (its hidden
+    # states over the newest tokens before the horizon) and match's votes for n = 2, 3 and 4 on each unit, and adds a
+    # lightning-indexer term (ReLU of query-key products, weighted per head by the query); every cut it chooses keeps
+    # (W - H) / 2 tokens before the horizon at LOD0. Needs a match prior, so that a new LensNet cuts as match does.
+    indexer: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.match_prior, bool):  # a checkpoint saved before the gated prior existed
             object.__setattr__(self, "match_prior", "sum" if self.match_prior else "")
         _require(self.attention_weight >= 0, "mc.lens.attention_weight", "must be >= 0")
         _require(self.match_prior in MATCH_PRIORS, "mc.lens.match_prior", f"must be one of {MATCH_PRIORS}")
+        _require(not self.indexer or bool(self.match_prior), "mc.lens.indexer", "needs mc.lens.match_prior")
 
 
 @dataclass(frozen=True)
@@ -263,14 +273,11 @@ class LensStageConfig:
     rounds: int = 0
     windows: int = 64  # fresh training windows traced per round
     held_out: int = 32  # validation windows each round's policy is measured on (the ship choice then reads its own)
-    states_per_batch: int = 16  # traced states (chunks of one history length) per step of the ranking loss
-    random_cuts: int = 2  # random candidates per traced state, beside the policy, its edits, match and recency
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 0, "lens_stage.rounds", "must be >= 0")
-        for name in ("windows", "held_out", "states_per_batch"):
+        for name in ("windows", "held_out"):
             _require(getattr(self, name) >= 1, f"lens_stage.{name}", "must be >= 1")
-        _require(self.random_cuts >= 0, "lens_stage.random_cuts", "must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,8 @@ RETIRED: dict[str, Any] = {
     "mc.lens.budget_weight": 0.1,
     "mc.lens.temperature": 0.5,
     "mc.lens.every": 1,
+    "lens_stage.states_per_batch": 16,  # constants of the stage since 2026-11-29 (mcfn.stage.rounds, .traces)
+    "lens_stage.random_cuts": 2,
     # Experiments that lost their A/B (LABLOG); each can be rerun at commit 8ab6b6c.
     "mc.lens.match_feature": False,
     "mc.lens.horizons": "tail",

@@ -62,7 +62,7 @@ def lens_forward_ms(
 
     def score() -> None:
         with torch.no_grad(), autocast:
-            forward(row, None, tokens)
+            forward(row, None, tokens, system.base)
 
     for _ in range(warmup):
         score()

@@ -16,6 +16,18 @@ trained without the prior keeps ``match``'s cut on text and overrides it where i
 prior bounded to ``(-1, 2)``, every voted block above every unvoted one, cut worse than truncation on text: LABLOG,
 issue 53.)
 
+With ``mc.lens.indexer`` LensNet is a **query-aware indexer** over ``match`` (DeepSeek-V3.2's lightning indexer,
+Landmark and InfLLM's per-block keys read by the current query): its query is the base model's own hidden states
+over the newest :data:`QUERY_TOKENS` tokens before the horizon (:func:`horizon_query`, read alone, causally, so
+nothing after the horizon enters it, I11), added to every unit's input and read against each unit's key (the
+transformer's output) by ReLU dot products weighted per head by the query; each unit's input also holds ``match``'s
+votes for ``n`` = 2, 3 and 4 (exact recurrence, which a mean embedding cannot show). The prior it adds to is
+``match``'s score rescaled per row (:func:`rescaled`: the same order and signs, on the scale its losses train at; the
+raw votes' counts made the attention target's KL 35-85 nats at the start). Its heads start at zero, so a new indexer
+cuts exactly as ``match`` does (under either prior). Every cut it chooses (:meth:`LensNet.scorer`) keeps the newest
+``(W - H) / 2`` tokens before the horizon at LOD0 (:func:`with_recent_window`, NSA's sliding branch; half of what
+lies before the horizon in training): the learned choice spends the rest of the budget.
+
 The transformer reads *units* instead of entries: each gist is a unit, and so
 is each K-aligned block of shown tokens (their embeddings averaged), whose score every token of the block
 shares. Every decision is block-level (a gist expands, a complete group of K collapses), and each unit
@@ -34,10 +46,15 @@ from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor, nn
 
 from mcfn.core.context import Scorer, WorkingContext
-from mcfn.core.match import match_votes
-from mcfn.core.model import ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
+from mcfn.core.match import NGRAM, match_votes
+from mcfn.core.model import GPT, ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
+
+QUERY_TOKENS = 32  # the newest tokens before the horizon whose base-model states are the indexer's query
+VOTE_NGRAMS = (2, 3, 4)  # the n-gram lengths of the match votes the indexer reads per unit
+INDEX_HEADS, INDEX_DIM = 4, 32  # the lightning-indexer term's heads and their query-key width
+RECENT_PRIORITY = 1.0e4  # added to the scores of the recent window's entries: above any other, order kept
 
 
 def unit_capacity(width: int, layout: Layout) -> int:
@@ -89,10 +106,10 @@ def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> Wor
 
 @typechecked
 def unit_votes(
-    wc: WorkingContext, tokens: Int[Tensor, "r t"], horizon: Int[Tensor, " r"], K: int, reach: int
+    wc: WorkingContext, tokens: Int[Tensor, "r t"], horizon: Int[Tensor, " r"], K: int, reach: int, n: int = NGRAM
 ) -> Float[Tensor, "r u"]:
-    """The match votes on each unit's span ``[R, units]``, read from ``tokens`` up to ``horizon``."""
-    votes = match_votes(tokens, horizon, K, reach)  # [R, t / K]
+    """The match votes (of ``n``-grams) on each unit's span ``[R, units]``, read from ``tokens`` up to ``horizon``."""
+    votes = match_votes(tokens, horizon, K, reach, n)  # [R, t / K]
     running = F.pad(votes.cumsum(-1), (1, 0))
     first = (wc.start // K).clamp(max=votes.size(1))
     last = ((wc.start + wc.span) // K).clamp(max=votes.size(1))
@@ -102,15 +119,65 @@ def unit_votes(
 GATE_Z = 2.0  # standard deviations above its row's mean where a gated prior lets LensNet's own score through
 
 
+def row_moments(x: Float[Tensor, "r u"], valid: Bool[Tensor, "r u"]) -> tuple[Tensor, Tensor]:
+    """Each row's mean and standard deviation over its valid entries, ``[R, 1]`` each."""
+    n = valid.sum(-1, keepdim=True).clamp(min=1)
+    mean = (x * valid).sum(-1, keepdim=True) / n
+    return mean, ((((x - mean) * valid) ** 2).sum(-1, keepdim=True) / n).sqrt()
+
+
 @typechecked
 def standing_out(learned: Float[Tensor, "r u"], valid: Bool[Tensor, "r u"]) -> Bool[Tensor, "r u"]:
     """Which units' scores lie more than :data:`GATE_Z` standard deviations above the mean of their row's valid
     units: where the gated prior adds LensNet's score to the match's. Unchanged by scaling or shifting a row's
     scores; none in a row whose scores are all equal (a new LensNet's zero head)."""
-    n = valid.sum(-1, keepdim=True).clamp(min=1)
-    mean = (learned * valid).sum(-1, keepdim=True) / n
-    spread = ((((learned - mean) * valid) ** 2).sum(-1, keepdim=True) / n).sqrt()
+    mean, spread = row_moments(learned, valid)
     return valid & (learned - mean > GATE_Z * spread) & (spread > 0)
+
+
+@torch.no_grad()
+@typechecked
+def horizon_query(base: GPT, tokens: Int[Tensor, "r t"], now: Int[Tensor, " r"]) -> Float[Tensor, "r q2"]:
+    """The indexer's query ``[R, 2D]``: the base model's final hidden state at the newest token before ``now`` (one
+    past each row's horizon) and their mean over the :data:`QUERY_TOKENS` up to it, the tokens read alone from
+    position 0. Where the history is shorter the read starts at the window's first token; the positions after the
+    horizon that the read then holds are never read by the ones kept (causal), so nothing after it enters (I11)."""
+    count = min(QUERY_TOKENS, tokens.size(1))
+    first = (now - count).clamp(min=0)
+    at = torch.arange(count, device=tokens.device)
+    hidden = base.token_hidden(tokens.gather(1, first[:, None] + at))  # [R, count, D]
+    last = (now - 1 - first).clamp(min=0)  # the newest token's place in the read
+    kept = (at[None] <= last[:, None]).float()
+    mean = torch.einsum("rn,rnd->rd", kept, hidden.float()) / kept.sum(-1, keepdim=True)
+    newest = hidden.gather(1, repeat(last, "r -> r 1 d", d=hidden.size(-1)))[:, 0].float()
+    return torch.cat([newest, mean], dim=-1)
+
+
+@typechecked
+def recent_first(score: Scorer, recent: int, wc: WorkingContext) -> Float[Tensor, "r w"]:
+    """``score``'s scores of ``wc`` with every entry whose span ends within the ``recent`` tokens before the horizon
+    ranked above every other (their order kept): the allocator expands them first and collapses them last, so a cut
+    keeps them at LOD0 while the budget holds them."""
+    end = wc.start + wc.span
+    now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
+    scores = score(wc)
+    return torch.where(wc.valid & (end > now - recent), scores + RECENT_PRIORITY, scores)
+
+
+def with_recent_window(score: Scorer, recent: int) -> Scorer:
+    """``score`` with the newest ``recent`` tokens first (:func:`recent_first`)."""
+    return partial(recent_first, score, recent)
+
+
+@typechecked
+def rescaled(scores: Float[Tensor, "r u"], valid: Bool[Tensor, "r u"]) -> Float[Tensor, "r u"]:
+    """Each row's valid ``scores`` over their standard deviation (unchanged where they are all equal): the same
+    order and signs, so the same cut (the allocator compares a row's scores with each other and with the zero it
+    gives nodes no view scores, never with a threshold of another scale), on the scale of the learned terms and the
+    losses they train under (softmax, logistic, budget), whatever the votes' counts. Not centred: a shift would
+    move them past that zero."""
+    spread = row_moments(scores, valid)[1]
+    return torch.where(valid, scores / torch.where(spread > 0, spread, 1.0), 0.0)
 
 
 def match_prior(votes: Float[Tensor, "r u"], back: Float[Tensor, "r u"]) -> Float[Tensor, "r u"]:
@@ -129,18 +196,29 @@ class LensNet(nn.Module):
         layout: Layout,
         match_reach: int = 0,
         match_prior: str = "",
+        indexer: bool = False,
     ):
         super().__init__()
         if match_prior and match_reach < 1:
             raise ValueError("the match prior needs the predictions a cut serves (mc.refocus_every)")
+        if indexer and not match_prior:
+            raise ValueError("the indexer is a residual over match: it needs the match prior")
         self.layout, self.head_dim = layout, width // n_head
         self.match_reach = match_reach  # the predictions a cut serves (mc.refocus_every), for the match's votes
         self.match_prior = match_prior
+        self.indexer = indexer
+        # The indexer's recent window: half of what lies before the horizon in training (the tail holds H of W).
+        self.recent = (layout.W - layout.H) // 2 if indexer else 0
         self.in_proj = nn.Linear(d_model, width, bias=False)
         self.lod_emb = nn.Parameter(torch.zeros(layout.L + 1, width))
-        self.feature_proj = nn.Linear(2, width, bias=False)
+        self.feature_proj = nn.Linear(2 + len(VOTE_NGRAMS) * indexer, width, bias=False)
         self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
+        if indexer:
+            self.query_in = nn.Linear(2 * d_model, width, bias=False)  # the query, added to every unit's input
+            self.index_query = nn.Linear(2 * d_model, INDEX_HEADS * INDEX_DIM, bias=False)
+            self.index_key = nn.Linear(width, INDEX_HEADS * INDEX_DIM, bias=False)
+            self.index_weight = nn.Linear(2 * d_model, INDEX_HEADS, bias=False)  # per head, from the query
         self.reset_parameters()
 
     @torch.no_grad()
@@ -152,44 +230,80 @@ class LensNet(nn.Module):
         for block in self.blocks:
             block.reset_parameters()
         nn.init.normal_(self.head.weight, std=0.0 if self.match_prior else 0.01)  # with the prior: match's cut
+        if self.indexer:
+            for proj in (self.query_in, self.index_query, self.index_key):
+                nn.init.uniform_(proj.weight, -math.sqrt(3.0 / proj.in_features), math.sqrt(3.0 / proj.in_features))
+            nn.init.zeros_(self.index_weight.weight)  # a new indexer adds nothing: match's cut
 
     @typechecked
     def forward(
-        self, wc: WorkingContext, layout: Layout | None = None, tokens: Int[Tensor, "r t"] | None = None
+        self,
+        wc: WorkingContext,
+        layout: Layout | None = None,
+        tokens: Int[Tensor, "r t"] | None = None,
+        base: GPT | None = None,
+        query: Float[Tensor, "r q2"] | None = None,
     ) -> Float[Tensor, "r w"]:
         """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one); with the
-        match prior, ``tokens`` are each row's window (only what lies up to its newest entry is read)."""
+        match prior, ``tokens`` are each row's window (only what lies up to its newest entry is read); the indexer
+        also reads ``base`` (its :func:`horizon_query` over them) unless given the ``query`` of each row's horizon."""
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
-        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T), (0, 1))  # padding scores 0
+        if self.indexer and query is None:  # a config constant: static under compile
+            if base is None or tokens is None:
+                raise ValueError("LensNet's indexer reads the base model's states over the window's tokens")
+            query = horizon_query(base, tokens, torch.where(wc.valid, wc.start + wc.span, 0).amax(-1))
+        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T, query), (0, 1))  # padding: 0
         return scores.gather(1, unit) * wc.valid
 
-    def scorer(self, layout: Layout, window: Int[Tensor, "r t"]) -> Scorer:
-        """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows."""
-        return partial(self, layout=layout, tokens=window[:, : layout.T])
+    def scorer(self, layout: Layout, window: Int[Tensor, "r t"], base: GPT, query: Tensor | None = None) -> Scorer:
+        """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows, reading
+        ``base`` where the indexer does (or its ``query``, where every context scored has the same horizon); with
+        the indexer's recent window, every cut keeps the newest tokens at LOD0."""
+        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base, query=query)
+        return with_recent_window(score, self.recent) if self.recent else score
 
-    def score(self, wc: WorkingContext, tokens: Tensor | None = None, scale: int = 0) -> Float[Tensor, "r w"]:
+    def score(
+        self, wc: WorkingContext, tokens: Tensor | None = None, scale: int = 0, query: Tensor | None = None
+    ) -> Float[Tensor, "r w"]:
         """The transformer over the rows of ``wc`` (units), one score per valid one; ``scale``: the length of the
-        layout read (the prior's distance is over it, as ``match``'s is)."""
+        layout read (the prior's distance is over it, as ``match``'s is); ``query``: the indexer's."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
         # training T: in training that is the tail's first token; while streaming, the newest real token.
         now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
         back = (now - end).float() / T  # in [0, 1): the match's recency prior is its negative
-        features = torch.stack([torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back], dim=-1)
-        x = self.in_proj(rms_norm(wc.emb.detach())) + self.lod_emb[wc.lod] + self.feature_proj(features)
+        features = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back]
+        if self.match_prior and tokens is None:
+            raise ValueError("LensNet's match prior needs the window's tokens")
+        if self.indexer:  # a config constant: static under compile
+            for n in VOTE_NGRAMS:
+                votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach, n)
+                features.append(torch.log1p(votes))
+        x = (
+            self.in_proj(rms_norm(wc.emb.detach()))
+            + self.lod_emb[wc.lod]
+            + self.feature_proj(torch.stack(features, -1))
+        )
+        if self.indexer:
+            x = x + self.query_in(rms_norm(query))[:, None]
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
         attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
         for block in self.blocks:
             x = block(x, cos, sin, attend)
-        learned = self.head(rms_norm(x)).squeeze(-1)
+        x = rms_norm(x)
+        learned = self.head(x).squeeze(-1)
+        if self.indexer:
+            q = rearrange(self.index_query(rms_norm(query)), "r (h e) -> r h e", h=INDEX_HEADS)
+            k = rearrange(self.index_key(x), "r u (h e) -> r u h e", h=INDEX_HEADS)
+            relevance = F.relu(torch.einsum("rhe,ruhe->ruh", q, k)) / math.sqrt(INDEX_DIM)
+            learned = learned + torch.einsum("ruh,rh->ru", relevance, self.index_weight(rms_norm(query)))
         if self.match_prior:  # a config constant: static under compile
-            if tokens is None:
-                raise ValueError("LensNet's match prior needs the window's tokens")
             if self.match_prior == "gated":
                 learned = learned * standing_out(learned, wc.valid)
             votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach)
-            learned = learned + match_prior(votes, (now - end).float() / (scale or T))
+            prior = match_prior(votes, (now - end).float() / (scale or T))
+            learned = learned + (rescaled(prior, wc.valid) if self.indexer else prior)
         return learned * wc.valid

@@ -137,7 +137,7 @@ def _match(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> S
 
 def _lensnet(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
     assert system.lensnet is not None, "the lens policy needs the run's LensNet"
-    return system.lensnet.scorer(layout, window)
+    return system.lensnet.scorer(layout, window, system.base)
 
 
 FULL = register(FocusPolicy("full", Choice.FULL))
@@ -157,7 +157,7 @@ def lensnet_policy(name: str, lensnet: LensNet) -> FocusPolicy:
     the run's own gated over ``match``, a round of the LensNet stage), the system's base, GistNet and tree unchanged."""
 
     def scorer_of(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
-        return lensnet.scorer(layout, window)
+        return lensnet.scorer(layout, window, system.base)
 
     return FocusPolicy(name, Choice.SCORED, scorer_of)
 

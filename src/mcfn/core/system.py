@@ -27,7 +27,7 @@ from mcfn.core.attention import attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import refocus, tail_horizon
 from mcfn.core.gistnet import GistNet
-from mcfn.core.lensnet import LensNet
+from mcfn.core.lensnet import LensNet, horizon_query
 from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
@@ -48,9 +48,10 @@ NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
 def lensnet_of(cfg: RunConfig, layout: Layout, match_prior: str | None = None) -> LensNet:
     """A new LensNet of ``cfg``'s sizes over ``layout``, with ``cfg``'s match prior unless ``match_prior`` says
     another: the system's own, or a candidate policy's (:mod:`mcfn.stage.ship`)."""
-    prior = cfg.mc.lens.match_prior if match_prior is None else match_prior
-    return LensNet(cfg.model.n_embd, cfg.aux_width, AUX_LAYERS, cfg.aux_heads, layout,
-                   match_reach=cfg.mc.refocus_every, match_prior=prior)  # fmt: skip
+    lens = cfg.mc.lens
+    prior = lens.match_prior if match_prior is None else match_prior
+    return LensNet(cfg.model.n_embd, cfg.aux_width, AUX_LAYERS, cfg.aux_heads, layout, match_reach=cfg.mc.refocus_every,
+                   match_prior=prior, indexer=lens.indexer)  # fmt: skip
 
 
 class MegaContext(nn.Module):
@@ -94,7 +95,7 @@ def allocator_cuts(
     start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
     horizon = tail_horizon(system.layout, B, window.device)
     explore = noise.explore[:, -A:]
-    scorer = system.lensnet.scorer(system.layout, window)
+    scorer = system.lensnet.scorer(system.layout, window, system.base)
     return refocus(scorer, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise)
 
 
@@ -166,12 +167,22 @@ def teacher_stage(
     return teacher_losses(system.base, window, recency_nll, system.layout, weights, lens_attention, reach)
 
 
+def horizon_queries(system: MegaContext, window: Tensor, horizon: Tensor, copies: int) -> Tensor | None:
+    """The indexer's query of each window at its ``horizon`` (:func:`~mcfn.core.lensnet.horizon_query`), computed
+    once and repeated for its ``copies`` contexts; ``None`` without the indexer."""
+    if not system.lensnet.indexer:  # a config constant: static under compile
+        return None
+    query = horizon_query(system.base, window[:, : system.layout.T], horizon + 1)
+    return repeat(query, "b d -> (b c) d", c=copies)
+
+
 @stage("lens_fwd")
 def lens_stage(system: MegaContext, wc: WorkingContext, horizon: Tensor, window: Tensor) -> Float[Tensor, "r w"]:
     """LensNet's scores of the working contexts, read as :func:`refocus` reads them: up to each window's horizon."""
     V, T = system.layout.V, system.layout.T
     tokens = repeat(window[:, :T], "b t -> (b v) t", v=V)
-    return system.lensnet(seen_until(wc, repeat(horizon, "b -> (b v)", v=V)), tokens=tokens)
+    seen = seen_until(wc, repeat(horizon, "b -> (b v)", v=V))
+    return system.lensnet(seen, tokens=tokens, base=system.base, query=horizon_queries(system, window, horizon, V))
 
 
 @stage("lens_loss")

@@ -56,10 +56,19 @@ REPEATS = {REPEAT: write_repeat, SHUFFLED_REPEAT: write_shuffled_repeat}  # the 
 
 
 class MixedSampler:
-    """A :class:`WindowSampler` whose batches have a share ``mix`` of rows rewritten by ``tasks``."""
+    """A :class:`WindowSampler` whose batches have a share ``mix`` of rows rewritten by ``tasks``; from batch
+    ``switch`` on (a MegaContext run's MC phase), a share ``later``."""
 
     def __init__(
-        self, sampler: WindowSampler, tok: Tokenizer, tail: int, mix: float, tasks: tuple[str, ...], seed: int
+        self,
+        sampler: WindowSampler,
+        tok: Tokenizer,
+        tail: int,
+        mix: float,
+        tasks: tuple[str, ...],
+        seed: int,
+        later: float | None = None,
+        switch: int = 0,
     ):
         for name in tasks:
             if name not in MIX_TASKS:
@@ -68,12 +77,17 @@ class MixedSampler:
             if why is not None:
                 raise UserError(f"data.mix_tasks cannot use {name}: {why}")
         self.sampler, self.tok, self.tail, self.mix, self.tasks, self.seed = sampler, tok, tail, mix, tasks, seed
+        self.later, self.switch = mix if later is None else later, switch
         self.window = sampler.window
+
+    def share(self, index: int) -> float:
+        """The share of batch ``index``'s rows that carry a task."""
+        return self.later if index >= self.switch else self.mix
 
     def draw(self, index: int, batch_size: int) -> tuple[random.Random, list[tuple[int, str]]]:
         """Batch ``index``'s rows that carry a task, with its name, and the generator that then writes them."""
         rng = random.Random(derive_seed(self.seed, "train_mix", index))
-        return rng, [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.mix]
+        return rng, [(row, rng.choice(self.tasks)) for row in range(batch_size) if rng.random() < self.share(index)]
 
     def tasked(self, index: int, batch_size: int) -> list[bool]:
         """Which rows of batch ``index`` carry a long-range task (without building the batch)."""
@@ -95,9 +109,11 @@ class MixedSampler:
 
 def training_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSampler:
     """Training batch ``i`` as a pure function of the seed and ``i``: corpus windows, with ``data.mix`` of them
-    carrying a long-range task."""
+    carrying a long-range task (``data.mc_mix`` in a MegaContext run's MC phase, where it is set)."""
     sampler = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
-    if cfg.data.mix <= 0:
-        return sampler
     d = cfg.data
-    return MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed)
+    later = d.mc_mix if d.mc_mix >= 0 and cfg.mc.enabled and cfg.train.plain_steps else d.mix
+    if d.mix <= 0 and later <= 0:
+        return sampler
+    return MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed, later,
+                        cfg.train.plain_steps)  # fmt: skip

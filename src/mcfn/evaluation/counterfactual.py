@@ -45,7 +45,9 @@ class Labelled:
 
 def lens_view_scores(system: MegaContext, cv: ChunkView) -> Tensor:
     """LensNet's node scores ``[g, view_nodes]`` in the chunk's view, read up to its horizon (I11)."""
-    return focus_scores(system.lensnet.scorer(cv.nodes.layout, cv.window), cv.tree, cv.window, cv.nodes, cv.horizon)
+    return focus_scores(
+        system.lensnet.scorer(cv.nodes.layout, cv.window, system.base), cv.tree, cv.window, cv.nodes, cv.horizon
+    )
 
 
 @torch.no_grad()

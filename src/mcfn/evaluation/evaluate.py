@@ -35,6 +35,10 @@ the tokens alone (:mod:`mcfn.evaluation.long_range`): tail predictions whose tri
 window, but only beyond the last ``W - R`` tokens at the run's ``W``. A probe window counts as answered when every
 answer token is the greedy argmax.
 
+``indexer_recall`` (``corpus``, under generation's protocol, at the headline budget): per refocusing policy, the
+share of the far blocks full attention reads most per chunk that its cuts show in detail
+(:mod:`mcfn.evaluation.indexer_recall`).
+
 ``utility_corr`` (``corpus``, under generation's protocol) is, per state (a window's chunk), the Spearman correlation
 of LensNet's predicted worth of each single edit of its own cut with the edit's measured ΔNLL
 (:mod:`mcfn.evaluation.counterfactual`), averaged over states.
@@ -68,9 +72,10 @@ from mcfn.data.probes import ProbeBatch, evaluation_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.evaluation.batch import EvalBatch, EvalSettings
 from mcfn.evaluation.headroom import BEST_OF
+from mcfn.evaluation.indexer_recall import IndexerRecall, chunk_recall, tail_attention
 from mcfn.evaluation.long_range import far_context_tokens
 from mcfn.evaluation.one_cut import NOGIST, predict_budget, tail_predictions
-from mcfn.evaluation.refocused import predict_chunked
+from mcfn.evaluation.refocused import ChunkedPredictions, predict_chunked
 from mcfn.evaluation.result import (
     FULL_PLAIN,
     DepthAccuracy,
@@ -177,9 +182,13 @@ class TaskScores:
 
     all: dict[tuple[str, int], Scores] = field(default_factory=dict)
     longrange: dict[tuple[str, int], Scores] = field(default_factory=dict)
+    # corpus: each refocusing policy's indexer recall per window at the headline budget (mcfn.evaluation.indexer_recall)
+    recall: dict[str, list[float]] = field(default_factory=dict)
 
     def extend(self, other: TaskScores) -> None:
         """Append ``other``'s windows (a later batch) to these."""
+        for name, values in other.recall.items():
+            self.recall.setdefault(name, []).extend(values)
         for mine, theirs in ((self.all, other.all), (self.longrange, other.longrange)):
             for key, scores in theirs.items():
                 mine.setdefault(key, Scores()).extend(scores)
@@ -197,11 +206,30 @@ def score_batch(batch: TaskBatch) -> TaskScores:
             generator.manual_seed(derive_seed(budget, "eval_contexts", batch.index))
             pred = predict(batch.contexts, budget, generator)
             out.all[name, budget] = record(pred, batch.references, batch.scored, batch.depth)
+            if batch.longrange is not None and name == "refocus" and budget == settings.budgets[0]:
+                out.recall = window_recalls(batch, pred, budget)
             if batch.longrange is not None:
                 longrange = record(pred, batch.references, batch.longrange, batch.depth, per_state=False)
                 out.longrange[name, budget] = longrange
     for scores in (*out.all.values(), *out.longrange.values()):
         scores.docs.extend([] if batch.doc is None else [batch.doc])
+    return out
+
+
+def window_recalls(batch: TaskBatch, pred: ChunkedPredictions, budget: int) -> dict[str, list[float]]:
+    """Each refocusing policy's indexer recall per window of ``batch`` (the mean over its chunks that have far
+    blocks; windows without any left out, the same for every policy)."""
+    system, R = batch.contexts.system, batch.contexts.settings.refocus_every
+    attention = tail_attention(system.base, batch.contexts.window, system.layout)
+    out: dict[str, list[float]] = {name: [] for name in pred.cuts}
+    for row in range(attention.size(0)):
+        per_policy = {
+            name: chunk_recall(attention[row], pred.chunk[row], cuts[row], system.layout, budget - R, R)
+            for name, cuts in pred.cuts.items()
+        }
+        for name, values in per_policy.items():
+            if values:
+                out[name].append(sum(values) / len(values))
     return out
 
 
@@ -223,7 +251,8 @@ def summarise_task(scores: TaskScores, task: str, settings: EvalSettings, layout
         if task != "corpus":
             condition = LENS.name if lens else ATTN.name
             depth = DepthAccuracy(condition, {w: accuracy_by_depth(scores.all[name, w], condition) for w in budgets})
-        protocols[name] = ProtocolResult(rows, longrange, depth)
+        recall = IndexerRecall.of(scores.recall) if name == "refocus" else None
+        protocols[name] = ProtocolResult(rows, longrange, depth, recall)
     return TaskResult(protocols)
 
 

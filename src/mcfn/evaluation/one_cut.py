@@ -111,6 +111,6 @@ def predict_budget(batch: EvalBatch, budget: int, generator: torch.Generator) ->
         i, j = pair_slots(random.size(1), B, random.device)
         seen = seen_until(random_wc, repeat(horizon, "b -> (b s)", s=random.size(1)))
         tokens = repeat(window[:, : nodes.layout.T], "b t -> (b s) t", s=random.size(1))
-        preference = pair_margin(system.lensnet(seen, tokens=tokens), random, i, j, random_wc, nodes)
+        preference = pair_margin(system.lensnet(seen, tokens=tokens, base=system.base), random, i, j, random_wc, nodes)
     chunk = torch.zeros(nll.size(0), nll.size(-1), dtype=torch.int64, device=nll.device)
     return Predictions(nll, hit, slots, chunk, None if preference is None else preference[:, None])

@@ -175,4 +175,6 @@ def random_preferences(
     i, j = pair_slots(M, random.size(0), random.device)
     seen = seen_until(wc, torch.full((wc.batch_size[0],), view.real - 1, device=random.device))
     tokens = repeat(window[:, : nodes.layout.T], "g t -> (g m) t", m=M)
-    return pair_margin(system.lensnet(seen, layout=nodes.layout, tokens=tokens), random, i, j, wc, nodes)
+    return pair_margin(
+        system.lensnet(seen, layout=nodes.layout, tokens=tokens, base=system.base), random, i, j, wc, nodes
+    )

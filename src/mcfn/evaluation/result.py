@@ -13,6 +13,7 @@ from typing import Any
 
 from mcfn.core.policy import policies
 from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.indexer_recall import IndexerRecall
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class ProtocolResult:
     sweep: tuple[Row, ...]
     longrange: LongRange | None = None  # corpus only
     depth_accuracy: DepthAccuracy | None = None  # probes only
+    indexer_recall: IndexerRecall | None = None  # corpus under generation's protocol only
 
     @property
     def head(self) -> Row:
@@ -129,6 +131,8 @@ class ProtocolResult:
             out["longrange"] = self.longrange.to_json()
         if self.depth_accuracy is not None:
             out["depth_accuracy"] = self.depth_accuracy.to_json()
+        if self.indexer_recall is not None:
+            out["indexer_recall"] = self.indexer_recall.to_json()
         return out
 
 

@@ -33,7 +33,7 @@ from mcfn.shell.report import write_report
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
 from mcfn.stage.rounds import run_stage
-from mcfn.stage.ship import ship, validation, write_shipped
+from mcfn.stage.ship import ship, validation, write_choice, write_shipped
 
 SUMMARY_NAME = "summary.json"
 LOD_MAPS_NAME = "lod_maps.txt"
@@ -104,8 +104,9 @@ def ship_policy(s: Session, rounds: dict[int, dict[str, Tensor]], say: Callable[
     if not evaluates_at_end(s):
         return None
     held = validation(s.corpus, s.cfg, s.device)
-    shipped, verdict = ship(s.model, s.cfg, held, say, rounds)
+    shipped, verdict, report = ship(s.model, s.cfg, held, say, rounds)
     write_shipped(run_checkpoint(s.out_dir), shipped, verdict)
+    write_choice(s.out_dir, verdict, report)
     return shipped.name, renamed(shipped.policy, SHIPPED)
 
 

@@ -98,9 +98,9 @@ def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.devi
     if world.size > 1:  # every rank has checked the directory before rank 0 writes to it
         torch.distributed.barrier()
     task = build_task(cfg, corpus.tokenizer.token_bytes(vocab).to(device), device)
-    if state is None and cfg.train.init_from:  # checked and loaded before anything is written
-        init_base_from(task.model, cfg, corpus.key, Path(cfg.train.init_from))
     start_step = state.step if state is not None else 0
+    if state is None and cfg.train.init_from:  # checked and loaded before anything is written
+        start_step = init_base_from(task.model, cfg, corpus.key, Path(cfg.train.init_from))
     if world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))

@@ -342,9 +342,12 @@ def announce(s: Session) -> None:
         f"T={cfg.data.seq_len}, B={cfg.train.batch_size}{processes}, {cfg.train.steps} steps on {s.device}"
         f"{compiled} -> {s.out_dir}"
     )
-    if s.task.mode == "mc" and cfg.train.plain_steps:
+    branched = cfg.train.init_from and not s.resumed and s.start_step == cfg.train.plain_steps > 0
+    if s.task.mode == "mc" and cfg.train.plain_steps and not branched:
         say(f"[run] plain phase: steps 0-{cfg.train.plain_steps - 1} train the base model alone on whole windows")
-    if cfg.train.init_from and not s.resumed:
+    if branched:
+        say(f"[run] branched from {cfg.train.init_from}'s plain phase: the MegaContext phase from step {s.start_step}")
+    elif cfg.train.init_from and not s.resumed:
         say(f"[run] base model initialised from {cfg.train.init_from}")
 
 

@@ -68,6 +68,8 @@ def gated_lensnet(own: LensNet, cfg: RunConfig) -> LensNet:
     gated = loaded_lensnet(cfg, own.layout, "gated", own.state_dict(), own.head.weight.device)
     with torch.no_grad():
         gated.head.weight.mul_(GATED_SCALE)
+        if gated.indexer:
+            gated.index_weight.weight.mul_(GATED_SCALE)
     return gated
 
 

@@ -43,7 +43,7 @@ from mcfn.stage.reliability import (
     tail_attention,
     whole_cut_reliability,
 )
-from mcfn.stage.traces import FIRST_TRACE_BATCH, trace, trace_sampler
+from mcfn.stage.traces import FIRST_TRACE_BATCH, RANDOM_CUTS, trace, trace_sampler
 
 
 def label_reliability(
@@ -120,7 +120,7 @@ def traced(
     with tqdm(total=len(batches), desc=f"labels: {name}", unit="window", file=sys.stderr) as bar:
         # The random candidates are drawn as the stage's first round draws them.
         random_seed = derive_seed(cfg.train.seed, "lens_traces", 1)
-        return trace(system, batches, protocol, cfg.lens_stage.random_cuts, random_seed, bar)
+        return trace(system, batches, protocol, RANDOM_CUTS, random_seed, bar)
 
 
 def two_chunk_labels(

@@ -44,7 +44,7 @@ from mcfn.evaluation.counterfactual import State
 from mcfn.seeding import derive_seed
 from mcfn.stage.candidates import read_run, run_system, validation_windows
 from mcfn.stage.judge import Judged, judge, judged_line
-from mcfn.stage.traces import FIRST_TRACE_BATCH, Traces, fingerprint, probe_rows, trace, trace_sampler
+from mcfn.stage.traces import FIRST_TRACE_BATCH, RANDOM_CUTS, Traces, fingerprint, probe_rows, trace, trace_sampler
 
 TRACES_DIR = "lens_traces"
 
@@ -52,6 +52,7 @@ TRACES_DIR = "lens_traces"
 TRAIN_ROUNDS = 3  # rounds of train.lens where neither --rounds nor the run's lens_stage.rounds says how many
 EPOCHS = 6  # passes of the ranking loss over every round's traces so far
 LR = 1e-3  # LensNet's AdamW rate in the stage
+STATES_PER_BATCH = 16  # traced states (chunks of one history length) per step of the ranking loss; as first built
 
 
 def utility_summary(states: list[State]) -> dict[str, float]:
@@ -75,10 +76,10 @@ def train_on_traces(
     for _ in range(EPOCHS):
         losses = []
         batches = [
-            (t, rows[order[i : i + settings.states_per_batch]])
+            (t, rows[order[i : i + STATES_PER_BATCH]])
             for t, rows in groups
             for order in [torch.randperm(rows.numel(), generator=generator)]
-            for i in range(0, rows.numel(), settings.states_per_batch)
+            for i in range(0, rows.numel(), STATES_PER_BATCH)
         ]
         for b in torch.randperm(len(batches), generator=generator).tolist():
             t, rows = batches[b]
@@ -86,7 +87,9 @@ def train_on_traces(
             windows = t.windows[states["window"]]
             cv = chunk_view(Tree(emb=t.trees[states["window"]], batch_size=[rows.numel()]), windows, nodes,
                             int(states["n"][0]), protocol.every)  # fmt: skip
-            scores = block_scores(lensnet.scorer(cv.nodes.layout, cv.window), cv.tree, cv.window, cv.nodes, cv.horizon)
+            scores = block_scores(
+                lensnet.scorer(cv.nodes.layout, cv.window, system.base), cv.tree, cv.window, cv.nodes, cv.horizon
+            )
             loss = ranking_loss(edit_worth(scores, states["gain"], states["loss"]), states["delta"], states["valid"])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -126,7 +129,7 @@ class Stage:
         first = FIRST_TRACE_BATCH + (r - 1) * settings.windows
         batches = [self.sampler.batch(first + i, 1).to(self.device) for i in range(settings.windows)]
         with tqdm(total=settings.windows, desc=f"lens round {r}: trace", unit="window", file=sys.stderr) as bar:
-            windows, trees, states = trace(self.system, batches, self.protocol, settings.random_cuts,
+            windows, trees, states = trace(self.system, batches, self.protocol, RANDOM_CUTS,
                                            derive_seed(seed, "lens_traces", r), bar)  # fmt: skip
         traced = time.perf_counter()
         path = run_dir / TRACES_DIR / f"round{r}.pt"

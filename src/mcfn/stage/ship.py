@@ -17,6 +17,7 @@ error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rul
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,15 @@ class Verdict:
         return {"shipped": self.shipped, "refused": self.refused, "figures": self.figures}
 
 
+SHIP_EVAL_NAME = "ship.json"  # the choice's validation evaluation, beside the run's eval.json (which reads test)
+
+
+def write_choice(run_dir: Path, verdict: Verdict, report: EvalReport) -> None:
+    """The verdict and the whole validation evaluation it was read from (eval.json's shape: paired differences,
+    long-range tokens, indexer recall), for design choices that must never read the test split."""
+    (run_dir / SHIP_EVAL_NAME).write_text(json.dumps({"verdict": verdict.to_json(), **report.to_json()}, indent=2))
+
+
 def paired(row: Row, a: str, b: str) -> tuple[float, float, float | None, float | None]:
     """``row``'s paired difference of ``a`` over ``b`` whichever order it was recorded in: ``bpb(b) − bpb(a)`` and
     its error, ``accuracy(a) − accuracy(b)`` and its error."""
@@ -144,9 +154,9 @@ def ship(
     held: HeldOut,
     say: Callable[[str], None],
     rounds: dict[int, dict[str, torch.Tensor]] | None = None,
-) -> tuple[Candidate, Verdict]:
+) -> tuple[Candidate, Verdict, EvalReport]:
     """Score every candidate on ``held`` (validation windows) in one brief evaluation and apply the rule; says the
-    verdict in a few lines."""
+    verdict in a few lines. Returns the candidate shipped, the verdict and the evaluation."""
     pool = candidates(system, cfg, rounds or {})
     budgets = evaluation_budgets(system.layout, (system.layout.W,), cfg.mc.refocus_every)
     settings = EvalSettings(budgets, tasks=SHIP_TASKS, refocus_every=cfg.mc.refocus_every, brief=True,
@@ -159,7 +169,7 @@ def ship(
     answered = "" if figures["passkey"] is None else f", pass key {figures['passkey']:.2f}"
     say(f"[ship] shipping {verdict.shipped} (validation, {sum(w.size(0) for w in held.windows)} windows: corpus "
         f"{figures['corpus_bpb']:.4f} bits per byte{answered})")  # fmt: skip
-    return next(c for c in pool if c.name == verdict.shipped), verdict
+    return next(c for c in pool if c.name == verdict.shipped), verdict, report
 
 
 def _passkey_row(report: EvalReport) -> Row | None:
@@ -198,6 +208,7 @@ def ship_run(
     """The choice on a saved run (``train.ship``, and ``train.lens`` after its rounds), recorded in its checkpoint."""
     ckpt, corpus = read_run(run_dir, "to choose a policy among", corpus)
     system, cfg = run_system(ckpt, device)
-    shipped, verdict = ship(system, cfg, validation(corpus, cfg, device), say, rounds)
+    shipped, verdict, report = ship(system, cfg, validation(corpus, cfg, device), say, rounds)
     write_shipped(ckpt.path, shipped, verdict)
+    write_choice(run_dir, verdict, report)
     return verdict

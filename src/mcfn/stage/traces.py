@@ -42,6 +42,7 @@ FINGERPRINTED = ("base.", "gistnet.")  # the modules whose weights the labels me
 FIRST_TRACE_BATCH = 1_000_000  # training batches from here on are the stage's: never read by the MC phase
 # The share of traced windows that carry a long-range task, whatever the run's data.mix > 0 (1 in the default, where
 # every training window has one): the rest are corpus text, on which the judge weighs a policy against match.
+RANDOM_CUTS = 2  # random candidates per traced state, beside the policy, its edits, match and recency; not tuned
 TRACE_TASK_SHARE = 0.5
 
 

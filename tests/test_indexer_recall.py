@@ -1,0 +1,55 @@
+"""The indexer recall: per chunk, the share of the far blocks full attention reads most that a cut shows at LOD0."""
+
+from __future__ import annotations
+
+import torch
+from builders import make_system
+
+from mcfn.evaluation.indexer_recall import TOP, IndexerRecall, chunk_recall
+
+T, K, H, R, W = 64, 4, 8, 4, 24
+
+
+def block_mass(blocks: dict[int, float]) -> torch.Tensor:
+    """``[T]`` attention over tokens: ``mass`` spread evenly over each listed block's ``K`` tokens."""
+    out = torch.zeros(T)
+    for block, mass in blocks.items():
+        out[block * K : (block + 1) * K] = mass / K
+    return out
+
+
+def showing(layout, blocks: list[int]) -> torch.Tensor:
+    """A node mask ``[nodes]`` showing the given blocks' tokens at LOD0 (and nothing else)."""
+    cut = torch.zeros(layout.n_nodes, dtype=torch.bool)
+    for block in blocks:
+        cut[block * K : (block + 1) * K] = True
+    return cut
+
+
+def test_recall_counts_the_far_blocks_full_attention_reads_most_leaving_out_the_sink_and_the_near_past():
+    layout = make_system(T, K, 2, W, H, N=2, refocus_every=R).layout
+    near = W - R
+    attention = torch.zeros(H, T)
+    # chunk 0 (horizon 56): far blocks are 1..8; its top 4 there are 2, 5, 7 and 8; the sink (block 0) and the
+    # near block 12 draw more, and count for nothing
+    attention[:4] = block_mass({0: 9.0, 12: 8.0, 2: 4.0, 5: 3.0, 7: 2.0, 8: 1.5, 3: 0.5})
+    # chunk 1 (horizon 60): far blocks 1..9; its top 4 are 9, 1, 3 and 4
+    attention[4:] = block_mass({9: 4.0, 1: 3.0, 3: 2.0, 4: 1.0, 6: 0.1})
+    chunk = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    cuts = [showing(layout, [2, 5, 3, 12, 13]), showing(layout, [9, 6, 13])]
+    assert TOP == 4
+    assert chunk_recall(attention, chunk, cuts, layout, near, R) == [0.5, 0.25]
+    assert chunk_recall(attention, chunk, [showing(layout, list(range(16)))] * 2, layout, near, R) == [1.0, 1.0]
+    assert chunk_recall(attention, chunk, [showing(layout, [12, 13, 14, 15])] * 2, layout, near, R) == [0.0, 0.0]
+    # a chunk left unscored (-1) is not counted; nor is a chunk without far blocks (W as large as the history)
+    assert chunk_recall(attention, torch.tensor([-1] * 4 + [1] * 4), cuts, layout, near, R) == [0.25]
+    assert chunk_recall(attention, chunk, cuts, layout, T, R) == []
+
+
+def test_the_summary_is_the_mean_over_windows_with_its_error_and_none_without_any():
+    summary = IndexerRecall.of({"match": [0.5, 1.0, 0.0], "lens": [1.0, 1.0, 1.0]})
+    assert summary.windows == 3
+    mean, se = summary.by_policy["match"]
+    assert mean == 0.5 and abs(se - 0.5 / 3**0.5) < 1e-12
+    assert summary.to_json()["lens"] == {"recall": 1.0, "se": 0.0}
+    assert IndexerRecall.of({"match": []}) is None and IndexerRecall.of({}) is None
