@@ -7,7 +7,7 @@ import dataclasses
 import torch
 from builders import one_line_error, tiny_sections, write_profile
 
-from mcfn.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from mcfn.checkpoint import CHECKPOINT_NAME, Checkpoint, load_checkpoint
 from mcfn.core.system import MegaContext
 from mcfn.profile import resolve
 from mcfn.shell.init_from import base_weights, init_base_from
@@ -57,7 +57,11 @@ def test_a_branch_starts_after_the_plain_phase_of_the_run_it_comes_from(tmp_path
     """A checkpoint saved at exactly ``train.plain_steps`` starts an MC run there: its steps are the MC phase's
     only, under the same schedule; a checkpoint at any other step starts from 0, as a plain ``--init-from``."""
     whole = tmp_path / "plain"
-    assert main(["--profile", str(profile), "--out", str(whole), "--steps", "3", "--no-mc"]) == 0  # saved at 3
+    phase = ["--profile", str(profile), "--steps", "5", "--set", "train.plain_steps=3"]
+    assert main([*phase, "--out", str(whole), "--stop-after", "3"]) == 0  # its plain phase only, saved at step 3
+    assert "stopped by --stop-after after step 3" in capsys.readouterr().err
+    assert Checkpoint.read(whole).step == 3 and not (whole / "eval.json").exists()
+    assert "--stop-after" in one_line_error([*phase, "--out", str(tmp_path / "x"), "--stop-after", "5"], capsys)
     branch = tmp_path / "branch"
     args = ["--profile", str(profile), "--out", str(branch), "--steps", "5", "--init-from", str(whole)]
     assert main([*args, "--set", "train.plain_steps=3"]) == 0

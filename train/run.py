@@ -30,6 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--init-from", metavar="RUN_DIR", help="start the base model from this run's weights (train.init_from)"
     )
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="checkpoint at this step and stop, under train.steps' schedule (a plain phase's end to branch from)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA where there is one)")
     p.add_argument(
         "--memory-snapshot",
@@ -69,11 +76,14 @@ def run(args: argparse.Namespace) -> None:
     cfg = resolve(args.profile, overrides)
     if args.resume and args.out is None:
         raise UserError("--resume needs --out DIR, the run to continue")
+    if args.stop_after and not 0 < args.stop_after < cfg.train.steps:
+        raise UserError(f"--stop-after {args.stop_after} must lie between 0 and train.steps={cfg.train.steps}")
     profile_name = Path(args.profile).stem
     out = args.out or Path("runs") / f"{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     from mcfn.shell.trainer import train  # heavy imports after the arguments are known to be good
 
-    train(cfg, out, resume=args.resume, device_name=args.device, memory_snapshot=args.memory_snapshot)
+    train(cfg, out, resume=args.resume, device_name=args.device, memory_snapshot=args.memory_snapshot,
+          stop_after=args.stop_after)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,11 +57,18 @@ def say(text: str) -> None:
 
 
 def train(
-    cfg: RunConfig, out_dir: Path, resume: bool = False, device_name: str = "auto", memory_snapshot: str = ""
+    cfg: RunConfig,
+    out_dir: Path,
+    resume: bool = False,
+    device_name: str = "auto",
+    memory_snapshot: str = "",
+    stop_after: int = 0,
 ) -> dict[str, Any]:
     """Train as configured, writing metrics, checkpoints, ``summary.json`` and the report to ``out_dir``, on the
     device ``device_name`` (auto | cpu | cuda | cuda:N); ``memory_snapshot``: a file (in ``out_dir`` unless
-    absolute) for CUDA's memory history over the first steps (:mod:`mcfn.shell.memory`), empty: none."""
+    absolute) for CUDA's memory history over the first steps (:mod:`mcfn.shell.memory`), empty: none;
+    ``stop_after``: a step at which to checkpoint and stop, under the schedule of ``train.steps`` (0: none), e.g.
+    a plain phase's end, to branch MC variants from (:mod:`mcfn.shell.init_from`)."""
     t_start = time.perf_counter()
     device = resolve_device(device_name)
     check_memory_snapshot(memory_snapshot, device)
@@ -71,7 +78,7 @@ def train(
         torch.cuda.set_device(device)
     try:
         session = open_session(cfg, out_dir, resume, device, world)
-        return finish(session, Trainer(session, memory_snapshot).train(), t_start, say)
+        return finish(session, Trainer(session, memory_snapshot, stop_after).train(), t_start, say)
     finally:
         shutdown(world)
 
@@ -91,8 +98,9 @@ class StepResult:
 class Trainer:
     """A training run in progress (see the module docstring)."""
 
-    def __init__(self, session: Session, memory_snapshot: str = ""):
+    def __init__(self, session: Session, memory_snapshot: str = "", stop_after: int = 0):
         s = self.s = session
+        self.stop_after = stop_after
         cfg = s.cfg.train
         announce(s)
         self.progress = Progress(micro=self.choose_micro_batch(), peak_step_s=peak_step_seconds(s))
@@ -118,6 +126,12 @@ class Trainer:
                     record.update(self.validate(step))
                 if validating and step > s.start_step:
                     save_state(s, step)
+                if self.stop_after and step == self.stop_after and not last:  # --stop-after: checkpoint, leave
+                    if not (validating and step > s.start_step):
+                        save_state(s, step)
+                    progress.stopped_at, progress.stopped_by = step, "--stop-after"
+                    s.log.log(record)
+                    break
                 if last:
                     s.log.log(record)
                     break
