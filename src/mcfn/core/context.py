@@ -92,6 +92,13 @@ def seen_until(wc: WorkingContext, horizon: Int[Tensor, " r"]) -> WorkingContext
 
 
 @typechecked
+def read_end(wc: WorkingContext) -> Int[Tensor, " r"]:
+    """One past the newest token a row's valid entries cover: after :func:`seen_until`, one past the horizon, the
+    position a scorer's distances and reads are measured from."""
+    return torch.where(wc.valid, wc.start + wc.span, 0).amax(-1)
+
+
+@typechecked
 def tail_entries(x: Float[Tensor, "r w d"], first: Int[Tensor, " r"], tail: int) -> Float[Tensor, "r h d"]:
     """Each row's ``tail`` entries from ``first`` on: the tail, the last ``H`` valid entries of a working
     context (I4), or the last ``H`` positions of a plain window."""

@@ -45,14 +45,14 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor, nn
 
-from mcfn.core.context import Scorer, WorkingContext
+from mcfn.core.context import Scorer, WorkingContext, read_end
 from mcfn.core.match import NGRAM, match_votes
 from mcfn.core.model import GPT, ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
 
 QUERY_TOKENS = 32  # the newest tokens before the horizon whose base-model states are the indexer's query
-VOTE_NGRAMS = (2, 3, 4)  # the n-gram lengths of the match votes the indexer reads per unit
+VOTE_NGRAMS = (2, 3, 4)  # the n-gram lengths of the match votes the indexer reads per unit (NGRAM among them)
 INDEX_HEADS, INDEX_DIM = 4, 32  # the lightning-indexer term's heads and their query-key width
 RECENT_PRIORITY = 1.0e4  # added to the scores of the recent window's entries: above any other, order kept
 
@@ -158,10 +158,9 @@ def recent_first(score: Scorer, recent: int, wc: WorkingContext) -> Float[Tensor
     """``score``'s scores of ``wc`` with every entry whose span ends within the ``recent`` tokens before the horizon
     ranked above every other (their order kept): the allocator expands them first and collapses them last, so a cut
     keeps them at LOD0 while the budget holds them."""
-    end = wc.start + wc.span
-    now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
     scores = score(wc)
-    return torch.where(wc.valid & (end > now - recent), scores + RECENT_PRIORITY, scores)
+    recent_entry = wc.start + wc.span > read_end(wc)[:, None] - recent
+    return torch.where(wc.valid & recent_entry, scores + RECENT_PRIORITY, scores)
 
 
 def with_recent_window(score: Scorer, recent: int) -> Scorer:
@@ -253,15 +252,15 @@ class LensNet(nn.Module):
         if self.indexer and query is None:  # a config constant: static under compile
             if base is None or tokens is None:
                 raise ValueError("LensNet's indexer reads the base model's states over the window's tokens")
-            query = horizon_query(base, tokens, torch.where(wc.valid, wc.start + wc.span, 0).amax(-1))
+            query = horizon_query(base, tokens, read_end(wc))
         scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T, query), (0, 1))  # padding: 0
         return scores.gather(1, unit) * wc.valid
 
-    def scorer(self, layout: Layout, window: Int[Tensor, "r t"], base: GPT, query: Tensor | None = None) -> Scorer:
+    def scorer(self, layout: Layout, window: Int[Tensor, "r t"], base: GPT) -> Scorer:
         """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows, reading
-        ``base`` where the indexer does (or its ``query``, where every context scored has the same horizon); with
-        the indexer's recent window, every cut keeps the newest tokens at LOD0."""
-        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base, query=query)
+        ``base`` where the indexer does; with the indexer's recent window, every cut keeps the newest tokens at
+        LOD0."""
+        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base)
         return with_recent_window(score, self.recent) if self.recent else score
 
     def score(
@@ -273,15 +272,16 @@ class LensNet(nn.Module):
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
         # training T: in training that is the tail's first token; while streaming, the newest real token.
-        now = torch.where(wc.valid, end, 0).amax(-1, keepdim=True)
+        now = read_end(wc)[:, None]
         back = (now - end).float() / T  # in [0, 1): the match's recency prior is its negative
         features = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back]
         if self.match_prior and tokens is None:
             raise ValueError("LensNet's match prior needs the window's tokens")
-        if self.indexer:  # a config constant: static under compile
-            for n in VOTE_NGRAMS:
-                votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach, n)
-                features.append(torch.log1p(votes))
+        # The match votes per n-gram length, each computed once: the indexer's features, and the prior's (n = NGRAM).
+        lengths = VOTE_NGRAMS if self.indexer else (NGRAM,) if self.match_prior else ()  # config constants: static
+        votes = {n: unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach, n) for n in lengths}
+        if self.indexer:
+            features += [torch.log1p(votes[n]) for n in VOTE_NGRAMS]
         x = (
             self.in_proj(rms_norm(wc.emb.detach()))
             + self.lod_emb[wc.lod]
@@ -303,7 +303,6 @@ class LensNet(nn.Module):
         if self.match_prior:  # a config constant: static under compile
             if self.match_prior == "gated":
                 learned = learned * standing_out(learned, wc.valid)
-            votes = unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach)
-            prior = match_prior(votes, (now - end).float() / (scale or T))
+            prior = match_prior(votes[NGRAM], (now - end).float() / (scale or T))
             learned = learned + (rescaled(prior, wc.valid) if self.indexer else prior)
         return learned * wc.valid

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.core.context import WorkingContext
+from mcfn.core.context import WorkingContext, read_end
 from mcfn.typecheck import typechecked
 
 NGRAM = 3  # n: trigrams (chosen on training windows against n = 2; LABLOG)
@@ -82,7 +82,7 @@ def match_scorer(tokens: Int[Tensor, "b t"], block: int, reach: int, scale: int)
     @typechecked
     def score(wc: WorkingContext) -> Float[Tensor, "r w"]:
         end = wc.start + wc.span
-        now = torch.where(wc.valid, end, 0).amax(-1)  # one past the horizon: seen_until cut the rest
+        now = read_end(wc)  # one past the horizon: seen_until cut the rest
         votes = match_votes(tokens, now - 1, block, reach)
         blocks = votes.size(1)
         index = (wc.start // block).clamp(max=blocks - 1)

@@ -124,10 +124,11 @@ class Trainer:
                 validating = step % cfg.eval_every == 0 or last  # then a checkpoint, past the step it started at
                 if validating and s.world.is_main:
                     record.update(self.validate(step))
-                if validating and step > s.start_step:
+                saved = validating and step > s.start_step
+                if saved:
                     save_state(s, step)
                 if self.stop_after and step == self.stop_after and not last:  # --stop-after: checkpoint, leave
-                    if not (validating and step > s.start_step):
+                    if not saved:
                         save_state(s, step)
                     progress.stopped_at, progress.stopped_by = step, "--stop-after"
                     s.log.log(record)
