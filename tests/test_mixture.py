@@ -67,6 +67,28 @@ def test_the_mc_phase_has_its_own_share_and_its_tasked_rows_are_among_the_plain_
             assert torch.equal(batch[row], natural[row]) != asked
 
 
+@pytest.mark.parametrize("plain_steps", [0, 10])
+def test_a_run_s_sampler_switches_to_mc_mix_where_its_mc_phase_starts(text_dir, plain_steps):
+    """``data.mc_mix`` from the first MegaContext step on: at ``train.plain_steps``, or from the start of a run
+    without a plain phase (all of it is the MC phase); a plain run (``mc.enabled`` off) keeps ``data.mix``."""
+    import dataclasses
+
+    from builders import tiny_sections
+
+    from mcfn.data.corpus import prepare_corpus
+    from mcfn.data.mixture import training_sampler
+    from mcfn.profile import build_config
+
+    sections = tiny_sections(f"text:{text_dir}", data={"mix": 1.0, "mc_mix": 0.25, "mix_tasks": "repeat"})
+    sections["train"]["plain_steps"] = plain_steps
+    cfg = build_config(sections)
+    sampler = training_sampler(cfg, prepare_corpus(cfg.data))
+    assert [sampler.share(i) for i in (0, plain_steps, plain_steps + 5)] == [1.0 if plain_steps else 0.25, 0.25, 0.25]
+    plain = training_sampler(dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, enabled=False)),
+                             prepare_corpus(cfg.data))  # fmt: skip
+    assert {plain.share(i) for i in (0, 20)} == {1.0}
+
+
 def test_the_mixture_never_touches_the_validation_windows(split, tok):
     """Validation windows come from their own sampler, whatever the mixture; the run's session builds them so."""
     before = validation_batches(split, T + 1, 3, 4)

@@ -112,7 +112,7 @@ def training_sampler(cfg: RunConfig, corpus: Corpus) -> WindowSampler | MixedSam
     carrying a long-range task (``data.mc_mix`` in a MegaContext run's MC phase, where it is set)."""
     sampler = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
     d = cfg.data
-    later = d.mc_mix if d.mc_mix >= 0 and cfg.mc.enabled and cfg.train.plain_steps else d.mix
+    later = d.mc_mix if d.mc_mix >= 0 and cfg.mc.enabled else d.mix  # the MC phase: from train.plain_steps on
     if d.mix <= 0 and later <= 0:
         return sampler
     return MixedSampler(sampler, corpus.tokenizer, cfg.mc.tail, d.mix, d.mix_task_names, cfg.train.seed, later,
