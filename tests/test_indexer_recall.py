@@ -36,9 +36,9 @@ def test_recall_counts_the_far_blocks_full_attention_reads_most_leaving_out_the_
     # chunk 1 (horizon 60): far blocks 1..9; its top 4 are 9, 1, 3 and 4
     attention[4:] = block_mass({9: 4.0, 1: 3.0, 3: 2.0, 4: 1.0, 6: 0.1})
     chunk = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    cuts = [showing(layout, [2, 5, 3, 12, 13]), showing(layout, [9, 6, 13])]
+    cuts = [showing(layout, [2, 5, 8, 3, 12, 13]), showing(layout, [9, 6, 13])]  # the sink's block not shown
     assert TOP == 4
-    assert chunk_recall(attention, chunk, cuts, layout, near, R) == [0.5, 0.25]
+    assert chunk_recall(attention, chunk, cuts, layout, near, R) == [0.75, 0.25]
     assert chunk_recall(attention, chunk, [showing(layout, list(range(16)))] * 2, layout, near, R) == [1.0, 1.0]
     assert chunk_recall(attention, chunk, [showing(layout, [12, 13, 14, 15])] * 2, layout, near, R) == [0.0, 0.0]
     # a chunk left unscored (-1) is not counted; nor is a chunk without far blocks (W as large as the history)
