@@ -7,10 +7,13 @@ import pytest
 import torch
 from builders import VOCAB, decisive, make_system, random_batch
 from compile_check import assert_one_graph_equals_eager
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mcfn.config import LensConfig, MCConfig, TeacherConfig
 from mcfn.core.attention import (
     LONG_RANGE_FLOOR,
+    AttentionTarget,
     attention_target_loss,
     hidden_and_tail_attention,
     long_range_mass,
@@ -67,7 +70,7 @@ def test_the_teachers_mass_covers_the_window_once_per_level():
         hidden = system.base.hidden(wc.emb, wc.position, wc.span.float())
         recency_nll = recency_tail_nll(system.base.nll(hidden, wc.target), wc, system.layout)
         weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
-        _, mass = teacher_losses(system.base, window, recency_nll, system.layout, weights, with_mass=True)
+        _, mass = teacher_losses(system.base, window, recency_nll, system.layout, weights, system.attention_target)
     layout = system.layout
     totals = [mass[:, o : o + n].sum(-1) for o, n in zip(layout.level_offsets, layout.level_sizes, strict=True)]
     for total in totals[1:]:
@@ -148,3 +151,49 @@ def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dy
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))
     batches = [(system, *random_batch(system, seed=i), weights) for i in range(3)]
     assert_one_graph_equals_eager(process_batch, batches)
+
+
+def test_a_chunk_target_reads_only_its_first_queries_and_nothing_of_the_sink():
+    """``"chunk"``: the mass is the first ``R`` tail queries' alone (their rows, weighted as before), and the first
+    block's tokens carry none of it. Fails with a query past the chunk counted, or the sink left in."""
+    layout = Layout(T=32, K=4, L=2, W=16, H=8, N=1)
+    target = AttentionTarget.named("chunk", layout, recent=4, refocus_every=2)
+    assert target == AttentionTarget(queries=2, near=4, sink=4)
+    generator = torch.Generator().manual_seed(0)
+    attention = torch.rand(2, layout.H, layout.T, generator=generator)
+    recency, full = torch.rand(2, layout.H, generator=generator) + 1.0, torch.rand(2, layout.H, generator=generator)
+    mass = long_range_mass(attention, recency, full, target)
+    weight = (recency - full).clamp(min=0) + LONG_RANGE_FLOOR
+    expected = torch.einsum("bh,bht->bt", weight[:, :2], attention[:, :2])
+    torch.testing.assert_close(mass[:, 4:], expected[:, 4:])
+    assert (mass[:, :4] == 0).all()
+    later = attention.clone()
+    later[:, 2:] = torch.rand(2, layout.H - 2, layout.T, generator=generator)  # the queries after the chunk
+    torch.testing.assert_close(long_range_mass(later, recency, full, target), mass)
+    assert AttentionTarget.named("tail", layout, recent=4, refocus_every=2) == AttentionTarget(queries=layout.H)
+    with pytest.raises(ValueError, match="attention target"):
+        AttentionTarget.named("near", layout, recent=4, refocus_every=2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), near=st.sampled_from([4, 12]))
+def test_property_a_far_target_is_blind_to_the_scores_it_leaves_out(seed: int, near: int):
+    """With ``near`` tokens before the horizon left out, ``loss_lens_attn`` depends on no score of an entry ending
+    within them (nor of the tail), and on the scores of the entries before them; their gradient is exactly zero.
+    With ``near`` = 12 the bound cuts a LOD2 gist's span (as the indexer's 32 tokens cut a 64-token gist at T = 512).
+    Fails with the candidates' bound read from the entry's start instead of its end, or ``near`` ignored."""
+    system = make_system(T=64, K=4, L=2, W=24, H=8, N=3)
+    wc, mass = constructed_case(system, seed % 7)
+    layout, one = system.layout, torch.tensor(1.0)
+    scores = torch.randn(wc.batch_size[0], wc.batch_size[1], generator=torch.Generator().manual_seed(seed))
+    scores.requires_grad_(True)
+    attention_target_loss(scores, wc, mass, layout, one, near).losses["loss_lens_attn"].backward()
+    left_out = wc.start + wc.span > layout.T - layout.H - near
+    assert (scores.grad[left_out] == 0).all()
+    assert (scores.grad[wc.valid & ~left_out] != 0).any()
+    assert (left_out & wc.valid & (wc.start < layout.T - layout.H)).any()  # the case leaves some real entry out
+
+
+def test_the_attention_target_is_a_checked_setting():
+    with pytest.raises(UserError, match="mc.lens.attention_target"):
+        build_config({"mc": {"lens": {"attention_target": "near"}}})

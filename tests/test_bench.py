@@ -82,6 +82,7 @@ def test_decode_bench_times_every_mode_at_every_length(tmp_path, decoding_run, c
         assert r["mc_cold_cache_kept"] == 0 and 0 <= r["mc_cache_kept"] < 1
     assert "| 120 |" in capsys.readouterr().out
     assert all(r["mc_refocus_ms_per_refocus"] >= r["mc_focus_ms_per_refocus"] > 0 for r in rows)
+    assert all(r["mc_refocus_ops"] > 0 for r in rows)
     assert main([*common, "--lengths", "20", "--modes", "mc,full", "--json", str(out)]) == 0  # the GPU check's pair
     (row,) = json.loads(out.read_text())
     assert "mc_cold_tok_s" not in row and "recency_tok_s" not in row and row["mc_over_full"] > 0

@@ -128,8 +128,10 @@ def test_an_indexer_learns_from_match_the_step_reaching_every_term():
 
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_the_step_with_the_indexer_is_one_graph_and_equals_eager():
-    system = make_system(T, K, 2, W, H, N=2, seed=2, refocus_every=R,
-                         lens={"match_prior": "sum", "indexer": True})  # fmt: skip
+    """With the teacher's attention target over the far entries of the first chunk (``"chunk"``) too."""
+    system = make_system(T, K, 2, W, H, N=2, seed=2, refocus_every=R, teacher={"full_weight": 1.0},
+                         lens={"match_prior": "sum", "indexer": True, "attention_weight": 1.0,
+                               "attention_target": "chunk"})  # fmt: skip
     with torch.no_grad():
         system.lensnet.index_weight.weight.normal_(std=0.1)  # its term on, so the graph computes it
     batches = [

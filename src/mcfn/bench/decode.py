@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
+from mcfn.bench.operators import warm_refocus_operators
 from mcfn.core.focus import WARM_STEPS, refocus_budget
 from mcfn.core.policy import FULL, LENS, RECENCY
 from mcfn.core.system import MegaContext
 from mcfn.inference.decode import REFILL_CHUNK
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
 
+COUNTED_REFOCUSES = 10  # warm refocuses whose operators are counted per prompt length
 MODES = ("mc", "mc_cold", "mc_one_chunk", RECENCY.name, FULL.name)  # lens warm, cold, its refill in one chunk;
 # truncation; full context
 
@@ -100,6 +102,8 @@ def run_decode_benchmark(
             row["mc_refocuses_per_token"] = statistics.median(len(s.layouts) / s.new_tokens for s in mc)
             row["mc_recomputed_per_refocus"] = statistics.median(s.recomputed_entries / len(s.layouts) for s in mc)
             row["mc_focus_ms_per_refocus"] = 1e3 * statistics.median(s.focus_s / len(s.layouts) for s in mc)
+            counts = warm_refocus_operators(system, ids, length, refocus_every, COUNTED_REFOCUSES)
+            row["mc_refocus_ops"] = statistics.median(counts)
             for other in (FULL.name, RECENCY.name):
                 if other in runs:
                     row[f"mc_over_{other}"] = row["mc_tok_s"] / row[f"{other}_tok_s"]
@@ -116,6 +120,7 @@ COLUMNS = (  # (key, heading, format): the table shows the columns whose keys th
     ("mc_over_full", "MC / full", "{:.2f}"),
     ("mc_refocus_ms_per_refocus", "MC ms/refocus", "{:.2f}"),
     ("mc_focus_ms_per_refocus", "of which LensNet + allocator", "{:.2f}"),
+    ("mc_refocus_ops", "operators a warm refocus's choice", "{:,.0f}"),
     ("mc_cold_refocus_ms_per_refocus", "MC cold ms/refocus", "{:.2f}"),
     ("mc_one_chunk_tok_s", "MC one-chunk refill tok/s", "{:.0f}"),
     ("mc_one_chunk_refocus_ms_per_refocus", "MC one-chunk ms/refocus", "{:.2f}"),

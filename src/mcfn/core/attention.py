@@ -17,11 +17,19 @@ a (recency-like) target. Per working context, LensNet's scores over the entries 
 a softmax, are fitted to the share of that weighted mass under each entry's span (a cross-entropy,
 reported as the KL divergence): a listwise, shift-invariant target, so it ranks the entries and leaves the
 scores' offset to the preference loss.
+
+Which queries and which entries the target reads is an :class:`AttentionTarget` (``mc.lens.attention_target``):
+the whole tail over every entry before it (``"tail"``), or only what the policy decides (``"far"``: the entries
+older than the indexer's recent window, which every cut keeps anyway, the first block's attention sink left out, as
+the indexer's recall leaves it out), or that for the first ``R`` predictions alone (``"chunk"``: the ones a cut
+chosen at the horizon serves in generation before the next refocus), or the whole tail's over the entries older
+than the ``W - H`` tokens truncation shows before the horizon (``"beyond"``: the far blocks the recall counts).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -30,6 +38,7 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from mcfn.config import ATTENTION_TARGETS
 from mcfn.core.context import WorkingContext
 from mcfn.core.model import GPT, LayerAttention, causal_attention
 from mcfn.core.nodes import Layout
@@ -39,13 +48,45 @@ from mcfn.typecheck import typechecked
 LONG_RANGE_FLOOR = 0.1  # nats: a tail query's weight in the attention target when the far past does not help it
 
 
+@dataclass(frozen=True)
+class AttentionTarget:
+    """What of the teacher's attention LensNet's scores are fitted to: the first ``queries`` tail predictions'
+    attention (all ``H`` of them by default), with the first ``sink`` tokens' share left out, over the entries that
+    end at least ``near`` tokens before the horizon."""
+
+    queries: int
+    near: int = 0
+    sink: int = 0
+
+    @classmethod
+    def named(cls, name: str, layout: Layout, recent: int, refocus_every: int) -> AttentionTarget:
+        """``mc.lens.attention_target``'s ``name`` over ``layout``, for a LensNet whose cuts keep the ``recent``
+        tokens before the horizon and a generation that refocuses every ``refocus_every`` predictions."""
+        if name not in ATTENTION_TARGETS:
+            raise ValueError(f"an attention target is one of {ATTENTION_TARGETS}, not {name!r}")
+        if name == "tail":
+            return cls(queries=layout.H)
+        if name == "beyond":
+            return cls(queries=layout.H, near=layout.W - layout.H, sink=layout.K)
+        return cls(queries=refocus_every if name == "chunk" else layout.H, near=recent, sink=layout.K)
+
+
 @typechecked
 def long_range_mass(
-    attention: Float[Tensor, "b h t"], recency_nll: Float[Tensor, "b h"], full_nll: Float[Tensor, "b h"]
+    attention: Float[Tensor, "b h t"],
+    recency_nll: Float[Tensor, "b h"],
+    full_nll: Float[Tensor, "b h"],
+    target: AttentionTarget | None = None,
 ) -> Float[Tensor, "b t"]:
-    """The tail's attention over the window, each query weighted by how much the far past lowers its NLL."""
+    """The tail's attention over the window, each query weighted by how much the far past lowers its NLL; with a
+    ``target``, only its first ``queries`` queries, and nothing on its first ``sink`` tokens."""
     weight = (recency_nll - full_nll).detach().clamp(min=0) + LONG_RANGE_FLOOR
-    return torch.einsum("bh,bht->bt", weight, attention)
+    if target is not None:
+        weight = weight * (torch.arange(weight.size(1), device=weight.device) < target.queries)
+    mass = torch.einsum("bh,bht->bt", weight, attention)
+    if target is not None:
+        mass = mass * (torch.arange(mass.size(1), device=mass.device) >= target.sink)
+    return mass
 
 
 @typechecked
@@ -141,16 +182,18 @@ def attention_target_loss(
     mass: Float[Tensor, "b nodes"],
     layout: Layout,
     weight: Float[Tensor, ""],
+    near: int = 0,
 ) -> StepOutput:
     """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention share under each
-    entry outside the tail to the softmax of LensNet's scores over those entries, averaged over contexts;
-    ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores rank as the attention does)."""
+    entry outside the tail (and ending at least ``near`` tokens before it) to the softmax of LensNet's scores over
+    those entries, averaged over contexts; ``mc/lens_attn_kl`` is the same as a KL divergence (0 when the scores
+    rank as the attention does)."""
 
     def per_entry(per_node: Tensor) -> Tensor:  # [B, nodes] -> [B·V, W]: each entry's node's value
         rows = rearrange(per_node, "b n -> b 1 n").expand(-1, layout.V, -1).flatten(0, 1)
         return rows.gather(1, wc.node.clamp(min=0))
 
-    candidates = wc.valid & (wc.start < layout.T - layout.H)
+    candidates = wc.valid & (wc.start + wc.span <= layout.T - layout.H - near)
     entry_mass = torch.where(candidates, per_entry(mass), 0.0)
     target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)
     log_q = torch.log_softmax(scores.masked_fill(~candidates, -torch.inf), -1)

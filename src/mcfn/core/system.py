@@ -23,7 +23,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from mcfn.config import AUX_LAYERS, RunConfig
-from mcfn.core.attention import attention_target_loss
+from mcfn.core.attention import AttentionTarget, attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import refocus, tail_horizon
 from mcfn.core.gistnet import GistNet
@@ -71,6 +71,11 @@ class MegaContext(nn.Module):
         self.use_teacher = mc.teacher.enabled
         self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
+        self.attention_target = (
+            AttentionTarget.named(mc.lens.attention_target, self.layout, self.lensnet.recent, mc.refocus_every)
+            if self.use_lens_attention
+            else None
+        )
         self.refocus_every = mc.refocus_every
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
@@ -163,8 +168,8 @@ def teacher_stage(
     system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights
 ) -> tuple[StepOutput, Tensor | None]:
     """The full-window teacher's loss, and its attention target when LensNet learns from it."""
-    lens_attention, reach = system.use_lens_attention, system.teacher_window
-    return teacher_losses(system.base, window, recency_nll, system.layout, weights, lens_attention, reach)
+    target, reach = system.attention_target, system.teacher_window
+    return teacher_losses(system.base, window, recency_nll, system.layout, weights, target, reach)
 
 
 def horizon_queries(system: MegaContext, window: Tensor, horizon: Tensor, copies: int) -> Tensor | None:
@@ -200,7 +205,8 @@ def lens_loss_stage(
     out = lens_losses(scores, shown, tails, wc, system.nodes, weights)
     if mass is None:
         return out
-    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention))
+    near = system.attention_target.near
+    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention, near))
 
 
 @stage("recon")

@@ -18,7 +18,13 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.core.attention import hidden_and_tail_attention, local_and_tail_attention, long_range_mass, node_mass
+from mcfn.core.attention import (
+    AttentionTarget,
+    hidden_and_tail_attention,
+    local_and_tail_attention,
+    long_range_mass,
+    node_mass,
+)
 from mcfn.core.model import GPT, causal_attention
 from mcfn.core.nodes import Layout
 from mcfn.core.outputs import StepOutput
@@ -34,18 +40,19 @@ def teacher_losses(
     recency_nll: Float[Tensor, "b h"],
     layout: Layout,
     weights: LossWeights,
-    with_mass: bool = False,
+    target: AttentionTarget | None = None,
     reach: int = 0,
 ) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
-    """``loss_full`` (weighted), with its unweighted value as a metric; and with ``with_mass``, the tail's
+    """``loss_full`` (weighted), with its unweighted value as a metric; and with a ``target``, the tail's
     long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
     the full window predicts each tail target than the recency baseline (``recency_nll``, read off the packed
-    forward: :func:`mcfn.core.losses.recency_tail_nll`). With ``reach`` every token reads the ``reach`` tokens up to
-    itself and the tail all (:func:`mcfn.core.attention.local_and_tail_attention`)."""
+    forward: :func:`mcfn.core.losses.recency_tail_nll`), from the target's queries and without its sink. With
+    ``reach`` every token reads the ``reach`` tokens up to itself and the tail all
+    (:func:`mcfn.core.attention.local_and_tail_attention`)."""
     inputs, targets = split_window(window)
     at = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
     attend = causal_attention if not reach else partial(local_and_tail_attention, reach, layout.H)
-    if with_mass:  # a config constant: static under compile
+    if target is not None:  # a config constant: static under compile
         first = torch.full((inputs.size(0),), layout.T - layout.H, device=inputs.device)
         full_hidden, attention = hidden_and_tail_attention(
             base, base.embed(inputs), at, torch.ones_like(at), first, layout.H, attend
@@ -54,7 +61,7 @@ def teacher_losses(
         full_hidden = base.hidden(base.embed(inputs), at, torch.ones_like(at), attend=attend)
     nll = base.nll(full_hidden, targets)  # [B, T]
     mass = None
-    if with_mass:
-        mass = node_mass(long_range_mass(attention, recency_nll, nll[:, layout.T - layout.H :]), layout)
+    if target is not None:
+        mass = node_mass(long_range_mass(attention, recency_nll, nll[:, layout.T - layout.H :], target), layout)
     full_nll = nll.mean()
     return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass

@@ -1,0 +1,42 @@
+"""Counting the operators a warm refocus's choice launches (``mc_refocus_ops`` in ``train.bench --decode``)."""
+
+from __future__ import annotations
+
+import torch
+from builders import VOCAB, decisive, make_system
+
+from mcfn.bench.operators import OperatorCount, warm_refocus_operators
+from mcfn.core.focus import Refocus, refocus_budget
+from mcfn.core.policy import LENS
+from mcfn.inference.streaming import StreamingTree, focused_context
+
+
+def test_the_count_is_the_operators_dispatched_and_their_results_pass_through():
+    a = torch.arange(3.0)
+    with OperatorCount() as ops:
+        b = torch.cat([a, a * 2 + 1]).sum()
+    assert ops.count == 4  # mul, add, cat, sum
+    assert float(b) == 3.0 + 9.0
+
+
+def test_counting_a_warm_refocus_leaves_its_context_as_generation_gets_it():
+    """The counted refocuses choose the contexts the uncounted ones do (the count watches, it does not change them),
+    a count is the same twice, and a warm refocus launches fewer operators than the cold one it follows (one
+    allocator step from the previous context against four from the coarsest cut)."""
+    system = decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3)).eval()
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(0))
+    counts = warm_refocus_operators(system, ids, 200, 4, refocuses=3)
+    assert counts == warm_refocus_operators(system, ids, 200, 4, refocuses=3) and min(counts) > 0
+    stream, protocol, budget = StreamingTree(system, ids.device), Refocus(4), refocus_budget(system.layout, 4)
+    stream.append(ids[:200])
+    with OperatorCount() as cold:
+        counted = focused_context(system, stream, budget, LENS, protocol)
+    assert cold.count > max(counts)
+    plain = focused_context(system, stream, budget, LENS, protocol)
+    for at in (200, 204, 208):
+        stream.append(ids[at : at + 4])
+        with OperatorCount():
+            counted = focused_context(system, stream, budget, LENS, protocol, counted)
+        plain = focused_context(system, stream, budget, LENS, protocol, plain)
+        torch.testing.assert_close(counted.start, plain.start)
+        torch.testing.assert_close(counted.lod, plain.lod)
