@@ -46,6 +46,10 @@ ABS = 1e-5
 # largest value seen (a LensNet that does not start level gives losses of 1e-2 and more). From step 1 on
 # every key is compared at the tolerances above.
 NEAR_TIE = {("train/loss_lens", 0): 2e-4}
+# Step 1's LensNet loss still carries step 0's near-tie (LensNet's first update follows rounding's choice there): on
+# an Intel Xeon with AVX-512-FP16 and AMX (2026-12-01) its native kernels moved it by 2.1e-3 relative, every other
+# key and step by at most 2.8e-4 (loss_lens at step 2) and 2.4e-5 (the rest). Held at 5e-3 at that one step.
+REL_AT = {("train/loss_lens", 1): 5e-3}
 # Each run: its golden file, what it sets beyond the tiny sections, and the keys it adds. ``teacher`` is the
 # ``cpu-longrange`` MC step shrunk: the full-window teacher, LensNet's attention target, reconstruction, and the
 # allocator's variant without exploration noise; its attention target was wired one query off once and no test saw.
@@ -91,7 +95,8 @@ def assert_golden(losses: dict[str, list[float]], golden: dict[str, list[float]]
             if (bound := NEAR_TIE.get((key, step))) is not None:
                 assert abs(value) < bound and abs(want) < bound, (key, step, value, want)
             else:
-                assert value == pytest.approx(want, rel=REL.get(key, 2e-4), abs=ABS), (key, step, value, want)
+                rel = REL_AT.get((key, step), REL.get(key, 2e-4))
+                assert value == pytest.approx(want, rel=rel, abs=ABS), (key, step, value, want)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
