@@ -153,26 +153,22 @@ def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dy
     assert_one_graph_equals_eager(process_batch, batches)
 
 
-def test_a_chunk_target_reads_only_its_first_queries_and_nothing_of_the_sink():
-    """``"chunk"``: the mass is the first ``R`` tail queries' alone (their rows, weighted as before), and the first
-    block's tokens carry none of it. Fails with a query past the chunk counted, or the sink left in."""
+def test_the_indexers_target_leaves_the_sink_and_its_recent_window_out_and_reads_every_tail_query():
+    """The indexer's target (its recent window of ``recent`` tokens) leaves those tokens' entries and the first block
+    out; the mass is every tail query's as before, with nothing on the sink's tokens. Any other LensNet's target
+    reads every entry before the tail. Fails with the sink left in or a query dropped."""
     layout = Layout(T=32, K=4, L=2, W=16, H=8, N=1)
-    target = AttentionTarget.named("chunk", layout, recent=4, refocus_every=2)
-    assert target == AttentionTarget(queries=2, near=4, sink=4)
+    assert AttentionTarget.of(4, layout) == AttentionTarget(near=4, sink=4)
+    assert AttentionTarget.of(0, layout) == AttentionTarget()
     generator = torch.Generator().manual_seed(0)
     attention = torch.rand(2, layout.H, layout.T, generator=generator)
     recency, full = torch.rand(2, layout.H, generator=generator) + 1.0, torch.rand(2, layout.H, generator=generator)
-    mass = long_range_mass(attention, recency, full, target)
+    mass = long_range_mass(attention, recency, full, sink=4)
     weight = (recency - full).clamp(min=0) + LONG_RANGE_FLOOR
-    expected = torch.einsum("bh,bht->bt", weight[:, :2], attention[:, :2])
+    expected = torch.einsum("bh,bht->bt", weight, attention)
     torch.testing.assert_close(mass[:, 4:], expected[:, 4:])
     assert (mass[:, :4] == 0).all()
-    later = attention.clone()
-    later[:, 2:] = torch.rand(2, layout.H - 2, layout.T, generator=generator)  # the queries after the chunk
-    torch.testing.assert_close(long_range_mass(later, recency, full, target), mass)
-    assert AttentionTarget.named("tail", layout, recent=4, refocus_every=2) == AttentionTarget(queries=layout.H)
-    with pytest.raises(ValueError, match="attention target"):
-        AttentionTarget.named("near", layout, recent=4, refocus_every=2)
+    torch.testing.assert_close(long_range_mass(attention, recency, full), expected)
 
 
 @settings(max_examples=25, deadline=None)
@@ -192,8 +188,3 @@ def test_property_a_far_target_is_blind_to_the_scores_it_leaves_out(seed: int, n
     assert (scores.grad[left_out] == 0).all()
     assert (scores.grad[wc.valid & ~left_out] != 0).any()
     assert (left_out & wc.valid & (wc.start < layout.T - layout.H)).any()  # the case leaves some real entry out
-
-
-def test_the_attention_target_is_a_checked_setting():
-    with pytest.raises(UserError, match="mc.lens.attention_target"):
-        build_config({"mc": {"lens": {"attention_target": "near"}}})

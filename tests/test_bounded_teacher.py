@@ -8,6 +8,7 @@ from builders import VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager
 
 from mcfn.config import MCConfig, TeacherConfig
+from mcfn.core.attention import AttentionTarget
 from mcfn.core.system import process_batch
 from mcfn.core.teacher import teacher_losses
 from mcfn.core.variants import draw_variant_noise
@@ -77,7 +78,7 @@ def test_the_windowed_teacher_reads_far_text_only_from_the_tail():
             hidden, attention = hidden_and_tail_attention(
                 base, base.embed(w[:, :-1]), at, torch.ones_like(at), first, layout.H, attend
             )
-            _, mass = teacher_losses(base, w, recency, layout, weights(), True, reach=reach)
+            _, mass = teacher_losses(base, w, recency, layout, weights(), AttentionTarget(), reach=reach)
         return base.nll(hidden, w[:, 1:]), mass
 
     (nll, mass), (nll_b, mass_b) = teach(window), teach(changed)

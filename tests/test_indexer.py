@@ -13,6 +13,7 @@ from compile_check import assert_one_graph_equals_eager
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mcfn.core.attention import AttentionTarget
 from mcfn.core.focus import focus_scores, refocus
 from mcfn.core.lensnet import QUERY_TOKENS, horizon_query, rescaled, with_recent_window
 from mcfn.core.match import match_scorer
@@ -113,6 +114,7 @@ def test_an_indexer_learns_from_match_the_step_reaching_every_term():
     they are not zero, its query and key projections; its query is read from the base model without a gradient."""
     system = make_system(T, K, 2, W, H, N=2, seed=1, refocus_every=R, teacher={"full_weight": 1.0},
                          lens={"match_prior": "sum", "indexer": True, "attention_weight": 1.0})  # fmt: skip
+    assert system.attention_target == AttentionTarget(near=(W - H) // 2, sink=K)  # what its choice decides
     lens, window = system.lensnet, repetitive(0, rows=3)
     noise = draw_variant_noise(system.layout, 3, torch.Generator().manual_seed(1), torch.device("cpu"))
     process_batch(system, window, noise, STEP_WEIGHTS).total().backward()
@@ -128,10 +130,9 @@ def test_an_indexer_learns_from_match_the_step_reaching_every_term():
 
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_the_step_with_the_indexer_is_one_graph_and_equals_eager():
-    """With the teacher's attention target over the far entries of the first chunk (``"chunk"``) too."""
+    """With the teacher's attention target over the entries before its recent window too."""
     system = make_system(T, K, 2, W, H, N=2, seed=2, refocus_every=R, teacher={"full_weight": 1.0},
-                         lens={"match_prior": "sum", "indexer": True, "attention_weight": 1.0,
-                               "attention_target": "chunk"})  # fmt: skip
+                         lens={"match_prior": "sum", "indexer": True, "attention_weight": 1.0})  # fmt: skip
     with torch.no_grad():
         system.lensnet.index_weight.weight.normal_(std=0.1)  # its term on, so the graph computes it
     batches = [

@@ -90,7 +90,7 @@ def test_the_attention_target_by_hand_on_a_tiny_window():
         hidden = base.hidden(base.embed(inputs), positions, torch.ones_like(positions), attend=written_out)
         full_nll = F.cross_entropy(base.logits(hidden).transpose(1, 2), targets, reduction="none")  # [B, T]
         recency = full_nll[:, T - H :] + torch.tensor([[0.0, 2.0, -1.0, 0.5], [1.5, 0.0, 0.0, 3.0]])
-        _, mass = teacher_losses(base, window, recency, layout, weights(1.0), AttentionTarget(layout.H))
+        _, mass = teacher_losses(base, window, recency, layout, weights(1.0), AttentionTarget())
     weight = (recency - full_nll[:, T - H :]).clamp(min=0) + LONG_RANGE_FLOOR  # [B, H]
     attention = sum(m.sum(1) for m in matrices)  # [B, T, T]: every layer and head
     token_mass = torch.einsum("bh,bht->bt", weight, attention[:, T - H :])

@@ -114,7 +114,6 @@ class GistConfig:
 
 
 MATCH_PRIORS = ("", "sum", "gated")
-ATTENTION_TARGETS = ("tail", "far", "chunk", "beyond")  # mcfn.core.attention.AttentionTarget.named
 
 
 @dataclass(frozen=True)
@@ -133,11 +132,6 @@ class LensConfig:
     # lightning-indexer term (ReLU of query-key products, weighted per head by the query); every cut it chooses keeps
     # (W - H) / 2 tokens before the horizon at LOD0. Needs a match prior, so that a new LensNet cuts as match does.
     indexer: bool = False
-    # What of the teacher's attention the auxiliary target reads (mcfn.core.attention.AttentionTarget): "tail", the
-    # whole tail's over every entry before it; "far", over the entries older than the indexer's recent window (what
-    # the policy decides), the first block's attention sink left out; "chunk", that for the first R predictions only;
-    # "beyond", the whole tail's over the entries older than the W - H tokens truncation shows, sink left out.
-    attention_target: str = "tail"
 
     def __post_init__(self) -> None:
         if isinstance(self.match_prior, bool):  # a checkpoint saved before the gated prior existed
@@ -145,11 +139,6 @@ class LensConfig:
         _require(self.attention_weight >= 0, "mc.lens.attention_weight", "must be >= 0")
         _require(self.match_prior in MATCH_PRIORS, "mc.lens.match_prior", f"must be one of {MATCH_PRIORS}")
         _require(not self.indexer or bool(self.match_prior), "mc.lens.indexer", "needs mc.lens.match_prior")
-        _require(
-            self.attention_target in ATTENTION_TARGETS,
-            "mc.lens.attention_target",
-            f"must be one of {ATTENTION_TARGETS}",
-        )
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,10 @@ RETIRED: dict[str, Any] = {
     "mc.teacher.stretch": 0,
     "mc.lens.pair_weight": 0.0,
     "mc.leave_out": "top",
+    # The twenty-ninth session's design stage, rerun at commit 619f6f1: which of the teacher's attention LensNet was
+    # fitted to. Only that commit's runs hold it, and it changed their training alone: the indexer now fixes "far"
+    # (mcfn.core.attention.AttentionTarget.of), every other LensNet "tail".
+    "mc.lens.attention_target": ANY_VALUE,
     # Knobs no profile or flag set (issue 57); rerun at commit 8f932ca. GistNet's and LensNet's shape now follows
     # the model's width (RunConfig.aux_width, aux_heads): the same as these defaults below a width of 384.
     "mc.gist.layers": 2,

@@ -72,9 +72,7 @@ class MegaContext(nn.Module):
         self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
         self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         self.attention_target = (
-            AttentionTarget.named(mc.lens.attention_target, self.layout, self.lensnet.recent, mc.refocus_every)
-            if self.use_lens_attention
-            else None
+            AttentionTarget.of(self.lensnet.recent, self.layout) if self.use_lens_attention else None
         )
         self.refocus_every = mc.refocus_every
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
