@@ -70,10 +70,9 @@ class MegaContext(nn.Module):
         self.alloc_noise = mc.alloc.noise
         self.use_teacher = mc.teacher.enabled
         self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
-        self.use_lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
-        self.attention_target = (
-            AttentionTarget.of(self.lensnet.recent, self.layout) if self.use_lens_attention else None
-        )
+        # What of the teacher's attention LensNet is fitted to (None: no attention target).
+        lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
+        self.attention_target = AttentionTarget.of(self.lensnet.recent, self.layout) if lens_attention else None
         self.refocus_every = mc.refocus_every
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
