@@ -17,6 +17,7 @@ from mcfn.core.focus import (
     focus_scores,
     refocus_budget,
     shrink_to_budget,
+    start_cut,
     stream_view,
     view_context,
 )
@@ -41,12 +42,12 @@ def decisive_system(key_smear: bool = False):
 
 def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
     """``--compile``: the token step and the refill compiled by inductor once each, for every token and refocus
-    (every refocus's cache has one capacity), and the token step for full decoding's own cache; the same greedy
-    tokens as eager."""
+    (every refocus's cache has one capacity), the refocus's choice once cold and once warm (the history stays within
+    one capacity), and the token step for full decoding's own cache; the same greedy tokens as eager."""
     system = decisive_system()
     prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
     eager, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS)
-    with one_graph("inductor", functions=2) as compile_fn:
+    with one_graph("inductor", functions=4) as compile_fn:
         compiled, _ = generate_mc(system, prompt, REFOCUS + 1, REFOCUS, compile_fn=compile_fn)
         compile_fn.forbid_recompiles()
         compiled_more, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS, compile_fn=compile_fn)
@@ -123,7 +124,7 @@ def test_a_warm_refocus_starts_from_the_previous_context_within_budget():
         scores = focus_scores(
             system.lensnet.scorer(view.layout, window, system.base), tree, window, nodes, torch.tensor([view.real - 1])
         )
-        start = shrink_to_budget(carried_cut(previous, view, nodes), scores, nodes)
+        start = start_cut(previous, view.origin, scores, nodes)
         warm = focus_cut(system.lensnet.scorer(view.layout, window, system.base), tree, window, view, 0, previous)
         assert torch.equal(warm, start), n
         differs += not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None])
@@ -145,7 +146,11 @@ def test_a_warm_refocus_whose_carry_fails_settles_from_the_coarsest_cut(monkeypa
     scorer = system.lensnet.scorer(view.layout, window, system.base)
     warm = focus_cut(scorer, tree, window, view, 0, previous)
     assert not torch.equal(warm, coarsest_cut(view.layout, window.device)[None, None]), "the carry works here"
-    monkeypatch.setattr(focus, "carried_cut", lambda *args: None)
+
+    def cannot_carry(previous, origin, nodes):
+        return torch.zeros(1, 1, nodes.layout.n_nodes, dtype=torch.bool), torch.tensor(False)
+
+    monkeypatch.setattr(focus, "carried_cut", cannot_carry)
     assert torch.equal(
         focus_cut(scorer, tree, window, view, 0, previous), coarsest_cut(view.layout, window.device)[None, None]
     )
@@ -331,9 +336,9 @@ def test_I11_a_streaming_refocus_reads_no_phantom():
             for t, w in ((tree, window), (Tree(emb=noisy_emb, batch_size=[1]), noisy_window))
         ]
         assert torch.equal(scores[0], scores[1]), n
-        carried = carried_cut(previous, view, nodes)
-        cuts = [shrink_to_budget(carried, s, nodes) for s in scores]
-        assert cuts[0] is not None and torch.equal(cuts[0], cuts[1]), n
+        carried, can_carry = carried_cut(previous, view.origin, nodes)
+        (first, within), (second, _) = (shrink_to_budget(carried, s, nodes) for s in scores)
+        assert bool(can_carry & within) and torch.equal(first, second), n
 
 
 def test_the_kv_cache_after_refocuses_that_change_a_level_but_keep_a_start(monkeypatch):

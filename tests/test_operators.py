@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from builders import VOCAB, decisive, make_system
+from builders import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.bench.operators import OperatorCount, warm_refocus_operators
 from mcfn.core.focus import Refocus, refocus_budget
@@ -40,3 +40,18 @@ def test_counting_a_warm_refocus_leaves_its_context_as_generation_gets_it():
         plain = focused_context(system, stream, budget, LENS, protocol, plain)
         torch.testing.assert_close(counted.start, plain.start)
         torch.testing.assert_close(counted.lod, plain.lod)
+
+
+def test_a_compiled_warm_refocus_launches_a_fifth_of_the_eager_ones_operators_kernels_counted(fresh_dynamo):
+    """Compiled (inductor), the choice is one graph: a warm refocus launches at most 100 operators, its kernels
+    among them (the count sees inside the graph), against the eager choice's hundreds. Fails if the kernels went
+    uncounted (a graph compiled without their records is refused) or the choice fell back to eager operators."""
+    from functools import partial
+
+    from mcfn.core.step import compile_step
+
+    system = spread_lens(decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3)), seed=4).eval()
+    ids = torch.randint(0, VOCAB, (2000,), generator=torch.Generator().manual_seed(0))
+    eager = warm_refocus_operators(system, ids, 1200, 4, refocuses=2)
+    compiled = warm_refocus_operators(system, ids, 1200, 4, 2, partial(compile_step, mode="default"))
+    assert max(compiled) <= 100 and 5 * max(compiled) < min(eager), (compiled, eager)

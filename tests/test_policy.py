@@ -15,8 +15,9 @@ from mcfn.core.policy import POLICIES, Choice, FocusPolicy, register
 REPO = Path(__file__).resolve().parents[1]
 
 
-def every_other_block(system, window, layout, reach):
-    """A scored policy's scorer: the blocks of even index up, the odd ones down (a policy no module knows)."""
+def every_other_block(system, window, layout, reach, scale):
+    """A scored policy's scorer: the blocks of even index up, the odd ones down (a policy no module knows; it reads
+    no distance, so it needs no ``scale``)."""
 
     def score(wc):
         return torch.where(wc.valid, 1.0 - 2.0 * ((wc.start // layout.K) % 2).float(), 0.0)

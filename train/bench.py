@@ -198,6 +198,7 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     import torch
 
     from mcfn.bench.decode import MODES, format_decode_table, run_decode_benchmark
+    from mcfn.bench.operators import counted_kernels
     from mcfn.core.system import MegaContext
     from mcfn.inference.decode import decoding_compiler
     from mcfn.shell.devices import resolve_device
@@ -222,17 +223,18 @@ def decode_benchmark(args: argparse.Namespace) -> None:
         raise UserError(f"{args.prompt_file} gives {ids.numel()} tokens; --lengths asks for {max(lengths)}")
     compile_fn = None if args.eager else decoding_compiler(trained.cfg.train.compile_mode)
     refocus_every = trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every
-    rows = run_decode_benchmark(
-        trained.model,
-        ids,
-        lengths,
-        args.new_tokens,
-        args.repeats,
-        refocus_every,
-        compile_fn,
-        progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
-        modes=modes,
-    )
+    with counted_kernels():  # the graphs compiled record their kernels, which the operator count reads
+        rows = run_decode_benchmark(
+            trained.model,
+            ids,
+            lengths,
+            args.new_tokens,
+            args.repeats,
+            refocus_every,
+            compile_fn,
+            progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
+            modes=modes,
+        )
     print(
         f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, refocus every {refocus_every}, "
         f"median of {args.repeats}"

@@ -35,6 +35,8 @@ def checks(enabled: bool) -> Iterator[None]:
 
 
 def typechecked(fn: F) -> F:
+    if torch.compiler.is_compiling():  # a closure decorated as a compiled region builds it: dynamo cannot trace it
+        return fn
     checked = jaxtyped(typechecker=beartype)(fn)
 
     @functools.wraps(fn)

@@ -13,7 +13,8 @@ each figure is the median over the repeats:
 * ``full``: the whole prompt at LOD0 with a KV cache over all of it.
 
 With ``compile_fn`` the token step and the refill are compiled (once per cache shape) and, on a GPU, replayed as
-CUDA graphs; tokens/s and refocus times never count the compilation. A refocus's cost is reported whole (choosing
+CUDA graphs, and a refocus's choice is one compiled graph per capacity (:mod:`mcfn.inference.choice`); tokens/s and
+refocus times never count the compilation. A refocus's cost is reported whole (choosing
 the context and refilling the cache, per refocus) and split: choosing it (LensNet and the allocator).
 """
 
@@ -74,7 +75,8 @@ def run_decode_benchmark(
 ) -> list[dict[str, Any]]:
     """One row per prompt length (the first ``length`` of ``ids``): per mode the median tokens/s and prompt read
     time, and for MegaContext's modes the refocus time per new token and per refocus and the share of cache entries
-    refocuses kept; the ratios of ``mc`` to full context and to truncation where both ran."""
+    refocuses kept; the ratios of ``mc`` to full context and to truncation where both ran. Compiled, call it within
+    :func:`~mcfn.bench.operators.counted_kernels`, so that the operator count sees the graphs' kernels."""
     unknown = set(modes) - set(MODES)
     if unknown or not modes:
         raise ValueError(f"decode modes are {', '.join(MODES)}; got {', '.join(modes) or 'none'}")
@@ -102,7 +104,7 @@ def run_decode_benchmark(
             row["mc_refocuses_per_token"] = statistics.median(len(s.layouts) / s.new_tokens for s in mc)
             row["mc_recomputed_per_refocus"] = statistics.median(s.recomputed_entries / len(s.layouts) for s in mc)
             row["mc_focus_ms_per_refocus"] = 1e3 * statistics.median(s.focus_s / len(s.layouts) for s in mc)
-            counts = warm_refocus_operators(system, ids, length, refocus_every, COUNTED_REFOCUSES)
+            counts = warm_refocus_operators(system, ids, length, refocus_every, COUNTED_REFOCUSES, compile_fn)
             row["mc_refocus_ops"] = statistics.median(counts)
             for other in (FULL.name, RECENCY.name):
                 if other in runs:

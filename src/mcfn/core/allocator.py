@@ -56,7 +56,7 @@ def allocate(
     can_expand = shown & (nodes.lod > 0)
     can_collapse = nodes.collapsible(shown)
     group_score = nodes.group_reduce(node_scores, "amax")
-    free = nodes.layout.W - shown.sum(-1)
+    free = nodes.budget - shown.sum(-1)
     fill = torch.minimum(can_expand.sum(-1), free // cost)
     rank = torch.arange(shown.size(-1), device=shown.device)
 
@@ -92,7 +92,7 @@ def at(values: Tensor, index: Int[Tensor, "r m"], outside: float) -> Tensor:
 def restored(shown: Bool[Tensor, "r nodes"], nodes: NodeTable) -> Bool[Tensor, "r nodes"]:
     """``shown`` with as much left-out text as its free budget allows shown again, newest first, each piece as the
     largest droppable node whose text is out (:meth:`NodeTable.left_out`)."""
-    free = (nodes.layout.W - shown.sum(-1)).clamp(min=0)
+    free = (nodes.budget - shown.sum(-1)).clamp(min=0)
     absent = nodes.left_out(shown)
     return shown | top_by_priority(absent, nodes.start.float(), torch.minimum(free, absent.sum(-1)))
 
@@ -107,7 +107,7 @@ def shrink(
     in every row over ``W``; rows within ``W`` are unchanged. A row with fewer complete groups than that
     collapses all it has and stays over: a further call may find the groups those collapses completed."""
     cost = nodes.layout.K - 1
-    needed = ((shown.sum(-1) - nodes.layout.W).clamp(min=0) + cost - 1) // cost
+    needed = ((shown.sum(-1) - nodes.budget).clamp(min=0) + cost - 1) // cost
     candidates = nodes.collapsible(shown)
     count = torch.minimum(needed, candidates.sum(-1))
     return collapsed(shown, top_by_priority(candidates, -nodes.group_reduce(node_scores, "mean"), count), nodes)

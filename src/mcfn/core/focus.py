@@ -24,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -32,7 +33,6 @@ from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.context import Scorer, WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.tree import Tree
-from mcfn.core.variants import coarsest_cut
 from mcfn.errors import UserError
 from mcfn.geometry import most_refocus_every
 from mcfn.typecheck import typechecked
@@ -53,20 +53,23 @@ def block_scores(
     window: Int[Tensor, "b t1"],
     nodes: NodeTable,
     horizon: Int[Tensor, " b"] | None = None,
+    width: int | None = None,
 ) -> Float[Tensor, "b nodes"]:
     """Every node's score ``[B, nodes]``, read once from one fixed view, the :attr:`NodeTable.block_view`
     (every eligible LOD1 gist, the tail as tokens), up to ``horizon [B]`` (:func:`seen_until`; by default the
     start of the tail, the first prediction the cut serves), and spread to every level
     (:meth:`NodeTable.spread_block_scores`). ``scorer`` gives signed scores per entry (a focus policy's, e.g.
     :meth:`LensNet.scorer`). With the gradient: the counterfactual LensNet stage trains through it; a refocus
-    calls :func:`focus_scores`.
+    calls :func:`focus_scores`. ``width``: the block view's entries, its first by start (by default all,
+    :attr:`Layout.block_view_width`; a view padded to a fixed shape keeps the most its real tokens can fill, so
+    that the phantoms past them are left out and score 0, as padding does).
 
     Why one view: scores read from the cut being refocused judge each node against what that cut shows, so a
     context of far gists asks for the recent text back and a context of recent text asks for the far gists,
     and the refocus would alternate between the two forever."""
     B = window.size(0)
     horizon = tail_horizon(nodes.layout, B, window.device) if horizon is None else horizon
-    view = nodes.with_sizes(W=nodes.layout.block_view_width)
+    view = nodes.with_sizes(W=nodes.layout.block_view_width if width is None else width)
     wc = assemble(tree, repeat(nodes.block_view, "n -> b 1 n", b=B), window, view)
     scores = node_scores_of(scorer(seen_until(wc, horizon)), wc.node, wc.valid, nodes.layout.n_nodes)
     return nodes.spread_block_scores(scores)
@@ -197,12 +200,11 @@ def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
         view = dataclasses.replace(layout, T=T, H=H, W=min(budget + phantoms, T), N=0)
         return view, view.coarsest_cover - phantoms
 
-    origin = 0
-    view, cover = fitted(origin)
-    while cover > budget and origin + top <= tail_start:
-        origin += top
-        view, cover = fitted(origin)
-    return StreamView(view, origin, n - origin)
+    # Each top-level block dropped from the front takes exactly one gist off the cover (the rest of the cover is
+    # unchanged): the origin is as many blocks in as the cover is over, as long as whole blocks precede the tail.
+    cover = fitted(0)[1]
+    origin = top * min(max(0, cover - budget), tail_start // top)
+    return StreamView(fitted(origin)[0], origin, n - origin)
 
 
 def view_node_ids(view: StreamView, layout: Layout, device: torch.device) -> Int[Tensor, " view_nodes"]:
@@ -215,41 +217,76 @@ def view_node_ids(view: StreamView, layout: Layout, device: torch.device) -> Int
     return torch.cat(ids)
 
 
+SHRINKS = 1  # shrink calls a carried cut gets beyond one per level: each can complete groups one level up
+
+
 @typechecked
-def carried_cut(previous: WorkingContext, view: StreamView, nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"] | None:
-    """The shown-node mask ``[1, 1, n_nodes]`` of the view that keeps ``previous`` (a ``[1, m]`` context from
-    :func:`view_context`, absolute starts) and shows every later token at LOD0, phantoms included; entries
-    before the view's origin drop out, and the blocks ``previous`` left out come back as LODmax gists, so
-    that the scores judge them again. It may exceed the view's budget by the tokens that arrived and those
-    gists. ``nodes`` is the view's table. ``None`` when ``previous`` cannot be carried: it ends before the origin."""
-    layout = view.layout
-    start, lod = previous.start[0] - view.origin, previous.lod[0]
-    end = int(start[-1] + previous.span[0, -1])  # the first token ``previous`` did not cover
-    if end < 0:
-        return None
+def carried_cut(
+    previous: WorkingContext, origin: int | Tensor, nodes: NodeTable
+) -> tuple[Bool[Tensor, "1 1 nodes"], Bool[Tensor, ""]]:
+    """The shown-node mask ``[1, 1, n_nodes]`` of the view (from token ``origin`` on; ``nodes`` is its table)
+    that keeps ``previous`` (a ``[1, m]`` context, absolute starts, valid entries first: :func:`view_context`'s or
+    a fixed-shape refocus's) and shows every later token at LOD0, phantoms included; entries before the origin
+    drop out, and the blocks ``previous`` left out come back as LODmax gists, so that the scores judge them
+    again. It may exceed the view's budget by the tokens that arrived and those gists. Also whether ``previous``
+    can be carried at all: it ends at or after the origin. No host sync: a refocus compiled whole calls it."""
+    layout, valid = nodes.layout, previous.valid[0]
+    start = previous.start[0] - origin
+    end = torch.where(valid, start + previous.span[0], -1).amax()  # the first token ``previous`` did not cover
     offsets = torch.tensor(layout.level_offsets, device=start.device)
-    kept = start >= 0
-    node = offsets[lod[kept]] + start[kept] // layout.K ** lod[kept]
-    shown = torch.zeros(layout.n_nodes, dtype=torch.bool, device=start.device)
-    shown[node] = True
-    shown[end : layout.T] = True  # LOD0 nodes are numbered first, by token
-    return (shown | nodes.left_out(shown))[None, None]
+    kept = valid & (start >= 0)
+    node = torch.where(kept, offsets[previous.lod[0]] + start.clamp(min=0) // previous.span[0], layout.n_nodes)
+    shown = torch.zeros(layout.n_nodes + 1, dtype=torch.bool, device=start.device).index_fill(0, node, True)
+    token = torch.arange(layout.n_nodes, device=start.device)
+    shown = shown[: layout.n_nodes] | ((token >= end) & (token < layout.T))  # LOD0 nodes come first, by token
+    return (shown | nodes.left_out(shown))[None, None], end >= 0
 
 
 @typechecked
 def shrink_to_budget(
     cut: Bool[Tensor, "1 1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
-) -> Bool[Tensor, "1 1 nodes"] | None:
+) -> tuple[Bool[Tensor, "1 1 nodes"], Bool[Tensor, ""]]:
     """A carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens) brought within budget by
-    :func:`~mcfn.core.allocator.shrink` with the view's ``scores``, repeated while each call still frees room;
-    ``None`` if it cannot get within budget."""
-    shown, size = cut[0], int(cut.sum())
-    while size > nodes.layout.W:
+    :func:`~mcfn.core.allocator.shrink` with the view's ``scores``, and whether it got there. ``L + SHRINKS``
+    calls, a fixed count (a call within budget changes nothing): a call short of complete groups collapses all it
+    has, which can complete groups one level up for the next, so past ``L`` calls nothing is left to collapse."""
+    shown = cut[0]
+    for _ in range(nodes.layout.L + SHRINKS):
         shown = shrink(shown, scores, nodes)
-        size, before = int(shown.sum()), size
-        if size == before:
-            return None
-    return shown[None]
+    return shown[None], shown.sum() <= nodes.budget
+
+
+@typechecked
+def start_cut(
+    previous: WorkingContext | None, origin: int | Tensor, scores: Float[Tensor, "1 nodes"], nodes: NodeTable
+) -> Bool[Tensor, "1 1 nodes"]:
+    """Where a refocus's allocator starts: the coarsest cut (cold, ``previous`` None), or ``previous`` carried over
+    and shrunk within budget (warm), the coarsest cut again where it cannot be (a choice by value, not by branch)."""
+    coarsest = nodes.coarsest[None, None]
+    if previous is None:
+        return coarsest
+    carried, can_carry = carried_cut(previous, origin, nodes)
+    shrunk, within = shrink_to_budget(carried, scores, nodes)
+    return torch.where(can_carry & within, shrunk, coarsest)
+
+
+@typechecked
+def chosen_cut(
+    scorer: Scorer,
+    tree: Tree,
+    window: Int[Tensor, "1 t1"],
+    nodes: NodeTable,
+    horizon: Int[Tensor, " 1"],
+    origin: int | Tensor,
+    steps: int,
+    previous: WorkingContext | None = None,
+    width: int | None = None,
+) -> Bool[Tensor, "1 1 nodes"]:
+    """The refocus's choice: scores read up to ``horizon`` from the block view (``width``: :func:`block_scores`),
+    then ``steps`` allocator steps from :func:`start_cut`. :func:`focus_cut` calls it on a view's own layout, a
+    fixed-shape refocus (:mod:`mcfn.inference.choice`) on the view padded to its capacity: the same cut."""
+    scores = focus_scores(scorer, tree, window, nodes, horizon, width)
+    return settle(start_cut(previous, origin, scores, nodes), scores, nodes, steps)
 
 
 @torch.no_grad()
@@ -264,20 +301,46 @@ def focus_cut(
 ) -> Bool[Tensor, "1 1 nodes"]:
     """The refocus: the view's cut ``[1, 1, n_nodes]`` within its budget, ``steps`` allocator steps from the
     coarsest cut, or with ``previous`` (the last refocus's :func:`view_context`) from that context carried over and
-    shrunk within budget: a warm start. ``tree`` and ``window`` are the view's (``[1, n_nodes, D]``, ``[1, T + 1]``);
-    nothing after the newest real token is read. ``scorer`` gives signed scores per entry (a scored focus policy's,
-    :mod:`mcfn.core.policy`)."""
-    layout = view.layout
-    nodes = NodeTable.of(layout, window.device)
+    shrunk within budget: a warm start (:func:`chosen_cut`). ``tree`` and ``window`` are the view's
+    (``[1, n_nodes, D]``, ``[1, T + 1]``); nothing after the newest real token is read. ``scorer`` gives signed
+    scores per entry (a scored focus policy's, :mod:`mcfn.core.policy`)."""
+    nodes = NodeTable.of(view.layout, window.device)
     horizon = torch.tensor([view.real - 1], device=window.device)  # the newest real token, no phantom (I11)
-    scores = focus_scores(scorer, tree, window, nodes, horizon)
-    cut = None
-    if previous is not None:
-        carried = carried_cut(previous, view, nodes)
-        cut = None if carried is None else shrink_to_budget(carried, scores, nodes)
-    if cut is None:  # built only when used: over a long history it is a tenth of a warm refocus's kernels
-        cut = coarsest_cut(layout, window.device)[None, None]
-    return settle(cut, scores, nodes, steps)
+    return chosen_cut(scorer, tree, window, nodes, horizon, view.origin, steps, previous)
+
+
+@typechecked
+def chosen_context(
+    tree: Tree,
+    cut: Bool[Tensor, "1 1 nodes"],
+    window: Int[Tensor, "1 t1"],
+    nodes: NodeTable,
+    real: int | Tensor,
+    origin: int | Tensor,
+    width: int,
+) -> WorkingContext:
+    """The context ``[1, width]`` a cut of a view gives: its first ``width`` entries by start (at least every real
+    one), the phantoms among them (from token ``real`` of the view on) made padding; starts and positions absolute
+    (the view begins at token ``origin``); a view of fewer nodes than ``width`` is padded to it. Fixed-shape: a
+    refocus compiled whole returns it."""
+    wc = assemble(tree, cut, window, nodes.with_sizes(W=min(width, nodes.layout.n_nodes)))
+    pad = (0, width - wc.batch_size[1])  # a shape, not a value: static under compile
+    fields = {
+        "emb": F.pad(wc.emb, (0, 0, *pad)),
+        "position": F.pad(wc.position + origin, pad),
+        "start": F.pad(wc.start + origin, pad),
+        "span": F.pad(wc.span, pad, value=1),
+        "lod": F.pad(wc.lod, pad),
+        "node": F.pad(wc.node, pad),
+        "target": F.pad(wc.target, pad, value=-1),
+        "valid": F.pad(wc.valid & (wc.start < real), pad),
+    }
+    return WorkingContext(**fields, batch_size=[1, width])
+
+
+def valid_prefix(wc: WorkingContext) -> WorkingContext:
+    """A ``[1, w]`` context's valid entries ``[1, m]`` (they come first, I3): one host read of their count."""
+    return wc[:, : int(wc.valid.sum())]
 
 
 @typechecked
@@ -285,10 +348,6 @@ def view_context(
     tree: Tree, cut: Bool[Tensor, "1 1 nodes"], window: Int[Tensor, "1 t1"], view: StreamView
 ) -> WorkingContext:
     """The context ``[1, m]`` a cut of the view gives (valid entries only, ``m`` within the refocus budget):
-    phantoms dropped, starts and positions absolute."""
-    wc = assemble(tree, cut, window, NodeTable.of(view.layout, window.device))[0]
-    keep = wc.valid & (wc.start < view.real)
-    wc = wc[: int(keep.sum())]
-    wc.start += view.origin
-    wc.position += view.origin
-    return wc[None]
+    phantoms dropped, starts and positions absolute (:func:`chosen_context` over the view's budget)."""
+    nodes = NodeTable.of(view.layout, window.device)
+    return valid_prefix(chosen_context(tree, cut, window, nodes, view.real, view.origin, view.layout.W))

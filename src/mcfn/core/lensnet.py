@@ -242,10 +242,12 @@ class LensNet(nn.Module):
         tokens: Int[Tensor, "r t"] | None = None,
         base: GPT | None = None,
         query: Float[Tensor, "r q2"] | None = None,
+        scale: Int[Tensor, ""] | None = None,
     ) -> Float[Tensor, "r w"]:
         """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one); with the
         match prior, ``tokens`` are each row's window (only what lies up to its newest entry is read); the indexer
-        also reads ``base`` (its :func:`horizon_query` over them) unless given the ``query`` of each row's horizon."""
+        also reads ``base`` (its :func:`horizon_query` over them) unless given the ``query`` of each row's horizon.
+        ``scale``: the length of the view read, which the prior's distance is over (by default ``layout.T``)."""
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
@@ -253,21 +255,30 @@ class LensNet(nn.Module):
             if base is None or tokens is None:
                 raise ValueError("LensNet's indexer reads the base model's states over the window's tokens")
             query = horizon_query(base, tokens, read_end(wc))
-        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, layout.T, query), (0, 1))  # padding: 0
+        scale = layout.T if scale is None else scale
+        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, scale, query), (0, 1))  # padding: 0
         return scores.gather(1, unit) * wc.valid
 
-    def scorer(self, layout: Layout, window: Int[Tensor, "r t"], base: GPT) -> Scorer:
+    def scorer(
+        self, layout: Layout, window: Int[Tensor, "r t"], base: GPT, scale: Int[Tensor, ""] | None = None
+    ) -> Scorer:
         """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows, reading
         ``base`` where the indexer does; with the indexer's recent window, every cut keeps the newest tokens at
-        LOD0."""
-        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base)
+        LOD0. ``scale``: the length of the view read (by default ``layout.T``; a view padded to a fixed shape gives
+        its own, :mod:`mcfn.inference.choice`)."""
+        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base, scale=scale)
         return with_recent_window(score, self.recent) if self.recent else score
 
     def score(
-        self, wc: WorkingContext, tokens: Tensor | None = None, scale: int = 0, query: Tensor | None = None
+        self,
+        wc: WorkingContext,
+        tokens: Tensor | None = None,
+        scale: int | Tensor | None = None,
+        query: Tensor | None = None,
     ) -> Float[Tensor, "r w"]:
         """The transformer over the rows of ``wc`` (units), one score per valid one; ``scale``: the length of the
-        layout read (the prior's distance is over it, as ``match``'s is); ``query``: the indexer's."""
+        layout read (the prior's distance is over it, as ``match``'s is; by default the training ``T``); ``query``:
+        the indexer's."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
@@ -303,6 +314,6 @@ class LensNet(nn.Module):
         if self.match_prior:  # a config constant: static under compile
             if self.match_prior == "gated":
                 learned = learned * standing_out(learned, wc.valid)
-            prior = match_prior(votes[NGRAM], (now - end).float() / (scale or T))
+            prior = match_prior(votes[NGRAM], (now - end).float() / (T if scale is None else scale))
             learned = learned + (rescaled(prior, wc.valid) if self.indexer else prior)
         return learned * wc.valid

@@ -73,7 +73,7 @@ def match_votes(
     return votes[:, : T // block * block].view(B, T // block, block).sum(-1)
 
 
-def match_scorer(tokens: Int[Tensor, "b t"], block: int, reach: int, scale: int):
+def match_scorer(tokens: Int[Tensor, "b t"], block: int, reach: int, scale: int | Tensor):
     """A scorer for :func:`~mcfn.core.focus.focus_cut` (and :func:`~mcfn.core.focus.refocus`) of the working
     contexts of ``tokens``' rows: each entry of the block view scores its block's :func:`match_votes` (read up to the
     newest entry it is given) plus a recency prior in ``(-1, 0]``, the distance back from that entry over ``scale``

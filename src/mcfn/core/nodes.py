@@ -92,12 +92,16 @@ class Layout:
         return blocks + self.T - blocks * self.K
 
 
+_NOT_PER_NODE = ("layout", "budget_given")
+
+
 @dataclass(frozen=True)
 class NodeTable:
     """Per-node metadata of a :class:`Layout`, each field ``[n_nodes]``, and the rules of the tree.
 
     The tensors depend on ``T``, ``K``, ``L`` and ``H`` only; ``layout`` also carries the budget ``W`` and
-    the variant count ``N`` of whoever uses the table (:meth:`with_sizes` changes them).
+    the variant count ``N`` of whoever uses the table (:meth:`with_sizes` changes them). A fixed-shape refocus
+    (:meth:`fixed`) gives the tail and the budget as tensors instead, so that one graph serves every view of a shape.
     """
 
     layout: Layout
@@ -106,6 +110,7 @@ class NodeTable:
     span: Tensor  # int64: K**lod
     parent: Tensor  # int64: the parent's node id; -1 at the top level
     eligible: Tensor  # bool: a token, or a gist that ends before the tail
+    budget_given: Tensor | None = None  # int64 []: the budget, where :meth:`fixed` gives it as a tensor
 
     @classmethod
     def of(cls, layout: Layout, device: torch.device | None = None) -> NodeTable:
@@ -122,11 +127,31 @@ class NodeTable:
         return cls(layout, lod, start, span, parent, eligible)
 
     def tensors(self) -> dict[str, Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_PER_NODE}
+
+    def fixed(self, tail_start: Int[Tensor, ""], budget: Int[Tensor, ""]) -> NodeTable:
+        """The same tree with the tail starting at token ``tail_start`` and the budget ``budget``, both tensors:
+        a layout padded to a fixed shape (:mod:`mcfn.inference.choice`) whose ``H`` and ``W`` change at every
+        refocus, so that neither is a constant of its graph. Every rule reads them from here (:attr:`budget`,
+        :attr:`eligible`)."""
+        eligible = (self.lod == 0) | (self.start + self.span <= tail_start)
+        return dataclasses.replace(self, eligible=eligible, budget_given=budget)
+
+    @property
+    def budget(self) -> int | Tensor:
+        """The most entries a cut may show: the layout's ``W``, or the tensor :meth:`fixed` gave."""
+        return self.layout.W if self.budget_given is None else self.budget_given
 
     def with_sizes(self, **sizes: int) -> NodeTable:
         """The same tree for another budget ``W`` or variant count ``N``."""
         return dataclasses.replace(self, layout=dataclasses.replace(self.layout, **sizes))
+
+    @property
+    def coarsest(self) -> Bool[Tensor, " nodes"]:
+        """The coarsest cut that covers ``[0, T)`` with the tail at LOD0 (nothing left out, no spare budget spent):
+        every eligible node whose parent is not (eligibility holds for a parent only if for all its children)."""
+        parent_eligible = (self.parent >= 0) & self.eligible[self.parent.clamp(min=0)]
+        return self.eligible & ~parent_eligible
 
     def level(self, x: Tensor, k: int) -> Tensor:
         """The part of a ``[..., n_nodes]`` tensor that belongs to level ``k``."""

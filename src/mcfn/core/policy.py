@@ -12,9 +12,11 @@ A policy chooses its cut in one of five ways (:class:`Choice`):
   view, read up to the horizon (I11), and the allocator settles a cut within the budget, cold from the coarsest
   cut (:data:`~mcfn.core.focus.REFOCUS_STEPS`) or warm from the previous context (:func:`~mcfn.core.focus.focus_cut`).
 
-A scored policy's :attr:`FocusPolicy.scorer_of` builds its scorer for one view: ``(system, window, layout, reach)``,
-the window's tokens ``[g, >= layout.T]`` (only what lies up to each row's newest entry is read), the view's layout,
-and ``reach``, the number of predictions the cut serves (``R`` under generation's protocol, ``H`` under one cut).
+A scored policy's :attr:`FocusPolicy.scorer_of` builds its scorer for one view: ``(system, window, layout, reach,
+scale)``, the window's tokens ``[g, >= layout.T]`` (only what lies up to each row's newest entry is read), the view's
+layout, ``reach``, the number of predictions the cut serves (``R`` under generation's protocol, ``H`` under one cut),
+and ``scale``, the length of the view that distances are measured over (``None``: ``layout.T``; a view padded to a
+fixed shape, :mod:`mcfn.inference.choice`, gives its own as a tensor).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import recency_cut
 
-ScorerOf = Callable[[MegaContext, Tensor, Layout, int], Scorer]
+ScorerOf = Callable[[MegaContext, Tensor, Layout, int, Tensor | None], Scorer]
 
 
 class Choice(Enum):
@@ -82,9 +84,11 @@ class FocusPolicy:
     def available(self, system: MegaContext) -> bool:
         return system.lensnet is not None or not self.needs_lensnet
 
-    def scorer(self, system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+    def scorer(
+        self, system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None = None
+    ) -> Scorer:
         assert self.scorer_of is not None, f"{self.name} is not a scored policy"
-        return self.scorer_of(system, window, layout, reach)
+        return self.scorer_of(system, window, layout, reach, scale)
 
     def refocus(
         self,
@@ -127,17 +131,17 @@ def policies(system: MegaContext | None = None, brief: bool = False) -> list[Foc
     return [p for p in POLICIES.values() if (system is None or p.available(system)) and (p.brief or not brief)]
 
 
-def _attention(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+def _attention(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
     return partial(attention_scores, system.base, system.layout.H)
 
 
-def _match(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
-    return match_scorer(window[:, : layout.T], layout.K, reach, layout.T)
+def _match(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
+    return match_scorer(window[:, : layout.T], layout.K, reach, layout.T if scale is None else scale)
 
 
-def _lensnet(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
+def _lensnet(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
     assert system.lensnet is not None, "the lens policy needs the run's LensNet"
-    return system.lensnet.scorer(layout, window, system.base)
+    return system.lensnet.scorer(layout, window, system.base, scale)
 
 
 FULL = register(FocusPolicy("full", Choice.FULL))
@@ -156,8 +160,8 @@ def lensnet_policy(name: str, lensnet: LensNet) -> FocusPolicy:
     """A scored policy named ``name`` that scores with ``lensnet`` instead of the system's own (a candidate LensNet:
     the run's own gated over ``match``, a round of the LensNet stage), the system's base, GistNet and tree unchanged."""
 
-    def scorer_of(system: MegaContext, window: Tensor, layout: Layout, reach: int) -> Scorer:
-        return lensnet.scorer(layout, window, system.base)
+    def scorer_of(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
+        return lensnet.scorer(layout, window, system.base, scale)
 
     return FocusPolicy(name, Choice.SCORED, scorer_of)
 

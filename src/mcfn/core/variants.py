@@ -18,8 +18,6 @@ with no host sync. A cut is a set of *expanded* nodes; a node is shown when its 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from jaxtyping import Bool
 from tensordict import TensorClass
@@ -106,17 +104,8 @@ def most_left_out(layout: Layout) -> int:
 
 def coarsest_cut(layout: Layout, device: torch.device) -> Tensor:
     """``[n_nodes]``: the coarsest cut that covers ``[0, T)`` with the tail at LOD0 (no spare budget spent,
-    nothing left out)."""
-    tight = dataclasses.replace(layout, W=layout.coarsest_cover, N=1)
-    zeros = torch.zeros(1, 1, layout.n_nodes, device=device)
-    noise = VariantNoise(
-        priority=zeros,
-        share=zeros[..., : layout.L],
-        explore=zeros[:, :, None],
-        leave_out=zeros[..., 0],
-        batch_size=[1, 1],
-    )
-    return compressed_cuts(noise, NodeTable.of(tight, device))[0, 0]
+    nothing left out): :attr:`NodeTable.coarsest`."""
+    return NodeTable.of(layout, device).coarsest
 
 
 def recent_cut(layout: Layout, device: torch.device) -> Tensor:

@@ -2,10 +2,12 @@
 (:func:`mcfn.inference.generation.decode`) reads.
 
 * :class:`MCContexts`: MegaContext. The prompt streams into a :class:`~mcfn.inference.streaming.StreamingTree`; every
-  ``R`` tokens the focus policy's refocus (:func:`~mcfn.inference.streaming.focused_context`, the evaluation's own)
-  rebuilds the working context within ``W - R`` entries, and the cache keeps the entries before the first one the
-  refocus changed (a cached entry's keys and values depend only on the entries before it): only the rest runs
-  through the model again (:func:`refill`). Decoded tokens join the tree at the next refocus.
+  ``R`` tokens the focus policy's refocus (a scored policy's as one fixed-shape graph,
+  :class:`~mcfn.inference.choice.FocusChoice`, which makes the evaluation's cut; truncation's by
+  :func:`~mcfn.inference.streaming.focused_context`) rebuilds the working context within ``W - R`` entries, and the
+  cache keeps the entries before the first one the refocus changed (a cached entry's keys and values depend only on
+  the entries before it): only the rest runs through the model again (:func:`refill`). Decoded tokens join the tree
+  at the next refocus.
 * :class:`FullContexts`: every token at LOD0 with a KV cache over the whole text, read once (the prompt, in chunks of
   :data:`PREFILL_CHUNK`): per-token cost grows with the text's length.
 """
@@ -24,6 +26,7 @@ from mcfn.core.focus import Refocus, refocus_budget
 from mcfn.core.model import GPT
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
+from mcfn.inference.choice import FocusChoice
 from mcfn.inference.decode import REFILL_CHUNK, Decoder, KVCache, extend
 from mcfn.inference.render import lod_string
 from mcfn.inference.streaming import StreamingTree, focused_context
@@ -116,6 +119,8 @@ class MCContexts:
         self.budget = refocus_budget(system.layout, refocus.every)
         self.every = refocus.every
         self.stream = StreamingTree(system, device)
+        # A scored policy's choice runs as one fixed-shape graph, compiled with the decoder's graphs.
+        self.choice = FocusChoice(system, policy, refocus, self.budget, compile_fn) if policy.scored else None
         # The cache holds the context (within W - R) and the R tokens decoded after it; a context shorter than a
         # refill chunk is padded to one.
         capacity = max(system.layout.W, refill_chunk)
@@ -132,25 +137,33 @@ class MCContexts:
         stats, decoder, base = self.stats, self.decoder, self.system.base
         t_refocus = settled(self.device)
         warm = self.refocus.carried(self.context) is not None
-        wc = self.context = focused_context(self.system, self.stream, self.budget, self.policy, self.refocus,
-                                            self.context)  # fmt: skip
-        stats.focus_s += settled(self.device) - t_refocus
+        compiling = self.compile_s
+        if self.choice is not None:
+            wc = self.context = self.choice(self.stream)
+        else:
+            wc = self.context = focused_context(self.system, self.stream, self.budget, self.policy, self.refocus,
+                                                self.context)  # fmt: skip
+        stats.focus_s += settled(self.device) - t_refocus - (self.compile_s - compiling)
         layout_text = lod_string(
             wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(self.stream), self.system.layout.K
         )
         stats.layouts.append(layout_text)
         if self.on_refocus is not None:
             self.on_refocus(len(self.stream), layout_text)
-        compiling = decoder.compile_s
         if self.use_cache:
             hidden, self.cached = refill(decoder, self.cached if warm else self.cached[:0], wc, stats)
         else:
             self.entries = (wc.emb, wc.position, wc.span.float())
             hidden = base.hidden(*self.entries)
         logits = base.logits(hidden[:, -1:])[0, 0]
-        # Like tokens/s, the refocus time leaves out the refill graph's compilation (its first call).
-        stats.refocus_s += settled(self.device) - t_refocus - (decoder.compile_s - compiling)
+        # Like tokens/s, the refocus time leaves out the compilation of the choice's and the refill's graphs.
+        stats.refocus_s += settled(self.device) - t_refocus - (self.compile_s - compiling)
         return logits
+
+    @property
+    def compile_s(self) -> float:
+        """The compiled graphs' first calls: the decoder's, and each shape's of the choice."""
+        return self.decoder.compile_s + (0.0 if self.choice is None else self.choice.compile_s)
 
     def step(self, token: Tensor, position: int) -> Tensor:
         """One decoded token ``[1]`` at ``position`` read into the context: the next logits."""
@@ -186,6 +199,10 @@ class FullContexts:
 
     def refresh(self) -> Tensor:
         return self.logits
+
+    @property
+    def compile_s(self) -> float:
+        return self.decoder.compile_s
 
     def step(self, token: Tensor, position: int) -> Tensor:
         return self.decoder.token(token, position)

@@ -91,7 +91,7 @@ def decode(
                 logits = contexts.step(token, prompt.numel() + len(produced) + len(decoded) - 1)
         contexts.absorb(torch.cat(decoded))
         produced += decoded
-    stats.decode_s, stats.compile_s = settled(device) - t0, contexts.decoder.compile_s
+    stats.decode_s, stats.compile_s = settled(device) - t0, contexts.compile_s
     stats.new_tokens = len(produced)
     return torch.cat(produced) if produced else prompt.new_zeros(0), stats
 

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mcfn.core.context import WorkingContext
 from mcfn.core.focus import Refocus, StreamView, stream_view
+from mcfn.core.nodes import Layout
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
@@ -77,16 +78,17 @@ class StreamingTree:
                 level.append(self.system.gistnet(children, level=k))
 
 
-def view_tree(stream: StreamingTree, view: StreamView) -> tuple[Tree, Tensor]:
+def view_tree(stream: StreamingTree, view: StreamView, capacity: Layout | None = None) -> tuple[Tree, Tensor]:
     """The view's node embeddings ``[1, n_nodes, D]`` (zeros for phantoms and incomplete gists) and its
-    token window ``[1, T + 1]`` (phantoms are token 0; nothing reads their targets)."""
-    layout, origin = view.layout, view.origin
+    token window ``[1, T + 1]`` (phantoms are token 0; nothing reads their targets), laid in its own layout or in
+    ``capacity``, a longer one from the same origin (:mod:`mcfn.inference.choice`)."""
+    layout, origin = view.layout if capacity is None else capacity, view.origin
     parts = []
     for k, size in enumerate(layout.level_sizes):
-        first = origin // layout.K**k
-        rows = stream.levels[k].rows[first : first + size]
+        level, first = stream.levels[k], origin // layout.K**k
+        rows = level.data[first : min(first + size, level.length)]  # one slice of the buffer: a refocus's operators
         parts.append(F.pad(rows, (0, 0, 0, size - rows.size(0))))
-    window = F.pad(stream.tokens.rows[origin:], (0, layout.T + 1 - view.real))
+    window = F.pad(stream.tokens.data[origin : len(stream)], (0, layout.T + 1 - view.real))
     return Tree(emb=torch.cat(parts)[None], batch_size=[1]), window[None]
 
 

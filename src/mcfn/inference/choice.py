@@ -1,0 +1,154 @@
+"""A streaming refocus's choice as one fixed-shape graph, compiled once per shape.
+
+Eagerly a refocus's choice is hundreds of small operators, and compiled as it stands it would recompile at nearly
+every refocus: the view's layout (:func:`~mcfn.core.focus.stream_view`) changes its ``T`` every ``K^L`` tokens while
+a history grows, and its tail ``H`` and budget ``W`` at every refocus. So the view is laid in a **capacity**
+(:func:`capacity_of`): its length rounded up to one of :data:`VIEW_STEPS` steps of the longest view the budget
+allows (:func:`longest_view`), the tokens added being phantoms after the newest one, like the view's own: in the
+tail, shown at LOD0 and paid for by the budget they raise. The view's tail, budget and length are tensors (``where``;
+:meth:`~mcfn.core.nodes.NodeTable.fixed`, and the scorers' ``scale``). Every node the capacity adds lies over the
+tail: never eligible, never a candidate, so the allocator makes the view's own cut. The block view keeps a fixed
+width, the most entries a view of the capacity gives it before its phantoms (:func:`block_view_width`): the phantoms
+past them stay outside it, and score 0 as padding does, as the view's own phantoms do (I11).
+
+:func:`choose` is then the whole choice: the scores, the previous context carried over and shrunk within budget, the
+allocator's steps, and the context the cut gives, fixed-width (valid entries first). :class:`FocusChoice` runs it for
+one stream, compiled (one graph per capacity and step count: a growing history meets at most ``VIEW_STEPS``
+capacities, a long one only the longest) or eagerly on the view's own length; a test holds both to
+:func:`~mcfn.core.focus.focus_cut`'s cut, the evaluation's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from functools import cache
+
+import numpy
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from mcfn.core.context import WorkingContext
+from mcfn.core.focus import Refocus, StreamView, chosen_context, chosen_cut, stream_view, valid_prefix
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.policy import FocusPolicy
+from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
+from mcfn.inference.streaming import StreamingTree, view_tree
+from mcfn.typecheck import typechecked
+
+VIEW_STEPS = 6  # capacities over a history's life: with a cold and a warm graph, within dynamo's 8 per function
+
+
+@cache
+def longest_view(layout: Layout, budget: int) -> int:
+    """The longest ``T`` of a view of ``layout`` within ``budget`` over any history (:func:`stream_view`): its cover
+    grows by one gist per ``K^L`` tokens until it passes the budget (near ``budget·K^L`` tokens), and from there the
+    views repeat every ``K^L`` tokens, shifted; the scan runs to twice that."""
+    return max(stream_view(n, layout, budget).layout.T for n in range(1, 2 * (budget + 2) * layout.top_span))
+
+
+def capacity_of(view: StreamView, layout: Layout, budget: int) -> int:
+    """The ``T`` a view is laid in: its own rounded up to a step of ``longest / VIEW_STEPS`` (a whole number of
+    top-level blocks), at most the longest view."""
+    longest, top = longest_view(layout, budget), layout.top_span
+    step = -(-longest // (VIEW_STEPS * top)) * top
+    return min(-(-view.layout.T // step) * step, longest)
+
+
+def block_view_width(T: int, layout: Layout) -> int:
+    """The most entries a view of ``T`` tokens gives the block view before its phantoms: its eligible LOD1 gists
+    cover at most ``T - H`` tokens, and its tail holds at most ``H + K - 1`` real ones."""
+    return min(T, (T - layout.H) // layout.K + layout.H + layout.K - 1)
+
+
+def capacity_layout(T: int, layout: Layout, budget: int) -> Layout:
+    """The fixed layout of a capacity of ``T`` tokens. Its ``H`` and ``W`` are constants of the graph that no rule
+    reads (the view's come as tensors, :meth:`~mcfn.core.nodes.NodeTable.fixed`): the system's tail and ``budget``."""
+    return dataclasses.replace(layout, T=T, W=budget, N=0)
+
+
+def view_where(view: StreamView) -> tuple[int, int, int, int]:
+    """What :func:`choose` reads of a view, as one tensor's values: its real tokens, its origin, the first token of
+    its tail (from the origin) and its length ``T``."""
+    return view.real, view.origin, view.layout.T - view.layout.H, view.layout.T
+
+
+@typechecked
+def choose(
+    system: MegaContext,
+    policy: FocusPolicy,
+    capacity: Layout,
+    budget: int,
+    reach: int,
+    steps: int,
+    emb: Float[Tensor, "1 nodes d"],
+    window: Int[Tensor, "1 t1"],
+    where: Int[Tensor, "4"],
+    previous: WorkingContext | None,
+) -> WorkingContext:
+    """One refocus of a view laid in ``capacity`` (its tree ``emb``, its tokens ``window``; ``where``:
+    :func:`view_where`): ``policy``'s cut (:func:`~mcfn.core.focus.chosen_cut`, ``steps`` allocator steps, warm from
+    ``previous``, the last refocus's answer, where given) and its context ``[1, budget]``, valid entries first,
+    starts and positions absolute (:func:`~mcfn.core.focus.chosen_context`). ``reach``: the predictions a cut serves.
+    No host sync and fixed shapes: :class:`FocusChoice` compiles it whole."""
+    real, origin, tail_start, length = where.unbind()
+    view_budget = torch.clamp(budget + capacity.T - real, max=capacity.T)  # the view's W, raised by the phantoms
+    nodes = NodeTable.of(capacity, emb.device).fixed(tail_start, view_budget)
+    tree = Tree(emb=emb, batch_size=[1])
+    scorer = policy.scorer(system, window, capacity, reach, length)
+    width = block_view_width(capacity.T, system.layout)
+    cut = chosen_cut(scorer, tree, window, nodes, (real - 1)[None], origin, steps, previous, width)
+    return chosen_context(tree, cut, window, nodes, real, origin, budget)
+
+
+class FocusChoice:
+    """A scored policy's refocuses of one stream under ``protocol`` within ``budget`` entries: :func:`choose` on the
+    view laid in its capacity, compiled by ``compile_fn`` (stepped capacities, one graph each) or eagerly (the view's
+    own length). It keeps its last fixed-width answer for the next warm start."""
+
+    def __init__(
+        self,
+        system: MegaContext,
+        policy: FocusPolicy,
+        protocol: Refocus,
+        budget: int,
+        compile_fn: Callable[[Callable], Callable] | None = None,
+    ):
+        assert policy.scored, f"the {policy.name} policy does not score a view"
+        self.system, self.policy, self.protocol, self.budget = system, policy, protocol, budget
+        self.choose = choose if compile_fn is None else compile_fn(choose)
+        self.stepped = compile_fn is not None
+        self.answer: WorkingContext | None = None  # [1, budget]: the last refocus's context, padded
+        self.shapes: set[tuple[int, int, bool]] = set()  # (capacity, steps, warm): the graphs called
+        self.compile_s = 0.0  # the calls that compiled a graph, their compilation included
+
+    @torch.no_grad()
+    def __call__(self, stream: StreamingTree) -> WorkingContext:
+        """The context ``[1, m]`` over the stream's history now (valid entries only, as
+        :func:`~mcfn.inference.streaming.focused_context` gives)."""
+        layout = self.system.layout
+        view = stream_view(len(stream), layout, self.budget)
+        T = capacity_of(view, layout, self.budget) if self.stepped else view.layout.T
+        capacity = capacity_layout(T, layout, self.budget)
+        tree, window = view_tree(stream, view, capacity)
+        # From numpy, the view's numbers become a tensor without an operator (a refocus's count is its operators).
+        where = torch.from_numpy(numpy.array(view_where(view), dtype=numpy.int64)).to(window.device)
+        previous = self.protocol.carried(self.answer)
+        steps = self.protocol.steps_from(previous)
+        self.shapes.add((T, steps, previous is not None))
+        t0, compiled = time.perf_counter(), compiled_frames()
+        self.answer = self.choose(
+            self.system, self.policy, capacity, self.budget, self.protocol.every, steps, tree.emb, window, where,
+            previous,
+        )  # fmt: skip
+        self.compile_s += (time.perf_counter() - t0) if compiled_frames() > compiled else 0.0
+        return valid_prefix(self.answer)
+
+
+def compiled_frames() -> int:
+    """Graphs dynamo has compiled in this process: a call that raises the count compiled (a shape seen first), one
+    that leaves it reused a graph (a stream may meet the shapes another stream compiled)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -1,0 +1,217 @@
+"""A streaming refocus's choice as one fixed-shape graph (:mod:`mcfn.inference.choice`): the view laid in a stepped
+capacity makes the evaluation's own cut, compiles once per capacity, and its pieces hold without host syncs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from builders import (
+    VOCAB,
+    adversarial,
+    adversarial_scores,
+    cases,
+    check_cut,
+    decisive,
+    layouts,
+    make_system,
+    spread_lens,
+    token_coverage,
+)
+from compile_check import one_graph
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mcfn.core.allocator import allocate, shrink
+from mcfn.core.focus import Refocus, shrink_to_budget, stream_view
+from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.policy import LENS, MATCH
+from mcfn.core.variants import draw_variant_noise, sample_variants
+from mcfn.geometry import most_refocus_every
+from mcfn.inference.choice import VIEW_STEPS, FocusChoice, capacity_of, longest_view
+from mcfn.inference.streaming import StreamingTree, focused_context
+
+T, K, L, W, H = 64, 4, 2, 32, 8
+R = 4
+BUDGET = W - R
+
+
+def system_for(policy):
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=3))
+    return spread_lens(system, seed=4) if policy is LENS else system
+
+
+def same_context(a, b) -> bool:
+    return a.batch_size == b.batch_size and all(
+        torch.equal(a.get(k), b.get(k)) for k in ("start", "span", "lod", "valid")
+    )
+
+
+def history(n: int, refocuses: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n + refocuses * R,), generator=torch.Generator().manual_seed(n))
+
+
+@pytest.mark.parametrize("policy", [MATCH, LENS], ids=lambda p: p.name)
+@pytest.mark.parametrize("warm_steps", [1, 0])
+def test_the_choice_in_a_stepped_capacity_makes_the_evaluations_cut(policy, warm_steps):
+    """Over prompts of several lengths (a few tokens; mid-growth; past the point where the origin moves) and 40
+    refocuses each, cold and then warm (or cold every time), the choice laid in its stepped capacity and the one laid
+    in the view's own length give exactly the context of ``focused_context`` (``focus_cut``, the evaluation's path).
+    Fails if a node the capacity adds could be chosen, or the phantoms it adds entered the scores, or the prior's
+    distance were measured over the capacity instead of the view."""
+    system, protocol = system_for(policy), Refocus(R, warm_steps=warm_steps)
+    for n in (5, 130, 700):
+        ids = history(n, 40)
+        stream = StreamingTree(system, torch.device("cpu"))
+        stream.append(ids[:n])
+        stepped = FocusChoice(system, policy, protocol, BUDGET, compile_fn=lambda fn: fn)  # stepped, run eagerly
+        own = FocusChoice(system, policy, protocol, BUDGET)
+        previous = None
+        for i in range(40):
+            previous = focused_context(system, stream, BUDGET, policy, protocol, previous)
+            assert same_context(stepped(stream), previous) and same_context(own(stream), previous), (n, i)
+            stream.append(ids[n + i * R : n + (i + 1) * R])
+        assert any(T != len(stream) for T, _, _ in stepped.shapes), "the case needs capacities past the view"
+
+
+def contexts_over(system, choice: FocusChoice, ids: torch.Tensor, prompt: int, refocuses: int) -> list:
+    """``choice``'s contexts over a stream of the first ``prompt`` of ``ids``, growing by ``R`` after each refocus."""
+    stream = StreamingTree(system, torch.device("cpu"))
+    stream.append(ids[:prompt])
+    out = []
+    for i in range(refocuses):
+        out.append(choice(stream))
+        stream.append(ids[prompt + i * R : prompt + (i + 1) * R])
+    return out
+
+
+def test_the_choice_is_one_graph_per_capacity_over_200_refocuses_of_a_growing_history(fresh_dynamo):
+    """From a 5-token prompt over 200 warm refocuses (800 tokens: through every capacity, past the origin's first
+    move) the compiled choice is one graph per capacity and one for the cold start, at most 8 (dynamo's limit per
+    function), with no graph break (``fullgraph``), each the eager choice's context; a second stream over the same
+    history compiles nothing."""
+    system, protocol = system_for(LENS), Refocus(R)
+    ids = history(5, 200)
+    eager = FocusChoice(system, LENS, protocol, BUDGET, compile_fn=lambda fn: fn)
+    expected = contexts_over(system, eager, ids, 5, 200)
+    assert VIEW_STEPS <= len(eager.shapes) <= 8 and {s for _, s, _ in eager.shapes} == {1, 4}
+    with one_graph("aot_eager", functions=len(eager.shapes)) as compile_fn:
+        compiled = FocusChoice(system, LENS, protocol, BUDGET, compile_fn)
+        got = contexts_over(system, compiled, ids, 5, 200)
+        assert all(same_context(a, b) for a, b in zip(got, expected, strict=True))
+        compile_fn.forbid_recompiles()
+        contexts_over(system, FocusChoice(system, LENS, protocol, BUDGET, compile_fn), ids, 5, 200)
+    assert compiled.shapes == eager.shapes
+
+
+def test_the_compiled_choice_of_match_is_its_eager_one(fresh_dynamo):
+    """``match`` builds its scorer (a type-checked closure) inside the graph: compiled with ``fullgraph``, past the
+    origin's first move, cold then warm, it makes the eager choice's contexts, one graph per shape."""
+    system, protocol = system_for(MATCH), Refocus(R)
+    ids = history(700, 6)
+    eager = FocusChoice(system, MATCH, protocol, BUDGET, compile_fn=lambda fn: fn)
+    expected = contexts_over(system, eager, ids, 700, 6)
+    with one_graph("aot_eager", functions=len(eager.shapes)) as compile_fn:
+        got = contexts_over(system, FocusChoice(system, MATCH, protocol, BUDGET, compile_fn), ids, 700, 6)
+    assert all(same_context(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_the_capacities_step_up_to_the_longest_view():
+    """Every view's length fits its capacity, the capacities are at most ``VIEW_STEPS`` whole top-level blocks'
+    multiples, and the longest view is reached (at a history no scan shorter than it sees)."""
+    layout = system_for(MATCH).layout
+    longest = longest_view(layout, BUDGET)
+    capacities = set()
+    for n in range(1, 4000):
+        view = stream_view(n, layout, BUDGET)
+        capacity = capacity_of(view, layout, BUDGET)
+        assert view.layout.T <= capacity <= longest and capacity % layout.top_span == 0, n
+        capacities.add(capacity)
+    assert len(capacities) == VIEW_STEPS and longest in capacities
+
+
+@st.composite
+def streams(draw) -> tuple[Layout, int, int]:
+    """A layout, a refocus budget ``W - R`` its geometry allows, and a history length up to 40 top-level blocks."""
+    layout = Layout(**draw(layouts()))
+    most = most_refocus_every(layout.W, layout.H, layout.K, layout.L)
+    if most < 1:
+        layout = dataclasses.replace(layout, W=layout.T)
+        most = most_refocus_every(layout.W, layout.H, layout.K, layout.L)
+    refocus = draw(st.integers(1, max(1, most)))
+    return layout, layout.W - refocus, draw(st.integers(1, 40 * layout.top_span))
+
+
+@given(streams())
+def test_property_the_views_origin_is_the_one_a_block_by_block_scan_finds(case):
+    """:func:`stream_view` jumps to its origin (each top-level block dropped takes one gist off the cover): the
+    origin and the layout are the ones that dropping blocks one at a time while the cover is over budget finds."""
+    layout, budget, n = case
+    top, tail_start = layout.top_span, max(0, (n - layout.H) // layout.K * layout.K)
+
+    def fitted(origin: int):
+        real = n - origin
+        T = -(-real // top) * top
+        view = dataclasses.replace(layout, T=T, H=T - (tail_start - origin), W=min(budget + T - real, T), N=0)
+        return view, view.coarsest_cover - (T - real)
+
+    origin = 0
+    view, cover = fitted(origin)
+    while cover > budget and origin + top <= tail_start:
+        origin += top
+        view, cover = fitted(origin)
+    got = stream_view(n, layout, budget)
+    assert (got.origin, got.layout, got.real) == (origin, view, n - origin)
+
+
+@given(cases)
+def test_property_the_coarsest_cut_covers_every_token_once_in_the_coarsest_covers_count(case):
+    """:attr:`NodeTable.coarsest` (every eligible node under no eligible parent, one mask, no host sync) is a cut
+    (I2, the tail at LOD0) that leaves nothing out, in as many entries as the greedy count from the top level."""
+    layout = Layout(**case[0])
+    coarsest = NodeTable.of(layout).coarsest[None]
+    check_cut(coarsest, layout)
+    assert bool((token_coverage(coarsest, layout) == 1).all()) and int(coarsest.sum()) == layout.coarsest_cover
+
+
+@given(cases, adversarial)
+def test_property_a_table_given_its_tail_and_budget_as_tensors_is_the_layouts_own(case, kind):
+    """:meth:`NodeTable.fixed` over a layout of other ``H`` and ``W``: the same eligibility, and the allocator (one
+    step, from the coarsest cut and from a variant) and the shrink make the same cuts as the layout's own table."""
+    shape, batch, seed = case
+    layout = Layout(**shape)
+    own = NodeTable.of(layout)
+    other = NodeTable.of(dataclasses.replace(layout, H=layout.T - layout.K, W=layout.T))
+    fixed = other.fixed(torch.tensor(layout.T - layout.H), torch.tensor(layout.W))
+    assert torch.equal(fixed.eligible, own.eligible)
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    start = torch.cat([own.coarsest[None], sample_variants(noise, own)[:, 1:].flatten(0, 1)])
+    scores = own.spread_block_scores(adversarial_scores(kind, start.shape, seed))
+    assert torch.equal(allocate(start, scores, fixed), allocate(start, scores, own))
+    assert torch.equal(shrink(start, scores, fixed), shrink(start, scores, own))
+
+
+@given(cases, adversarial, st.integers(0, 2**16))
+def test_property_a_fixed_count_of_shrinks_gets_within_budget_where_shrinking_until_done_does(case, kind, draw):
+    """:func:`shrink_to_budget` calls the shrink ``L + 1`` times, whatever the cut: it reaches the cut and the verdict
+    that calling it until the cut is within budget, or until a call frees nothing, reaches. Cuts over budget are the
+    layout's variants held to a smaller budget."""
+    shape, batch, seed = case
+    layout = Layout(**shape)
+    tight = dataclasses.replace(layout, W=layout.coarsest_cover + draw % (layout.W - layout.coarsest_cover + 1))
+    nodes = NodeTable.of(tight)
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    scores = nodes.spread_block_scores(adversarial_scores(kind, (1, layout.n_nodes), seed))
+    for cut in sample_variants(noise, NodeTable.of(layout)).flatten(0, 1):
+        shown, size, expected = cut[None], int(cut.sum()), None
+        while size > tight.W:
+            shown = shrink(shown, scores, nodes)
+            size, before = int(shown.sum()), size
+            if size == before:
+                break
+        else:
+            expected = shown
+        got, within = shrink_to_budget(cut[None, None], scores, nodes)
+        assert bool(within) == (expected is not None)
+        assert expected is None or torch.equal(got[0], expected)
