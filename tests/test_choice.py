@@ -118,8 +118,8 @@ def test_the_compiled_choice_of_match_is_its_eager_one(fresh_dynamo):
 
 
 def test_the_capacities_step_up_to_the_longest_view():
-    """Every view's length fits its capacity, the capacities are at most ``VIEW_STEPS`` whole top-level blocks'
-    multiples, and the longest view is reached (at a history no scan shorter than it sees)."""
+    """Every view's length fits its capacity, the capacities are ``VIEW_STEPS`` multiples of whole top-level
+    blocks, and the longest view is reached (at a history past the origin's first move)."""
     layout = system_for(MATCH).layout
     longest = longest_view(layout, BUDGET)
     capacities = set()
@@ -163,6 +163,15 @@ def test_property_the_views_origin_is_the_one_a_block_by_block_scan_finds(case):
         view, cover = fitted(origin)
     got = stream_view(n, layout, budget)
     assert (got.origin, got.layout, got.real) == (origin, view, n - origin)
+
+
+@given(streams())
+def test_property_the_longest_view_is_the_longest_a_scan_over_every_history_finds(case):
+    """:func:`longest_view`'s closed form against the views of every history up to well past the origin's first
+    move (where they start to repeat every ``K^L`` tokens, shifted)."""
+    layout, budget, _ = case
+    scan = range(1, (budget + 4) * layout.top_span + 2 * layout.H)
+    assert longest_view(layout, budget) == max(stream_view(n, layout, budget).layout.T for n in scan)
 
 
 @given(cases)

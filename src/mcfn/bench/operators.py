@@ -106,7 +106,9 @@ def warm_refocus_operators(
             stream.append(ids[at : at + refocus_every])
             with OperatorCount() if counted else nullcontext() as ops:
                 choice(stream)
-            if counted and compile_fn is not None and ops.kernels == 0:
+            # On the CPU a graph's kernels are seen only where it was compiled within counted_kernels(); a GPU's
+            # Triton launches are recorded as they are made (unverified here: no GPU).
+            if counted and compile_fn is not None and ops.kernels == 0 and ids.device.type == "cpu":
                 raise RuntimeError("the choice's graphs were compiled outside counted_kernels(): no kernel is seen")
             counts.append(ops.count if counted else 0)
         assert not counted or choice.compile_s == 0.0, "a counted refocus compiled a graph"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from functools import cache
 
 import numpy
 import torch
@@ -39,15 +38,20 @@ from mcfn.core.tree import Tree
 from mcfn.inference.streaming import StreamingTree, view_tree
 from mcfn.typecheck import typechecked
 
-VIEW_STEPS = 6  # capacities over a history's life: with a cold and a warm graph, within dynamo's 8 per function
+# Capacities over a history's life: with a cold and a warm graph, within dynamo's 8 per function. Even steps keep a
+# growing history's shapes few; the price is a capacity up to a step longer than a short view (on the GPU layout's
+# 902,144-token longest view, a 16k history is laid in 150,528 tokens).
+VIEW_STEPS = 6
 
 
-@cache
 def longest_view(layout: Layout, budget: int) -> int:
-    """The longest ``T`` of a view of ``layout`` within ``budget`` over any history (:func:`stream_view`): its cover
-    grows by one gist per ``K^L`` tokens until it passes the budget (near ``budget·K^L`` tokens), and from there the
-    views repeat every ``K^L`` tokens, shifted; the scan runs to twice that."""
-    return max(stream_view(n, layout, budget).layout.T for n in range(1, 2 * (budget + 2) * layout.top_span))
+    """The longest ``T`` of a view of ``layout`` within ``budget`` over any history (:func:`stream_view`). A view's
+    cover is its tail's ``h`` real tokens (``H <= h < H + K``) and the gists of the ``x`` tokens before them, one per
+    top-level block and the digits of the rest, and its origin drops as many top-level blocks as the cover is over
+    ``budget``: so it reads ``top·budget - (top - 1)·h + rest - top·digits(rest)`` tokens, ``top = K^L``, at most
+    ``top·budget - (top - 1)·H`` (the rest 0), rounded up to whole top-level blocks. A test holds it to a scan."""
+    top = layout.top_span
+    return top * (budget - layout.H + -(-layout.H // top))
 
 
 def capacity_of(view: StreamView, layout: Layout, budget: int) -> int:
