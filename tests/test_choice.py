@@ -29,7 +29,7 @@ from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import LENS, MATCH
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.geometry import most_refocus_every
-from mcfn.inference.choice import VIEW_STEPS, FocusChoice, capacity_of, longest_view
+from mcfn.inference.choice import FocusChoice, capacity_of, longest_view
 from mcfn.inference.streaming import StreamingTree, focused_context
 
 T, K, L, W, H = 64, 4, 2, 32, 8
@@ -95,7 +95,7 @@ def test_the_choice_is_one_graph_per_capacity_over_200_refocuses_of_a_growing_hi
     ids = history(5, 200)
     eager = FocusChoice(system, LENS, protocol, BUDGET, compile_fn=lambda fn: fn)
     expected = contexts_over(system, eager, ids, 5, 200)
-    assert VIEW_STEPS <= len(eager.shapes) <= 8 and {s for _, s, _ in eager.shapes} == {1, 4}
+    assert 6 <= len(eager.shapes) <= 8 and {s for _, s, _ in eager.shapes} == {1, 4}
     with one_graph("aot_eager", functions=len(eager.shapes)) as compile_fn:
         compiled = FocusChoice(system, LENS, protocol, BUDGET, compile_fn)
         got = contexts_over(system, compiled, ids, 5, 200)
@@ -118,17 +118,18 @@ def test_the_compiled_choice_of_match_is_its_eager_one(fresh_dynamo):
 
 
 def test_the_capacities_step_up_to_the_longest_view():
-    """Every view's length fits its capacity, the capacities are ``VIEW_STEPS`` multiples of whole top-level
-    blocks, and the longest view is reached (at a history past the origin's first move)."""
+    """Every view's length fits its capacity, less than twice over, the capacities are powers of two of whole
+    top-level blocks but the longest view, which is reached (at a history past the origin's first move)."""
     layout = system_for(MATCH).layout
     longest = longest_view(layout, BUDGET)
     capacities = set()
     for n in range(1, 4000):
         view = stream_view(n, layout, BUDGET)
         capacity = capacity_of(view, layout, BUDGET)
-        assert view.layout.T <= capacity <= longest and capacity % layout.top_span == 0, n
+        assert view.layout.T <= capacity < 2 * view.layout.T and capacity <= longest, n
         capacities.add(capacity)
-    assert len(capacities) == VIEW_STEPS and longest in capacities
+    top = layout.top_span
+    assert capacities == {top * 2**j for j in range(longest.bit_length()) if top * 2**j < longest} | {longest}
 
 
 @st.composite

@@ -3,8 +3,8 @@
 Eagerly a refocus's choice is hundreds of small operators, and compiled as it stands it would recompile at nearly
 every refocus: the view's layout (:func:`~mcfn.core.focus.stream_view`) changes its ``T`` every ``K^L`` tokens while
 a history grows, and its tail ``H`` and budget ``W`` at every refocus. So the view is laid in a **capacity**
-(:func:`capacity_of`): its length rounded up to one of :data:`VIEW_STEPS` steps of the longest view the budget
-allows (:func:`longest_view`), the tokens added being phantoms after the newest one, like the view's own: in the
+(:func:`capacity_of`): its length rounded up to a power of two of top-level blocks, at most the longest view the
+budget allows (:func:`longest_view`), the tokens added being phantoms after the newest one, like the view's own: in the
 tail, shown at LOD0 and paid for by the budget they raise. The view's tail, budget and length are tensors (``where``;
 :meth:`~mcfn.core.nodes.NodeTable.fixed`, and the scorers' ``scale``). Every node the capacity adds lies over the
 tail: never eligible, never a candidate, so the allocator makes the view's own cut. The block view keeps a fixed
@@ -13,8 +13,9 @@ past them stay outside it, and score 0 as padding does, as the view's own phanto
 
 :func:`choose` is then the whole choice: the scores, the previous context carried over and shrunk within budget, the
 allocator's steps, and the context the cut gives, fixed-width (valid entries first). :class:`FocusChoice` runs it for
-one stream, compiled (one graph per capacity and step count: a growing history meets at most ``VIEW_STEPS``
-capacities, a long one only the longest) or eagerly on the view's own length; a test holds both to
+one stream, compiled (one graph per capacity and step count: a history meets ``log2`` of its longest view's
+blocks, plus one, over its whole life, seven at the default layout, and one or two in any 200 refocuses past the first
+few thousand tokens) or eagerly on the view's own length; a test holds both to
 :func:`~mcfn.core.focus.focus_cut`'s cut, the evaluation's.
 """
 
@@ -38,11 +39,6 @@ from mcfn.core.tree import Tree
 from mcfn.inference.streaming import StreamingTree, view_tree
 from mcfn.typecheck import typechecked
 
-# Capacities over a history's life: with a cold and a warm graph, within dynamo's 8 per function. Even steps keep a
-# growing history's shapes few; the price is a capacity up to a step longer than a short view (on the GPU layout's
-# 902,144-token longest view, a 16k history is laid in 150,528 tokens).
-VIEW_STEPS = 6
-
 
 def longest_view(layout: Layout, budget: int) -> int:
     """The longest ``T`` of a view of ``layout`` within ``budget`` over any history (:func:`stream_view`). A view's
@@ -55,11 +51,12 @@ def longest_view(layout: Layout, budget: int) -> int:
 
 
 def capacity_of(view: StreamView, layout: Layout, budget: int) -> int:
-    """The ``T`` a view is laid in: its own rounded up to a step of ``longest / VIEW_STEPS`` (a whole number of
-    top-level blocks), at most the longest view."""
-    longest, top = longest_view(layout, budget), layout.top_span
-    step = -(-longest // (VIEW_STEPS * top)) * top
-    return min(-(-view.layout.T // step) * step, longest)
+    """The ``T`` a view is laid in: its own rounded up to a power of two of top-level blocks, at most the longest
+    view: never twice the view, and few shapes over a history's life (even steps of the longest view would lay a
+    16k history of the GPU layout, whose longest view is 902,144 tokens, in 150,528)."""
+    top = layout.top_span
+    blocks = view.layout.T // top
+    return min(top << (blocks - 1).bit_length(), longest_view(layout, budget))
 
 
 def block_view_width(T: int, layout: Layout) -> int:
