@@ -59,15 +59,17 @@ def capacity_of(view: StreamView, layout: Layout, budget: int) -> int:
     return min(top << (blocks - 1).bit_length(), longest_view(layout, budget))
 
 
-def block_view_width(T: int, layout: Layout) -> int:
-    """The most entries a view of ``T`` tokens gives the block view before its phantoms: its eligible LOD1 gists
-    cover at most ``T - H`` tokens, and its tail holds at most ``H + K - 1`` real ones."""
-    return min(T, (T - layout.H) // layout.K + layout.H + layout.K - 1)
+def block_view_width(capacity: Layout) -> int:
+    """The most entries a view laid in ``capacity`` gives the block view before its phantoms: its eligible LOD1 gists
+    cover at most ``T - H`` tokens, and its tail holds at most ``H + K - 1`` real ones (``H``: the system's tail)."""
+    T, H, K = capacity.T, capacity.H, capacity.K
+    return min(T, (T - H) // K + H + K - 1)
 
 
 def capacity_layout(T: int, layout: Layout, budget: int) -> Layout:
-    """The fixed layout of a capacity of ``T`` tokens. Its ``H`` and ``W`` are constants of the graph that no rule
-    reads (the view's come as tensors, :meth:`~mcfn.core.nodes.NodeTable.fixed`): the system's tail and ``budget``."""
+    """The fixed layout of a capacity of ``T`` tokens: ``H`` the system's tail and ``W`` the refocus ``budget``,
+    constants of the graph that size the block view and the context, and that no rule of the cut reads (the view's
+    own come as tensors, :meth:`~mcfn.core.nodes.NodeTable.fixed`)."""
     return dataclasses.replace(layout, T=T, W=budget, N=0)
 
 
@@ -82,7 +84,6 @@ def choose(
     system: MegaContext,
     policy: FocusPolicy,
     capacity: Layout,
-    budget: int,
     reach: int,
     steps: int,
     emb: Float[Tensor, "1 nodes d"],
@@ -92,17 +93,16 @@ def choose(
 ) -> WorkingContext:
     """One refocus of a view laid in ``capacity`` (its tree ``emb``, its tokens ``window``; ``where``:
     :func:`view_where`): ``policy``'s cut (:func:`~mcfn.core.focus.chosen_cut`, ``steps`` allocator steps, warm from
-    ``previous``, the last refocus's answer, where given) and its context ``[1, budget]``, valid entries first,
-    starts and positions absolute (:func:`~mcfn.core.focus.chosen_context`). ``reach``: the predictions a cut serves.
-    No host sync and fixed shapes: :class:`FocusChoice` compiles it whole."""
+    ``previous``, the last refocus's answer, where given) and its context ``[1, W]`` (``capacity.W``: the refocus
+    budget), valid entries first, starts and positions absolute (:func:`~mcfn.core.focus.chosen_context`).
+    ``reach``: the predictions a cut serves. No host sync and fixed shapes: :class:`FocusChoice` compiles it whole."""
     real, origin, tail_start, length = where.unbind()
-    view_budget = torch.clamp(budget + capacity.T - real, max=capacity.T)  # the view's W, raised by the phantoms
+    view_budget = torch.clamp(capacity.W + capacity.T - real, max=capacity.T)  # the view's W, raised by its phantoms
     nodes = NodeTable.of(capacity, emb.device).fixed(tail_start, view_budget)
     tree = Tree(emb=emb, batch_size=[1])
     scorer = policy.scorer(system, window, capacity, reach, length)
-    width = block_view_width(capacity.T, system.layout)
-    cut = chosen_cut(scorer, tree, window, nodes, (real - 1)[None], origin, steps, previous, width)
-    return chosen_context(tree, cut, window, nodes, real, origin, budget)
+    cut = chosen_cut(scorer, tree, window, nodes, (real - 1)[None], origin, steps, previous, block_view_width(capacity))
+    return chosen_context(tree, cut, window, nodes, real, origin, capacity.W)
 
 
 class FocusChoice:
@@ -141,10 +141,8 @@ class FocusChoice:
         steps = self.protocol.steps_from(previous)
         self.shapes.add((T, steps, previous is not None))
         t0, compiled = time.perf_counter(), compiled_frames()
-        self.answer = self.choose(
-            self.system, self.policy, capacity, self.budget, self.protocol.every, steps, tree.emb, window, where,
-            previous,
-        )  # fmt: skip
+        args = (self.system, self.policy, capacity, self.protocol.every, steps, tree.emb, window, where, previous)
+        self.answer = self.choose(*args)
         self.compile_s += (time.perf_counter() - t0) if compiled_frames() > compiled else 0.0
         return valid_prefix(self.answer)
 
