@@ -24,13 +24,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcfn.core.allocator import allocate, shrink
-from mcfn.core.focus import Refocus, shrink_to_budget, stream_view
+from mcfn.core.focus import Refocus, focus_scores, shrink_to_budget, stream_view
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import LENS, MATCH
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.geometry import most_refocus_every
-from mcfn.inference.choice import FocusChoice, capacity_of, longest_view
-from mcfn.inference.streaming import StreamingTree, focused_context
+from mcfn.inference.choice import (
+    FocusChoice,
+    block_view_width,
+    capacity_layout,
+    capacity_of,
+    longest_view,
+    view_where,
+)
+from mcfn.inference.streaming import StreamingTree, focused_context, view_tree
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 R = 4
@@ -58,8 +65,8 @@ def test_the_choice_in_a_stepped_capacity_makes_the_evaluations_cut(policy, warm
     """Over prompts of several lengths (a few tokens; mid-growth; past the point where the origin moves) and 40
     refocuses each, cold and then warm (or cold every time), the choice laid in its stepped capacity and the one laid
     in the view's own length give exactly the context of ``focused_context`` (``focus_cut``, the evaluation's path).
-    Fails if a node the capacity adds could be chosen, or the phantoms it adds entered the scores, or the prior's
-    distance were measured over the capacity instead of the view."""
+    Fails if a node the capacity adds could be chosen, or the phantoms it adds entered the scores, or the block
+    view's fixed width fell short of a view's real entries (by one block: watched failing)."""
     system, protocol = system_for(policy), Refocus(R, warm_steps=warm_steps)
     for n in (5, 130, 700):
         ids = history(n, 40)
@@ -73,6 +80,31 @@ def test_the_choice_in_a_stepped_capacity_makes_the_evaluations_cut(policy, warm
             assert same_context(stepped(stream), previous) and same_context(own(stream), previous), (n, i)
             stream.append(ids[n + i * R : n + (i + 1) * R])
         assert any(T != len(stream) for T, _, _ in stepped.shapes), "the case needs capacities past the view"
+
+
+@pytest.mark.parametrize("policy", [MATCH, LENS], ids=lambda p: p.name)
+def test_the_scores_in_a_capacity_are_the_views_own(policy):
+    """Every node of a view scores in its capacity as in the view's own layout (the capacity's added nodes aside):
+    the block view's fixed width holds every real entry, and the recency prior is measured over the view's length,
+    not the capacity's. Fails with the scorer given no ``scale``."""
+    system = system_for(policy)
+    for n in (130, 700):
+        stream = StreamingTree(system, torch.device("cpu"))
+        stream.append(history(n, 0))
+        view = stream_view(n, system.layout, BUDGET)
+        capacity = capacity_layout(capacity_of(view, system.layout, BUDGET), system.layout, BUDGET)
+        assert capacity.T > view.layout.T, "the case needs a capacity past the view"
+        horizon = torch.tensor([view.real - 1])
+        real, origin, tail_start, length = torch.tensor(view_where(view)).unbind()
+        tree, window = view_tree(stream, view)
+        own_nodes = NodeTable.of(view.layout)
+        own = focus_scores(policy.scorer(system, window, view.layout, R), tree, window, own_nodes, horizon)
+        tree, window = view_tree(stream, view, capacity)
+        nodes = NodeTable.of(capacity).fixed(tail_start, torch.tensor(0))
+        scorer = policy.scorer(system, window, capacity, R, length)
+        laid = focus_scores(scorer, tree, window, nodes, horizon, block_view_width(capacity))
+        for k, size in enumerate(view.layout.level_sizes):
+            torch.testing.assert_close(nodes.level(laid, k)[:, :size], own_nodes.level(own, k), rtol=1e-5, atol=1e-6)
 
 
 def contexts_over(system, choice: FocusChoice, ids: torch.Tensor, prompt: int, refocuses: int) -> list:
