@@ -19,6 +19,7 @@ from mcfn.errors import UserError
 from mcfn.evaluation.batch import EvalBatch, EvalSettings
 from mcfn.evaluation.evaluate import HeldOut, conditions, evaluate
 from mcfn.evaluation.one_cut import predict_budget
+from mcfn.evaluation.oracle import ORACLES
 from mcfn.evaluation.report import format_eval_table
 from mcfn.evaluation.result import EvalReport, ProtocolResult
 from mcfn.evaluation.stats import Clusters, paired_gain, retained_with_interval, spearman
@@ -219,6 +220,13 @@ def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
     on_val = json.loads((tmp_path / "v.json").read_text())
     assert on_val["split"] == "val" and on_val["windows"] == 8 and on_val["documents"] == 7  # 2 batches of 4
     assert "| 16 |" in capsys.readouterr().out
+    args = ["--ckpt", str(run), "--json", str(tmp_path / "o.json"), "--out", str(out), "--batches", "1"]
+    assert eval_main([*args, "--brief", "--oracle"]) == 0  # the final evaluation's conditions and the oracles
+    oracle = json.loads((tmp_path / "o.json").read_text())
+    briefed = {"full", "recency", "match", "lens", "shipped"}
+    assert oracle["brief"] is oracle["oracle"] is True and set(oracle["bpb"]) == briefed | set(ORACLES)
+    assert "oracle_attn_over_match" in oracle["tasks"]["corpus"]["paired"]
+    assert set(ORACLES) <= set(oracle["tasks"]["corpus"]["indexer_recall"])
     assert eval_main(["--ckpt", str(tmp_path / "nowhere")]) == 2
     assert eval_main(["--ckpt", str(run), "--budgets", "3"]) == 2
     capsys.readouterr()

@@ -52,6 +52,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="corpus | passkey | kv-recall | copy (repeatable; default: every task; corpus always runs)",
     )
     p.add_argument("--reference", type=Path, help="a --no-mc run on the same data: scored as full_plain")
+    p.add_argument(
+        "--brief",
+        action="store_true",
+        help="what a run's final evaluation scores: full, recency, match, lens and the shipped policy under "
+        "generation's protocol (no random, attention or fixed cuts, no best-of, no one-cut table)",
+    )
+    p.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also score the attention oracles oracle_attn and oracle_match (mcfn.evaluation.oracle): cuts from each "
+        "chunk's own queries' full attention, bounds that read the future, never policies",
+    )
     return p.parse_args(argv)
 
 

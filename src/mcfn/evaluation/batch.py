@@ -20,6 +20,7 @@ from mcfn.core.policy import FocusPolicy, policies
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.probes import PROBES
+from mcfn.evaluation.oracle import ORACLES
 
 PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
 
@@ -39,6 +40,9 @@ class EvalSettings:
     # Policies scored beside the registry's, each under its own name (mcfn.core.policy.renamed, lensnet_policy): the
     # run's shipped policy, or the candidates of the ship choice (mcfn.stage.ship). They refocus as generation does.
     candidates: tuple[FocusPolicy, ...] = ()
+    # The attention oracles (mcfn.evaluation.oracle), under generation's protocol: bounds that read each chunk's
+    # future, never policies (train.eval --oracle).
+    oracle: bool = False
 
     def policies(self, system: MegaContext) -> list[FocusPolicy]:
         """What is scored on ``system``: the registry's policies it can run (a brief evaluation's only), then the
@@ -47,8 +51,9 @@ class EvalSettings:
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The candidates' names."""
-        return tuple(policy.name for policy in self.candidates)
+        """The conditions scored beside the registry's policies: the candidates', then the oracles' (with
+        ``oracle``)."""
+        return (*(policy.name for policy in self.candidates), *(ORACLES if self.oracle else ()))
 
     @property
     def protocols(self) -> tuple[str, ...]:

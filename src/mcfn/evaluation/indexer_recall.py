@@ -34,13 +34,14 @@ DEFINITION = (
 
 @torch.no_grad()
 @typechecked
-def tail_attention(base: GPT, window: Int[Tensor, "b t1"], layout: Layout) -> Float[Tensor, "b h t"]:
-    """The full window's attention of each of the last ``H`` predictions' queries over the ``T`` tokens, summed over
-    layers and heads."""
+def tail_attention(base: GPT, window: Int[Tensor, "b t1"], layout: Layout, before: int = 0) -> Float[Tensor, "b q t"]:
+    """The full window's causal attention of each of the last ``q = H + before`` predictions' queries over the
+    ``T`` tokens, summed over layers and heads: the tail's, after the ``before`` queries just ahead of it."""
     tokens = window[:, : layout.T]
     at = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
-    first = torch.full((window.size(0),), layout.T - layout.H, device=window.device)
-    return hidden_and_tail_attention(base, base.embed(tokens), at, torch.ones_like(at), first, layout.H)[1]
+    queries = layout.H + before
+    first = torch.full((window.size(0),), layout.T - queries, device=window.device)
+    return hidden_and_tail_attention(base, base.embed(tokens), at, torch.ones_like(at), first, queries)[1]
 
 
 @typechecked

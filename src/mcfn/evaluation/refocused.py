@@ -14,9 +14,13 @@ Every condition that chooses a cut chooses it per chunk, in the view that genera
 * ``recent`` (the fixed rule) and ``random`` (``M`` random cuts): the view's own, per chunk; the best-of conditions
   pick among each chunk's cuts (:mod:`mcfn.evaluation.headroom`), and ``lens_rank_corr`` compares LensNet's preference
   with each chunk's measured gap;
-* ``lens_nogist``: the ``lens`` cuts read with every gist zeroed.
+* ``lens_nogist``: the ``lens`` cuts read with every gist zeroed;
+* with ``oracle`` (:mod:`mcfn.evaluation.oracle`), ``oracle_attn``, ``oracle_match`` and ``horizon_attn``: cuts
+  scored by full attention, of the chunk's own queries (bounds that break I11 by design) or of those up to its
+  horizon (which read every history token at LOD0).
 
-Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk). ``full`` is unchanged.
+Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk), but ``oracle_attn`` and
+``oracle_match``. ``full`` is unchanged.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from mcfn.core.variants import recent_cut
 from mcfn.evaluation.batch import EvalBatch
 from mcfn.evaluation.chunks import ChunkView, chunk_predictions, chunk_view, refocus_rows
 from mcfn.evaluation.counterfactual import label_edits, lens_view_scores, utility_corr
+from mcfn.evaluation.indexer_recall import tail_attention
 from mcfn.evaluation.one_cut import NOGIST, Predictions, stacked
+from mcfn.evaluation.oracle import ORACLES, chunk_mass, oracle_rows, view_mass
 
 
 @dataclass
@@ -82,6 +88,10 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
     preference = torch.zeros(B, n_chunks, M * (M - 1) // 2, device=device)
     utility = torch.full((B, n_chunks), torch.nan, dtype=torch.float64)
     focuses = [policy.name for policy in batch.settings.policies(system) if policy.refocuses]
+    attention = None
+    if batch.settings.oracle:  # the oracles read each chunk's own queries' full attention
+        focuses += ORACLES
+        attention = tail_attention(system.base, window, layout, before=R)  # and the R queries ahead of the tail
     previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in focuses}
     cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in focuses}
     for c in range(n_chunks):
@@ -89,7 +99,8 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
         for n in sorted(set((at[at < T] + 1).tolist())):
             rows = torch.nonzero(at + 1 == n).flatten()
             carried = {name: [previous[name][row] for row in rows.tolist()] for name in focuses}
-            part = predict_chunk(batch, rows, n, nodes, generator, carried)
+            mass = None if attention is None else chunk_mass(attention[rows], chunk[rows], c, at[rows], R, layout.K)
+            part = predict_chunk(batch, rows, n, nodes, generator, carried, mass)
             if slots is None:
                 slots = part.slots
                 nll = torch.zeros(B, part.nll.size(1), H, device=device)
@@ -118,9 +129,12 @@ def predict_chunk(
     nodes: NodeTable,
     generator: torch.Generator,
     carried: dict[str, list[WorkingContext | None]],
+    mass: dict[str, Tensor] | None = None,
 ) -> Chunk:
     """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions of the tokens after
     the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold).
+    With ``mass`` (each token's attention from the chunk's own queries and from those up to its horizon,
+    ``[g, T]`` each), the oracles refocus too (:mod:`mcfn.evaluation.oracle`).
     With ``batch.utility``, each row's LensNet cut is also labelled edit by edit
     (:mod:`mcfn.evaluation.counterfactual`)."""
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
@@ -141,6 +155,13 @@ def predict_chunk(
         elif policy.choice is Choice.RANDOM:
             random_view = cv.random(M, g, generator)
             parts[policy.name] = cv.window_cut(random_view)
+    if mass is not None:
+        oracle_cuts, oracle_contexts = oracle_rows(
+            system, cv.tree, cv.window, cv.view, protocol, {k: view_mass(m, cv.view) for k, m in mass.items()}, carried
+        )
+        view_cuts.update(oracle_cuts)
+        contexts.update(oracle_contexts)
+        parts.update({name: cv.window_cut(cut) for name, cut in oracle_cuts.items()})
     shown, slots = stacked(parts)
     nll, hit = chunk_predictions(system, tree, shown, window, cv)
     preference, utility = None, None

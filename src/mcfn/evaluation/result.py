@@ -253,6 +253,8 @@ class EvalReport:
                              "lens_rank_corr": row.lens_rank_corr}  # fmt: skip
         if settings.brief:
             out["brief"] = True  # a full evaluation's file is as it always was
+        if settings.oracle:
+            out["oracle"] = True  # oracle_attn and oracle_match read each chunk's future: bounds, not policies
         out["tasks"] = {name: result.to_json() for name, result in self.tasks.items()}
         if self.checkpoint_step is not None:
             out["checkpoint_step"] = self.checkpoint_step

@@ -70,6 +70,8 @@ class EvalRequest:
     tasks: list[str] | None = None
     reference: Path | None = None
     split: str = "test"
+    brief: bool = False
+    oracle: bool = False
 
 
 def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
@@ -103,7 +105,14 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
     assert trained.shipped is not None, "a MegaContext run ships a policy"
     shipped, policy = trained.shipped  # scored as "shipped" beside the others
     settings = EvalSettings(
-        budgets, random_contexts, refocus, chosen, refocus_every=refocus_every, candidates=(policy,)
+        budgets,
+        random_contexts,
+        refocus,
+        chosen,
+        refocus_every=refocus_every,
+        brief=request.brief,
+        candidates=(policy,),
+        oracle=request.oracle,
     )
     report = evaluate(trained.model, HeldOut(windows, trained.token_bytes, tok, docs, name), settings, plain)
     provenance = Provenance(data or f"{cfg.data.source} ({name} split)", None if reference is None else str(reference))

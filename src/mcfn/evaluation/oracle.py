@@ -1,0 +1,124 @@
+"""Attention oracles: what a LensNet fitted exactly to full attention's choice of blocks would cut, as a bound.
+
+Issue 79's signal is full attention of the next ``R`` predictions, pooled per unit and distilled into LensNet's
+scores. These conditions skip the distillation: per chunk of ``R`` predictions under generation's protocol, each
+block-view entry is scored by the full window's attention of *that chunk's own* queries (summed over layers and
+heads, the :func:`~mcfn.evaluation.indexer_recall.tail_attention` the recall reads), pooled over the entry's
+tokens, the window's first block scored 0 (the attention sink, which the recall and the indexer's target leave out);
+then the allocator every scored policy uses settles the cut, cold or warm as generation does.
+
+* ``oracle_attn``: those scores alone;
+* ``oracle_match``: ``match``'s scores and those, each over its row's standard deviation
+  (:func:`~mcfn.core.lensnet.rescaled`), summed: the indexer's residual over ``match`` with its learned term
+  replaced by its target;
+* ``horizon_attn``: as ``oracle_attn``, but the mass from the ``R`` newest queries *up to* the chunk's horizon.
+  Causal attention keeps it within I11, yet it reads every history token's keys at LOD0, which a stream does not
+  keep: it says how much of the oracle's margin the base model's own queries at the horizon already carry.
+
+The first two read the chunk's future (its own predictions' attention), and the third the whole history in detail,
+so none is a policy: nothing generation, the ship choice or the best-of conditions iterate holds them, and only
+``train.eval --oracle`` scores them. A LensNet fitted to the target cannot be expected past them; a margin over
+``match`` they do not have, it will not find.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from mcfn.core.context import Scorer, WorkingContext
+from mcfn.core.focus import Refocus, StreamView
+from mcfn.core.lensnet import rescaled
+from mcfn.core.policy import MATCH, Choice, FocusPolicy
+from mcfn.core.system import MegaContext
+from mcfn.core.tree import Tree
+from mcfn.typecheck import typechecked
+
+ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN = "oracle_attn", "oracle_match", "horizon_attn"
+ORACLES = (ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN)
+
+
+@typechecked
+def chunk_mass(
+    attention: Float[Tensor, "b q t"], chunk: Int[Tensor, "b h"], c: int, horizon: Int[Tensor, " b"], R: int, block: int
+) -> dict[str, Float[Tensor, "b t"]]:
+    """Per row, the attention mass on each token (the first ``block``, the sink, zeroed) of chunk ``c``'s own
+    queries (``"future"``; ``chunk``: each of the last ``h`` columns' chunk, -1 where unscored) and of the ``R``
+    newest queries up to its ``horizon`` (``"horizon"``): ``attention``'s ``q`` queries are the window's last."""
+    q, T = attention.shape[1:]
+    position = T - q + torch.arange(q, device=attention.device)
+    own = F.pad(chunk == c, (q - chunk.size(1), 0), value=False)
+    ahead = (position[None] <= horizon[:, None]) & (position[None] > horizon[:, None] - R)
+    return {name: F.pad((attention * which[..., None]).sum(1)[:, block:], (block, 0))
+            for name, which in (("future", own), ("horizon", ahead))}  # fmt: skip
+
+
+@typechecked
+def view_mass(mass: Float[Tensor, "g t"], view: StreamView) -> Float[Tensor, "g tv"]:
+    """``mass`` over the window's tokens as mass over the view's (from its origin; 0 past the window's end)."""
+    length = view.layout.T
+    part = mass[:, view.origin : view.origin + length]
+    return F.pad(part, (0, length - part.size(1)))
+
+
+def attention_scorer(mass: Float[Tensor, "1 tv"]) -> Scorer:
+    """``oracle_attn``'s scorer: each valid entry scores the mass on its tokens."""
+
+    @typechecked
+    def score(wc: WorkingContext) -> Float[Tensor, "r w"]:
+        total = F.pad(mass.cumsum(-1), (1, 0))
+        end = (wc.start + wc.span).clamp(max=mass.size(-1))
+        pooled = total.gather(1, end) - total.gather(1, wc.start.clamp(max=mass.size(-1)))
+        return torch.where(wc.valid, pooled, 0.0)
+
+    return score
+
+
+def summed_scorer(first: Scorer, second: Scorer) -> Scorer:
+    """``oracle_match``'s: two scorers' scores, each over its row's standard deviation, added."""
+
+    def score(wc: WorkingContext) -> Tensor:
+        return rescaled(first(wc), wc.valid) + rescaled(second(wc), wc.valid)
+
+    return score
+
+
+def oracle_policies(future: Float[Tensor, "1 tv"], horizon: Float[Tensor, "1 tv"]) -> dict[str, FocusPolicy]:
+    """The oracles as scored policies of one row's view, from its chunk's masses (:func:`chunk_mass`, through
+    :func:`view_mass`), for that row's refocus only."""
+
+    def attention_of(mass: Tensor):
+        return lambda system, window, layout, reach, scale: attention_scorer(mass)
+
+    def match_of(system: MegaContext, window: Tensor, layout, reach: int, scale: Tensor | None) -> Scorer:
+        return summed_scorer(MATCH.scorer(system, window, layout, reach, scale), attention_scorer(future))
+
+    return {
+        ORACLE_ATTN: FocusPolicy(ORACLE_ATTN, Choice.SCORED, attention_of(future)),
+        ORACLE_MATCH: FocusPolicy(ORACLE_MATCH, Choice.SCORED, match_of),
+        HORIZON_ATTN: FocusPolicy(HORIZON_ATTN, Choice.SCORED, attention_of(horizon)),
+    }
+
+
+def oracle_rows(
+    system: MegaContext,
+    tree: Tree,
+    window: Tensor,
+    view: StreamView,
+    protocol: Refocus,
+    mass: dict[str, Float[Tensor, "g tv"]],
+    carried: dict[str, list],
+) -> tuple[dict[str, Tensor], dict[str, list]]:
+    """Each oracle's refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``, the view's
+    ``mass``es), warm from its ``carried`` contexts as the protocol says: per oracle, the cuts ``[g, 1, view_nodes]``
+    and the contexts the next chunk carries."""
+    cuts: dict[str, list[Tensor]] = {name: [] for name in ORACLES}
+    contexts: dict[str, list] = {name: [] for name in ORACLES}
+    for i in range(window.size(0)):
+        for name, policy in oracle_policies(mass["future"][i : i + 1], mass["horizon"][i : i + 1]).items():
+            cut, context = policy.refocus(system, tree[i : i + 1], window[i : i + 1], view, protocol, carried[name][i])
+            cuts[name].append(cut)
+            contexts[name].append(context)
+    return {name: torch.cat(c) for name, c in cuts.items()}, contexts

@@ -1,0 +1,126 @@
+"""The attention oracles: each chunk's cut from its own queries' full attention, scored only when asked."""
+
+from __future__ import annotations
+
+import torch
+from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mcfn.evaluation.refocused as refocused
+from mcfn.core.context import assemble, seen_until
+from mcfn.core.nodes import NodeTable
+from mcfn.core.policy import POLICIES
+from mcfn.core.system import tree_stage
+from mcfn.evaluation.batch import EvalBatch, EvalSettings
+from mcfn.evaluation.oracle import HORIZON_ATTN, ORACLE_ATTN, ORACLE_MATCH, ORACLES, attention_scorer, chunk_mass
+from mcfn.evaluation.refocused import predict_chunked
+
+T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), horizon=st.integers(T - H, T - 1))
+def test_property_the_attention_oracle_scores_each_entry_by_the_mass_on_its_own_tokens(seed, horizon):
+    """Every valid entry of the block view (gists and tail tokens) scores the mass summed over exactly the tokens it
+    covers; entries past the horizon score 0. Fails with a span read one token short."""
+    system = make_system(T, K, L, W, H, N=2)
+    nodes = NodeTable.of(system.layout, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, VOCAB, (1, T + 1), generator=g)
+    mass = torch.rand(1, T, generator=g)
+    view = nodes.with_sizes(W=system.layout.block_view_width)
+    with torch.no_grad():
+        wc = assemble(tree_stage(system, window), nodes.block_view[None, None], window, view)
+    wc = seen_until(wc, torch.tensor([horizon]))
+    scores = attention_scorer(mass)(wc)
+    for e in range(wc.valid.size(1)):
+        start, span = int(wc.start[0, e]), int(wc.span[0, e])
+        expected = float(mass[0, start : start + span].sum()) if bool(wc.valid[0, e]) else 0.0
+        assert abs(float(scores[0, e]) - expected) < 1e-5, (e, start, span)
+
+
+def test_a_chunks_masses_read_its_own_queries_and_those_up_to_its_horizon_and_leave_the_sink_out():
+    """``attention`` holds the window's last H + R queries: chunk c's own are its columns R + (its tail columns),
+    the horizon's the R ending at the chunk's first prediction. Fails with either set one query off."""
+    attention = torch.rand(2, H + R, T)
+    chunk = torch.tensor([[-1] * 4 + [0] * 4 + [1] * 4 + [2] * 4, [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4])
+    horizon = torch.tensor([T - H + 8, T - H + 4])  # chunk 1's first prediction in each row
+    mass = chunk_mass(attention, chunk, 1, horizon, R, K)
+    torch.testing.assert_close(mass["future"][0, K:], attention[0, R + 8 : R + 12, K:].sum(0))
+    torch.testing.assert_close(mass["future"][1, K:], attention[1, R + 4 : R + 8, K:].sum(0))
+    # row 0's chunk 1 starts at column R + 8 (position T - H + 8): the R queries up to it are columns 9 .. 12
+    torch.testing.assert_close(mass["horizon"][0, K:], attention[0, 9 : R + 9, K:].sum(0))
+    torch.testing.assert_close(mass["horizon"][1, K:], attention[1, 5 : R + 5, K:].sum(0))
+    assert all((m[:, :K] == 0).all() for m in mass.values())
+
+
+def chunk_on_block(targets: list[int]):
+    """A stand-in for full attention in which chunk ``c``'s queries read only block ``targets[c]``."""
+
+    def attention(base, window, layout, before):
+        out = torch.zeros(window.size(0), before + layout.H, layout.T)
+        for c, block in enumerate(targets):
+            out[:, before + c * R : before + (c + 1) * R, block * K : (block + 1) * K] = 1.0
+        return out
+
+    return attention
+
+
+def test_each_chunks_oracle_cut_shows_the_far_block_its_own_queries_read(monkeypatch):
+    """With every chunk's queries reading one far block, a different one per chunk, ``oracle_attn`` shows chunk c's
+    block at LOD0 in chunk c's cut, and ``oracle_match`` does too (the oracle's term, on the same scale as
+    ``match``'s, decides where ``match`` votes nothing). Fails when a chunk's mass is read from another chunk's
+    queries, or the oracles are left out of the conditions the evaluation scores."""
+    targets = [2, 5, 8, 1]  # far blocks (the tail starts at block 12)
+    monkeypatch.setattr(refocused, "tail_attention", chunk_on_block(targets))
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
+    window = torch.randint(0, VOCAB, (2, T + 1), generator=torch.Generator().manual_seed(3))
+    # warm refocuses of L + 2 steps, as many as a cold one: one step opens one level, and block 1 lies in a LOD2
+    # gist that chunk 2's cut keeps closed
+    settings = EvalSettings((W,), 4, refocus=4, refocus_every=R, warm_steps=4, oracle=True, brief=True)
+    with torch.no_grad():
+        pred = predict_chunked(EvalBatch.of(system, settings, window, torch.full((2,), T - H)), W,
+                               torch.Generator().manual_seed(0))  # fmt: skip
+    assert set(ORACLES) <= set(pred.slots) and set(ORACLES) <= set(pred.cuts)
+    for name in (ORACLE_ATTN, ORACLE_MATCH):
+        for row in range(2):
+            for c, cut in enumerate(pred.cuts[name][row]):
+                block = slice(targets[c] * K, (targets[c] + 1) * K)
+                assert cut[block].all(), (name, row, c)
+    assert not pred.cuts["recency"][0][0][: 3 * K].any(), "the blocks lie beyond truncation's reach"
+
+
+def test_the_oracles_are_never_policies_and_are_scored_only_when_asked():
+    assert not set(ORACLES) & set(POLICIES)
+    assert set(ORACLES) <= set(EvalSettings((W,), oracle=True).names)
+    assert not set(ORACLES) & set(EvalSettings((W,)).names)
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
+    window = torch.randint(0, VOCAB, (1, T + 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        pred = predict_chunked(EvalBatch.of(system, EvalSettings((W,), 4, refocus_every=R, brief=True), window,
+                                            torch.full((1,), T - H)), W, torch.Generator().manual_seed(0))  # fmt: skip
+    assert not set(ORACLES) & set(pred.slots)
+
+
+def test_the_horizons_attention_reads_nothing_after_the_horizon_and_the_chunks_own_does():
+    """Rewriting every token after chunk c's horizon changes none of ``horizon_attn``'s cuts of chunks 0..c (I11),
+    and changes some of ``oracle_attn``'s (it reads the chunk's own predictions: the test can see a leak). Fails
+    with the horizon's queries taken one past it."""
+    system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
+    settings = EvalSettings((W,), 4, refocus=4, refocus_every=R, oracle=True, brief=True)
+
+    def cuts(window):
+        with torch.no_grad():
+            batch = EvalBatch.of(system, settings, window, torch.full((2,), T - H))
+            return predict_chunked(batch, W, torch.Generator().manual_seed(0)).cuts
+
+    window = torch.randint(0, VOCAB, (2, T + 1), generator=torch.Generator().manual_seed(6))
+    base, leaked = cuts(window), 0
+    for c in range(H // R):
+        other = cuts(rewritten_after(window, torch.full((2,), T - H + c * R), seed=7 + c))
+        for row in range(2):
+            for k in range(c + 1):
+                assert torch.equal(base[HORIZON_ATTN][row][k], other[HORIZON_ATTN][row][k]), (row, c, k)
+                leaked += not torch.equal(base[ORACLE_ATTN][row][k], other[ORACLE_ATTN][row][k])
+    assert leaked > 0
