@@ -13,7 +13,17 @@ from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import POLICIES
 from mcfn.core.system import tree_stage
 from mcfn.evaluation.batch import EvalBatch, EvalSettings
-from mcfn.evaluation.oracle import HORIZON_ATTN, ORACLE_ATTN, ORACLE_MATCH, ORACLES, attention_scorer, chunk_mass
+from mcfn.evaluation.indexer_recall import tail_attention
+from mcfn.evaluation.oracle import (
+    DRAFT_ATTN,
+    HORIZON_ATTN,
+    ORACLE_ATTN,
+    ORACLE_MATCH,
+    ORACLES,
+    attention_scorer,
+    chunk_mass,
+    draft_mass,
+)
 from mcfn.evaluation.refocused import predict_chunked
 
 T, K, L, W, H, R = 64, 4, 2, 32, 16, 4
@@ -103,8 +113,9 @@ def test_the_oracles_are_never_policies_and_are_scored_only_when_asked():
     assert not set(ORACLES) & set(pred.slots)
 
 
-def test_the_horizons_attention_reads_nothing_after_the_horizon_and_the_chunks_own_does():
-    """Rewriting every token after chunk c's horizon changes none of ``horizon_attn``'s cuts of chunks 0..c (I11),
+def test_the_horizons_and_the_drafts_attention_read_nothing_after_the_horizon_and_the_chunks_own_does():
+    """Rewriting every token after chunk c's horizon changes none of ``horizon_attn``'s and ``draft_attn``'s cuts of
+    chunks 0..c (I11),
     and changes some of ``oracle_attn``'s (it reads the chunk's own predictions: the test can see a leak). Fails
     with the horizon's queries taken one past it."""
     system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
@@ -121,6 +132,30 @@ def test_the_horizons_attention_reads_nothing_after_the_horizon_and_the_chunks_o
         other = cuts(rewritten_after(window, torch.full((2,), T - H + c * R), seed=7 + c))
         for row in range(2):
             for k in range(c + 1):
-                assert torch.equal(base[HORIZON_ATTN][row][k], other[HORIZON_ATTN][row][k]), (row, c, k)
+                for name in (HORIZON_ATTN, DRAFT_ATTN):
+                    assert torch.equal(base[name][row][k], other[name][row][k]), (name, row, c, k)
                 leaked += not torch.equal(base[ORACLE_ATTN][row][k], other[ORACLE_ATTN][row][k])
     assert leaked > 0
+
+
+def test_the_draft_is_the_oracle_where_the_model_guesses_every_token_right():
+    """A window whose tokens after the horizon are the base model's own greedy continuation: ``draft_attn``'s mass
+    equals ``oracle_attn``'s (the chunk's own queries over the real tokens), for every chunk. And it never reads the
+    real tokens after the horizon: rewriting them leaves it unchanged. Fails with the draft one token late (the
+    guess of token p + 1 made from the tokens up to p - 1)."""
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
+    base, layout = system.base, system.layout
+    window = torch.randint(0, VOCAB, (2, T + 1), generator=torch.Generator().manual_seed(4))
+    horizon = T - H
+    with torch.no_grad():
+        for p in range(horizon, T):  # the greedy continuation after the horizon
+            window[:, p + 1] = base.logits(base.token_hidden(window[:, : p + 1])[:, -1:]).argmax(-1)[:, 0]
+        attention = tail_attention(base, window, layout, before=R)
+        chunk = (torch.arange(H) // R).expand(2, -1)
+        for c in range(H // R):
+            n = horizon + c * R + 1
+            future = chunk_mass(attention, chunk, c, torch.full((2,), n - 1), R, K)["future"]
+            draft = draft_mass(base, window, n, R, layout)
+            torch.testing.assert_close(draft, future, atol=1e-5, rtol=1e-5)
+            rewritten = rewritten_after(window, torch.full((2,), n - 1), seed=c)
+            torch.testing.assert_close(draft_mass(base, rewritten, n, R, layout), draft)

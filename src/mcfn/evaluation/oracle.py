@@ -13,9 +13,12 @@ then the allocator every scored policy uses settles the cut, cold or warm as gen
   replaced by its target;
 * ``horizon_attn``: as ``oracle_attn``, but the mass from the ``R`` newest queries *up to* the chunk's horizon.
   Causal attention keeps it within I11, yet it reads every history token's keys at LOD0, which a stream does not
-  keep: it says how much of the oracle's margin the base model's own queries at the horizon already carry.
+  keep: it says how much of the oracle's margin the base model's own queries at the horizon already carry;
+* ``draft_attn``: as ``oracle_attn``, with the base model's own greedy draft of the chunk's ``R - 1`` tokens after
+  the horizon in place of the real ones (a lookahead query, as FLARE drafts one): within I11, reading the history
+  at LOD0 as ``horizon_attn`` does.
 
-The first two read the chunk's future (its own predictions' attention), and the third the whole history in detail,
+The first two read the chunk's future (its own predictions' attention), and the others the whole history in detail,
 so none is a policy: nothing generation, the ship choice or the best-of conditions iterate holds them, and only
 ``train.eval --oracle`` scores them. A LensNet fitted to the target cannot be expected past them; a margin over
 ``match`` they do not have, it will not find.
@@ -28,16 +31,24 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from mcfn.core.attention import hidden_and_tail_attention
 from mcfn.core.context import Scorer, WorkingContext
 from mcfn.core.focus import Refocus, StreamView
 from mcfn.core.lensnet import rescaled
+from mcfn.core.model import GPT
+from mcfn.core.nodes import Layout
 from mcfn.core.policy import MATCH, Choice, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.typecheck import typechecked
 
-ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN = "oracle_attn", "oracle_match", "horizon_attn"
-ORACLES = (ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN)
+ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN, DRAFT_ATTN = "oracle_attn", "oracle_match", "horizon_attn", "draft_attn"
+ORACLES = (ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN, DRAFT_ATTN)
+
+
+def without_sink(mass: Float[Tensor, "b n"], block: int, T: int) -> Float[Tensor, "b t"]:
+    """``mass`` over the first ``n <= T`` tokens as mass over all ``T``, the first ``block`` (the sink) zeroed."""
+    return F.pad(mass[:, block:], (block, T - mass.size(1)))
 
 
 @typechecked
@@ -51,7 +62,7 @@ def chunk_mass(
     position = T - q + torch.arange(q, device=attention.device)
     own = F.pad(chunk == c, (q - chunk.size(1), 0), value=False)
     ahead = (position[None] <= horizon[:, None]) & (position[None] > horizon[:, None] - R)
-    return {name: F.pad((attention * which[..., None]).sum(1)[:, block:], (block, 0))
+    return {name: without_sink((attention * which[..., None]).sum(1), block, T)
             for name, which in (("future", own), ("horizon", ahead))}  # fmt: skip
 
 
@@ -85,9 +96,26 @@ def summed_scorer(first: Scorer, second: Scorer) -> Scorer:
     return score
 
 
-def oracle_policies(future: Float[Tensor, "1 tv"], horizon: Float[Tensor, "1 tv"]) -> dict[str, FocusPolicy]:
-    """The oracles as scored policies of one row's view, from its chunk's masses (:func:`chunk_mass`, through
-    :func:`view_mass`), for that row's refocus only."""
+@torch.no_grad()
+@typechecked
+def draft_mass(base: GPT, window: Int[Tensor, "g t1"], n: int, R: int, layout: Layout) -> Float[Tensor, "g t"]:
+    """``draft_attn``'s mass: the full attention, over the tokens, of the chunk's query positions ``n - 1`` ..
+    ``n + R - 2`` (within the window), each token after the horizon ``n - 1`` the base model's greedy guess."""
+    end = min(n - 1 + R, layout.T)  # one past the chunk's last query position
+    tokens = window[:, :end].clone()
+    for p in range(n - 1, end - 1):  # the guess of token p + 1, reading the real tokens and the guesses before it
+        tokens[:, p + 1] = base.logits(base.token_hidden(tokens[:, : p + 1])[:, -1:]).argmax(-1)[:, 0]
+    at = torch.arange(end, device=window.device, dtype=torch.float32)[None]
+    first = torch.full((window.size(0),), n - 1, device=window.device)
+    attention = hidden_and_tail_attention(base, base.embed(tokens), at, torch.ones_like(at), first, end - n + 1)[1]
+    return without_sink(attention.sum(1), layout.K, layout.T)
+
+
+def oracle_policies(
+    future: Float[Tensor, "1 tv"], horizon: Float[Tensor, "1 tv"], draft: Float[Tensor, "1 tv"]
+) -> dict[str, FocusPolicy]:
+    """The oracles as scored policies of one row's view, from its chunk's masses (:func:`chunk_mass`,
+    :func:`draft_mass`, through :func:`view_mass`), for that row's refocus only."""
 
     def attention_of(mass: Tensor):
         return lambda system, window, layout, reach, scale: attention_scorer(mass)
@@ -99,6 +127,7 @@ def oracle_policies(future: Float[Tensor, "1 tv"], horizon: Float[Tensor, "1 tv"
         ORACLE_ATTN: FocusPolicy(ORACLE_ATTN, Choice.SCORED, attention_of(future)),
         ORACLE_MATCH: FocusPolicy(ORACLE_MATCH, Choice.SCORED, match_of),
         HORIZON_ATTN: FocusPolicy(HORIZON_ATTN, Choice.SCORED, attention_of(horizon)),
+        DRAFT_ATTN: FocusPolicy(DRAFT_ATTN, Choice.SCORED, attention_of(draft)),
     }
 
 
@@ -117,7 +146,8 @@ def oracle_rows(
     cuts: dict[str, list[Tensor]] = {name: [] for name in ORACLES}
     contexts: dict[str, list] = {name: [] for name in ORACLES}
     for i in range(window.size(0)):
-        for name, policy in oracle_policies(mass["future"][i : i + 1], mass["horizon"][i : i + 1]).items():
+        row = {kind: m[i : i + 1] for kind, m in mass.items()}
+        for name, policy in oracle_policies(row["future"], row["horizon"], row["draft"]).items():
             cut, context = policy.refocus(system, tree[i : i + 1], window[i : i + 1], view, protocol, carried[name][i])
             cuts[name].append(cut)
             contexts[name].append(context)
