@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import mcfn.evaluation.refocused as refocused
 from mcfn.core.context import assemble, seen_until
+from mcfn.core.match import match_votes
 from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import POLICIES
 from mcfn.core.system import tree_stage
@@ -16,6 +17,7 @@ from mcfn.evaluation.batch import EvalBatch, EvalSettings
 from mcfn.evaluation.indexer_recall import tail_attention
 from mcfn.evaluation.oracle import (
     DRAFT_ATTN,
+    DRAFT_MATCH,
     HORIZON_ATTN,
     ORACLE_ATTN,
     ORACLE_MATCH,
@@ -23,6 +25,7 @@ from mcfn.evaluation.oracle import (
     attention_scorer,
     chunk_mass,
     draft_mass,
+    greedy_draft,
 )
 from mcfn.evaluation.refocused import predict_chunked
 
@@ -132,7 +135,7 @@ def test_the_horizons_and_the_drafts_attention_read_nothing_after_the_horizon_an
         other = cuts(rewritten_after(window, torch.full((2,), T - H + c * R), seed=7 + c))
         for row in range(2):
             for k in range(c + 1):
-                for name in (HORIZON_ATTN, DRAFT_ATTN):
+                for name in (HORIZON_ATTN, DRAFT_ATTN, DRAFT_MATCH):
                     assert torch.equal(base[name][row][k], other[name][row][k]), (name, row, c, k)
                 leaked += not torch.equal(base[ORACLE_ATTN][row][k], other[ORACLE_ATTN][row][k])
     assert leaked > 0
@@ -155,7 +158,26 @@ def test_the_draft_is_the_oracle_where_the_model_guesses_every_token_right():
         for c in range(H // R):
             n = horizon + c * R + 1
             future = chunk_mass(attention, chunk, c, torch.full((2,), n - 1), R, K)["future"]
-            draft = draft_mass(base, window, n, R, layout)
+            draft = draft_mass(base, greedy_draft(base, window, n, R, T), n, R, layout)
             torch.testing.assert_close(draft, future, atol=1e-5, rtol=1e-5)
             rewritten = rewritten_after(window, torch.full((2,), n - 1), seed=c)
-            torch.testing.assert_close(draft_mass(base, rewritten, n, R, layout), draft)
+            torch.testing.assert_close(draft_mass(base, greedy_draft(base, rewritten, n, R, T), n, R, layout), draft)
+
+
+def test_a_lookahead_match_votes_for_the_text_after_an_earlier_occurrence_of_the_drafts_trigram():
+    """The draft (positions after the horizon) ends in a trigram written once far back: ``match`` with the draft's
+    ``lookahead`` votes for the text a copy of it reads there (the earlier occurrence's block), ``match`` at the
+    horizon votes nothing; a trigram repeated within the draft alone votes nothing (a match is on text). Fails with
+    the queries left at the horizon, or with matches allowed on the draft."""
+    Tn, h, draft = 64, 47, 6
+    tokens = torch.arange(100, 100 + Tn)[None].clone()  # no trigram repeats
+    tokens[0, 10:13] = torch.tensor([1, 2, 3])  # far back
+    tokens[0, h + 4 : h + 7] = torch.tensor([1, 2, 3])  # the draft's last three tokens
+    votes = match_votes(tokens, torch.tensor([h]), K, R, lookahead=draft)
+    assert match_votes(tokens, torch.tensor([h]), K, R).sum() == 0
+    # the query at h + 6 matched p = 12: the chunk's predictions h .. h + R - 1 read p + (h - j) + t = 6 + t
+    assert votes.sum() > 0 and votes[0, 6 // K] > 0 and (votes[0, (6 + R) // K + 1 :] == 0).all()
+    inner = torch.arange(100, 100 + Tn)[None].clone()
+    inner[0, h + 1 : h + 4] = torch.tensor([1, 2, 3])
+    inner[0, h + 4 : h + 7] = torch.tensor([1, 2, 3])  # the same trigram twice, both in the draft
+    assert match_votes(inner, torch.tensor([h]), K, R, lookahead=draft).sum() == 0

@@ -48,22 +48,29 @@ def match_votes(
     reach: int,
     n: int = NGRAM,
     queries: int = QUERIES,
+    lookahead: int = 0,
 ) -> Float[Tensor, "b blocks"]:
     """The copy votes on each block of ``block`` tokens, ``[B, t // block]``, read from ``tokens`` up to ``horizon``
-    (inclusive): see the module docstring. ``reach``: the predictions a cut serves (``mc.refocus_every``)."""
+    (inclusive): see the module docstring. ``reach``: the predictions a cut serves (``mc.refocus_every``).
+    ``lookahead``: the queries end that many positions past the horizon, on tokens that are a draft of what
+    follows it (the evaluation's ``draft_match``, :mod:`mcfn.evaluation.oracle`); the votes stay on text up to it."""
     B, T = tokens.shape
     device = tokens.device
     keys = ngram_keys(tokens, n)
     position = torch.arange(T, device=device)
-    query = horizon[:, None] - torch.arange(queries, device=device)  # [B, Q], newest first
+    query = horizon[:, None] + lookahead - torch.arange(queries, device=device)  # [B, Q], newest first
     ok = query >= n - 1
     query_key = keys.gather(1, query.clamp(min=0))
     earlier = position[None, None, :] < query[:, :, None]  # p < j
+    if lookahead:  # a Python constant: the default graph is unchanged
+        earlier = earlier & (position <= horizon[:, None])[:, None]  # a match on text, never on the draft
     match = (keys[:, None, :] == query_key[:, :, None]) & earlier & ok[:, :, None]  # [B, Q, T]
     weight = match.float() / match.sum(-1, keepdim=True).clamp(min=1)
     # The first position each match's copy reads, p + (h - j); its votes run over the next ``reach`` positions.
     first = position[None, None, :] + (horizon[:, None] - query)[:, :, None]
     inside = first <= horizon[:, None, None]
+    if lookahead:  # a draft's query reads before its match: a copy's start can fall before the first token
+        inside = inside & (first >= 0)
     starts = torch.zeros(B, T + reach + 1, device=device).scatter_add_(
         1, torch.where(inside, first, T + reach).flatten(1), (weight * inside).flatten(1)
     )
@@ -73,17 +80,17 @@ def match_votes(
     return votes[:, : T // block * block].view(B, T // block, block).sum(-1)
 
 
-def match_scorer(tokens: Int[Tensor, "b t"], block: int, reach: int, scale: int | Tensor):
+def match_scorer(tokens: Int[Tensor, "b t"], block: int, reach: int, scale: int | Tensor, lookahead: int = 0):
     """A scorer for :func:`~mcfn.core.focus.focus_cut` (and :func:`~mcfn.core.focus.refocus`) of the working
     contexts of ``tokens``' rows: each entry of the block view scores its block's :func:`match_votes` (read up to the
-    newest entry it is given) plus a recency prior in ``(-1, 0]``, the distance back from that entry over ``scale``
-    tokens."""
+    newest entry it is given, and ``lookahead`` draft tokens past it) plus a recency prior in ``(-1, 0]``, the
+    distance back from that entry over ``scale`` tokens."""
 
     @typechecked
     def score(wc: WorkingContext) -> Float[Tensor, "r w"]:
         end = wc.start + wc.span
         now = read_end(wc)  # one past the horizon: seen_until cut the rest
-        votes = match_votes(tokens, now - 1, block, reach)
+        votes = match_votes(tokens, now - 1, block, reach, lookahead=lookahead)
         blocks = votes.size(1)
         index = (wc.start // block).clamp(max=blocks - 1)
         prior = -(now[:, None] - end).float() / scale

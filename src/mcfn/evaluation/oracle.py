@@ -16,7 +16,10 @@ then the allocator every scored policy uses settles the cut, cold or warm as gen
   keep: it says how much of the oracle's margin the base model's own queries at the horizon already carry;
 * ``draft_attn``: as ``oracle_attn``, with the base model's own greedy draft of the chunk's ``R - 1`` tokens after
   the horizon in place of the real ones (a lookahead query, as FLARE drafts one): within I11, reading the history
-  at LOD0 as ``horizon_attn`` does.
+  at LOD0 as ``horizon_attn`` does;
+* ``draft_match``: ``match`` reading that draft as if it were text (its queries end at the draft's last token,
+  :func:`~mcfn.core.match.match_votes`'s ``lookahead``): within I11, and a stream could run it (the draft costs
+  ``R - 1`` token steps a refocus).
 
 The first two read the chunk's future (its own predictions' attention), and the others the whole history in detail,
 so none is a policy: nothing generation, the ship choice or the best-of conditions iterate holds them, and only
@@ -26,24 +29,28 @@ so none is a policy: nothing generation, the ship choice or the best-of conditio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from mcfn.core.attention import hidden_and_tail_attention
 from mcfn.core.context import Scorer, WorkingContext
 from mcfn.core.focus import Refocus, StreamView
 from mcfn.core.lensnet import rescaled
+from mcfn.core.match import match_scorer
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.policy import MATCH, Choice, FocusPolicy
 from mcfn.core.system import MegaContext
-from mcfn.core.tree import Tree
+from mcfn.evaluation.chunks import ChunkView
 from mcfn.typecheck import typechecked
 
-ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN, DRAFT_ATTN = "oracle_attn", "oracle_match", "horizon_attn", "draft_attn"
-ORACLES = (ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN, DRAFT_ATTN)
+ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN = "oracle_attn", "oracle_match", "horizon_attn"
+DRAFT_ATTN, DRAFT_MATCH = "draft_attn", "draft_match"
+ORACLES = (ORACLE_ATTN, ORACLE_MATCH, HORIZON_ATTN, DRAFT_ATTN, DRAFT_MATCH)
 
 
 def without_sink(mass: Float[Tensor, "b n"], block: int, T: int) -> Float[Tensor, "b t"]:
@@ -66,11 +73,28 @@ def chunk_mass(
             for name, which in (("future", own), ("horizon", ahead))}  # fmt: skip
 
 
-@typechecked
-def view_mass(mass: Float[Tensor, "g t"], view: StreamView) -> Float[Tensor, "g tv"]:
-    """``mass`` over the window's tokens as mass over the view's (from its origin; 0 past the window's end)."""
-    length = view.layout.T
-    part = mass[:, view.origin : view.origin + length]
+@dataclass(frozen=True)
+class ChunkOracle:
+    """What the oracles read for one chunk's rows: the attention masses over the window's tokens (``"future"``,
+    ``"horizon"``: :func:`chunk_mass`; ``"draft"``: :func:`draft_mass`), ``[g, T]`` each, and the window with the
+    model's draft of the chunk in place of its tokens, ``[g, T]``, the draft ``lookahead`` tokens long."""
+
+    mass: dict[str, Tensor]
+    drafted: Tensor
+    lookahead: int
+
+    def row(self, i: int, view: StreamView) -> tuple[dict[str, Tensor], Tensor]:
+        """Row ``i``'s masses ``[1, T_view]`` and drafted tokens ``[1, >= T_view]`` from the view's origin (0 past
+        the window's end; the tokens long enough to hold the draft)."""
+        length = max(view.layout.T, view.real + self.lookahead)
+        return {k: in_view(m[i : i + 1], view.origin, view.layout.T) for k, m in self.mass.items()}, in_view(
+            self.drafted[i : i + 1], view.origin, length
+        )
+
+
+def in_view(x: Shaped[Tensor, "g t"], origin: int, length: int) -> Shaped[Tensor, "g tv"]:
+    """``x`` over the window's tokens as over the view's ``length`` from its ``origin``, 0 past the window's end."""
+    part = x[:, origin : origin + length]
     return F.pad(part, (0, length - part.size(1)))
 
 
@@ -98,24 +122,45 @@ def summed_scorer(first: Scorer, second: Scorer) -> Scorer:
 
 @torch.no_grad()
 @typechecked
-def draft_mass(base: GPT, window: Int[Tensor, "g t1"], n: int, R: int, layout: Layout) -> Float[Tensor, "g t"]:
-    """``draft_attn``'s mass: the full attention, over the tokens, of the chunk's query positions ``n - 1`` ..
-    ``n + R - 2`` (within the window), each token after the horizon ``n - 1`` the base model's greedy guess."""
-    end = min(n - 1 + R, layout.T)  # one past the chunk's last query position
-    tokens = window[:, :end].clone()
-    for p in range(n - 1, end - 1):  # the guess of token p + 1, reading the real tokens and the guesses before it
+def greedy_draft(base: GPT, window: Int[Tensor, "g t1"], n: int, R: int, T: int) -> Int[Tensor, "g t"]:
+    """The window's first ``T`` tokens with the chunk's tokens after the horizon ``n - 1`` (``n .. n + R - 2``,
+    within ``T``) replaced by the base model's greedy guesses, each reading the real tokens and the guesses before
+    it."""
+    tokens = window[:, :T].clone()
+    for p in range(n - 1, min(n - 1 + R, T) - 1):
         tokens[:, p + 1] = base.logits(base.token_hidden(tokens[:, : p + 1])[:, -1:]).argmax(-1)[:, 0]
-    at = torch.arange(end, device=window.device, dtype=torch.float32)[None]
-    first = torch.full((window.size(0),), n - 1, device=window.device)
-    attention = hidden_and_tail_attention(base, base.embed(tokens), at, torch.ones_like(at), first, end - n + 1)[1]
+    return tokens
+
+
+@torch.no_grad()
+@typechecked
+def draft_mass(base: GPT, drafted: Int[Tensor, "g t"], n: int, R: int, layout: Layout) -> Float[Tensor, "g t"]:
+    """``draft_attn``'s mass: the full attention, over the tokens of ``drafted`` (:func:`greedy_draft`), of the
+    chunk's query positions ``n - 1`` .. ``n + R - 2`` (within the window)."""
+    end = min(n - 1 + R, layout.T)  # one past the chunk's last query position
+    at = torch.arange(end, device=drafted.device, dtype=torch.float32)[None]
+    first = torch.full((drafted.size(0),), n - 1, device=drafted.device)
+    emb = base.embed(drafted[:, :end])
+    attention = hidden_and_tail_attention(base, emb, at, torch.ones_like(at), first, end - n + 1)[1]
     return without_sink(attention.sum(1), layout.K, layout.T)
 
 
-def oracle_policies(
-    future: Float[Tensor, "1 tv"], horizon: Float[Tensor, "1 tv"], draft: Float[Tensor, "1 tv"]
-) -> dict[str, FocusPolicy]:
-    """The oracles as scored policies of one row's view, from its chunk's masses (:func:`chunk_mass`,
-    :func:`draft_mass`, through :func:`view_mass`), for that row's refocus only."""
+def chunk_oracle(
+    base: GPT, attention: Tensor, window: Tensor, chunk: Tensor, c: int, n: int, R: int, layout: Layout
+) -> ChunkOracle:
+    """Everything the oracles read for chunk ``c`` of the rows whose history is ``n`` tokens (``attention``: the
+    window's last ``H + R`` queries', :func:`~mcfn.evaluation.indexer_recall.tail_attention`)."""
+    horizon = torch.full((window.size(0),), n - 1, device=window.device)
+    mass = chunk_mass(attention, chunk, c, horizon, R, layout.K)
+    drafted = greedy_draft(base, window, n, R, layout.T)
+    mass["draft"] = draft_mass(base, drafted, n, R, layout)
+    return ChunkOracle(mass, drafted, min(n - 1 + R, layout.T) - n)
+
+
+def oracle_policies(mass: dict[str, Tensor], drafted: Tensor, lookahead: int) -> dict[str, FocusPolicy]:
+    """The oracles as scored policies of one row's view, from its chunk's :meth:`ChunkOracle.row`, for that row's
+    refocus only."""
+    future = mass["future"]
 
     def attention_of(mass: Tensor):
         return lambda system, window, layout, reach, scale: attention_scorer(mass)
@@ -123,32 +168,30 @@ def oracle_policies(
     def match_of(system: MegaContext, window: Tensor, layout, reach: int, scale: Tensor | None) -> Scorer:
         return summed_scorer(MATCH.scorer(system, window, layout, reach, scale), attention_scorer(future))
 
+    def draft_match_of(system: MegaContext, window: Tensor, layout, reach: int, scale: Tensor | None) -> Scorer:
+        return match_scorer(drafted, layout.K, reach, layout.T if scale is None else scale, lookahead)
+
     return {
         ORACLE_ATTN: FocusPolicy(ORACLE_ATTN, Choice.SCORED, attention_of(future)),
         ORACLE_MATCH: FocusPolicy(ORACLE_MATCH, Choice.SCORED, match_of),
-        HORIZON_ATTN: FocusPolicy(HORIZON_ATTN, Choice.SCORED, attention_of(horizon)),
-        DRAFT_ATTN: FocusPolicy(DRAFT_ATTN, Choice.SCORED, attention_of(draft)),
+        HORIZON_ATTN: FocusPolicy(HORIZON_ATTN, Choice.SCORED, attention_of(mass["horizon"])),
+        DRAFT_ATTN: FocusPolicy(DRAFT_ATTN, Choice.SCORED, attention_of(mass["draft"])),
+        DRAFT_MATCH: FocusPolicy(DRAFT_MATCH, Choice.SCORED, draft_match_of),
     }
 
 
 def oracle_rows(
-    system: MegaContext,
-    tree: Tree,
-    window: Tensor,
-    view: StreamView,
-    protocol: Refocus,
-    mass: dict[str, Float[Tensor, "g tv"]],
-    carried: dict[str, list],
+    system: MegaContext, cv: ChunkView, protocol: Refocus, oracle: ChunkOracle, carried: dict[str, list]
 ) -> tuple[dict[str, Tensor], dict[str, list]]:
-    """Each oracle's refocus of each row of the view (``tree [g, view_nodes, D]``, ``window [g, T + 1]``, the view's
-    ``mass``es), warm from its ``carried`` contexts as the protocol says: per oracle, the cuts ``[g, 1, view_nodes]``
-    and the contexts the next chunk carries."""
+    """Each oracle's refocus of each row of the chunk's view, warm from its ``carried`` contexts as the protocol
+    says: per oracle, the cuts ``[g, 1, view_nodes]`` and the contexts the next chunk carries."""
     cuts: dict[str, list[Tensor]] = {name: [] for name in ORACLES}
     contexts: dict[str, list] = {name: [] for name in ORACLES}
-    for i in range(window.size(0)):
-        row = {kind: m[i : i + 1] for kind, m in mass.items()}
-        for name, policy in oracle_policies(row["future"], row["horizon"], row["draft"]).items():
-            cut, context = policy.refocus(system, tree[i : i + 1], window[i : i + 1], view, protocol, carried[name][i])
+    for i in range(cv.window.size(0)):
+        mass, drafted = oracle.row(i, cv.view)
+        for name, policy in oracle_policies(mass, drafted, oracle.lookahead).items():
+            tree, window = cv.tree[i : i + 1], cv.window[i : i + 1]
+            cut, context = policy.refocus(system, tree, window, cv.view, protocol, carried[name][i])
             cuts[name].append(cut)
             contexts[name].append(context)
     return {name: torch.cat(c) for name, c in cuts.items()}, contexts

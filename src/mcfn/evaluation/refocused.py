@@ -15,10 +15,10 @@ Every condition that chooses a cut chooses it per chunk, in the view that genera
   pick among each chunk's cuts (:mod:`mcfn.evaluation.headroom`), and ``lens_rank_corr`` compares LensNet's preference
   with each chunk's measured gap;
 * ``lens_nogist``: the ``lens`` cuts read with every gist zeroed;
-* with ``oracle`` (:mod:`mcfn.evaluation.oracle`), ``oracle_attn``, ``oracle_match``, ``horizon_attn`` and
-  ``draft_attn``: cuts scored by full attention, of the chunk's own queries (bounds that break I11 by design), of
-  those up to its horizon, or of the chunk's with the model's own draft in place of its tokens (the last two read
-  every history token at LOD0).
+* with ``oracle`` (:mod:`mcfn.evaluation.oracle`), ``oracle_attn``, ``oracle_match``, ``horizon_attn``,
+  ``draft_attn`` and ``draft_match``: cuts scored by full attention, of the chunk's own queries (bounds that break
+  I11 by design), of those up to its horizon, or of the chunk's with the model's own draft in place of its tokens
+  (the three read every history token at LOD0), and ``match`` reading that draft.
 
 Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk), but ``oracle_attn`` and
 ``oracle_match``. ``full`` is unchanged.
@@ -46,7 +46,7 @@ from mcfn.evaluation.chunks import ChunkView, chunk_predictions, chunk_view, ref
 from mcfn.evaluation.counterfactual import label_edits, lens_view_scores, utility_corr
 from mcfn.evaluation.indexer_recall import tail_attention
 from mcfn.evaluation.one_cut import NOGIST, Predictions, stacked
-from mcfn.evaluation.oracle import ORACLES, chunk_mass, draft_mass, oracle_rows, view_mass
+from mcfn.evaluation.oracle import ORACLES, ChunkOracle, chunk_oracle, oracle_rows
 
 
 @dataclass
@@ -100,11 +100,10 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
         for n in sorted(set((at[at < T] + 1).tolist())):
             rows = torch.nonzero(at + 1 == n).flatten()
             carried = {name: [previous[name][row] for row in rows.tolist()] for name in focuses}
-            mass = None
+            oracle = None
             if attention is not None:
-                mass = chunk_mass(attention[rows], chunk[rows], c, at[rows], R, layout.K)
-                mass["draft"] = draft_mass(system.base, window[rows], n, R, layout)
-            part = predict_chunk(batch, rows, n, nodes, generator, carried, mass)
+                oracle = chunk_oracle(system.base, attention[rows], window[rows], chunk[rows], c, n, R, layout)
+            part = predict_chunk(batch, rows, n, nodes, generator, carried, oracle)
             if slots is None:
                 slots = part.slots
                 nll = torch.zeros(B, part.nll.size(1), H, device=device)
@@ -133,12 +132,11 @@ def predict_chunk(
     nodes: NodeTable,
     generator: torch.Generator,
     carried: dict[str, list[WorkingContext | None]],
-    mass: dict[str, Tensor] | None = None,
+    oracle: ChunkOracle | None = None,
 ) -> Chunk:
     """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions of the tokens after
     the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold).
-    With ``mass`` (each token's attention from the chunk's own queries, from those up to its horizon and from
-    the chunk's over the model's draft, ``[g, T]`` each), the oracles refocus too (:mod:`mcfn.evaluation.oracle`).
+    With ``oracle`` (what the chunk's oracles read), they refocus too (:mod:`mcfn.evaluation.oracle`).
     With ``batch.utility``, each row's LensNet cut is also labelled edit by edit
     (:mod:`mcfn.evaluation.counterfactual`)."""
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
@@ -159,10 +157,8 @@ def predict_chunk(
         elif policy.choice is Choice.RANDOM:
             random_view = cv.random(M, g, generator)
             parts[policy.name] = cv.window_cut(random_view)
-    if mass is not None:
-        oracle_cuts, oracle_contexts = oracle_rows(
-            system, cv.tree, cv.window, cv.view, protocol, {k: view_mass(m, cv.view) for k, m in mass.items()}, carried
-        )
+    if oracle is not None:
+        oracle_cuts, oracle_contexts = oracle_rows(system, cv, protocol, oracle, carried)
         view_cuts.update(oracle_cuts)
         contexts.update(oracle_contexts)
         parts.update({name: cv.window_cut(cut) for name, cut in oracle_cuts.items()})
