@@ -21,10 +21,10 @@ then the allocator every scored policy uses settles the cut, cold or warm as gen
   :func:`~mcfn.core.match.match_votes`'s ``lookahead``): within I11, and a stream could run it (the draft costs
   ``R - 1`` token steps a refocus).
 
-The first two read the chunk's future (its own predictions' attention), and the others the whole history in detail,
-so none is a policy: nothing generation, the ship choice or the best-of conditions iterate holds them, and only
-``train.eval --oracle`` scores them. A LensNet fitted to the target cannot be expected past them; a margin over
-``match`` they do not have, it will not find.
+The first two read the chunk's future (its own predictions' attention), the next two the whole history in
+detail, and every draft here is made under full attention, so none is a policy: nothing generation, the ship choice
+or the best-of conditions iterate holds them, and only ``train.eval --oracle`` scores them. A LensNet fitted to the
+target cannot be expected past the first; the others say how much of it the horizon's own signals carry.
 """
 
 from __future__ import annotations
