@@ -129,13 +129,14 @@ def test_the_attention_labels_halves_together_are_the_whole_tails_attention(deco
     from mcfn.core.attention import hidden_and_tail_attention, node_mass
     from mcfn.data.corpus import prepare_corpus
     from mcfn.data.mixture import training_sampler
+    from mcfn.evaluation.indexer_recall import tail_attention
     from mcfn.stage.candidates import run_system
-    from mcfn.stage.reliability import attention_halves, tail_attention
+    from mcfn.stage.reliability import attention_halves
 
     system, cfg = run_system(Checkpoint.read(decoding_run[0]), torch.device("cpu"))
     window = training_sampler(cfg, prepare_corpus(cfg.data)).batch(0, 1)
     nodes, layout = system.nodes, system.layout
-    a, b = attention_halves(tail_attention(system.base, window, layout), nodes, torch.Generator().manual_seed(0))
+    a, b = attention_halves(tail_attention(system.base, window, layout)[0], nodes, torch.Generator().manual_seed(0))
     gists = (nodes.lod > 0) & nodes.eligible
     assert a.shape == b.shape == (int(gists.sum()),) and not torch.equal(a, b)
     positions = torch.arange(layout.T, dtype=torch.float32)[None]

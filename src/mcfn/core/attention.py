@@ -105,6 +105,16 @@ def hidden_and_tail_attention(
 
 @torch.no_grad()
 @typechecked
+def text_attention(base: GPT, tokens: Int[Tensor, "b n"], queries: int) -> Float[Tensor, "b q n"]:
+    """Full attention's reading of a text: each of the last ``queries`` positions' causal attention over the
+    ``tokens``, all at LOD0, summed over layers and heads (:func:`hidden_and_tail_attention`)."""
+    at = torch.arange(tokens.size(1), device=tokens.device, dtype=torch.float32)[None]
+    first = torch.full((tokens.size(0),), tokens.size(1) - queries, device=tokens.device)
+    return hidden_and_tail_attention(base, base.embed(tokens), at, torch.ones_like(at), first, queries)[1]
+
+
+@torch.no_grad()
+@typechecked
 def attention_mass(base: GPT, wc: WorkingContext, tail: int) -> Float[Tensor, "r w"]:
     """Per entry, the causal attention probability mass it receives from the last ``tail`` valid entries (the
     tail, I4, or as many as a row has), summed over queries, layers and heads (:func:`hidden_and_tail_attention`)."""

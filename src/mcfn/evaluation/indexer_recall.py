@@ -20,7 +20,7 @@ from einops import rearrange, reduce
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.core.attention import hidden_and_tail_attention
+from mcfn.core.attention import text_attention
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.typecheck import typechecked
@@ -37,11 +37,7 @@ DEFINITION = (
 def tail_attention(base: GPT, window: Int[Tensor, "b t1"], layout: Layout, before: int = 0) -> Float[Tensor, "b q t"]:
     """The full window's causal attention of each of the last ``q = H + before`` predictions' queries over the
     ``T`` tokens, summed over layers and heads: the tail's, after the ``before`` queries just ahead of it."""
-    tokens = window[:, : layout.T]
-    at = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
-    queries = layout.H + before
-    first = torch.full((window.size(0),), layout.T - queries, device=window.device)
-    return hidden_and_tail_attention(base, base.embed(tokens), at, torch.ones_like(at), first, queries)[1]
+    return text_attention(base, window[:, : layout.T], layout.H + before)
 
 
 @typechecked

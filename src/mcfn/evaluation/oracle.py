@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
-from mcfn.core.attention import hidden_and_tail_attention
+from mcfn.core.attention import text_attention
 from mcfn.core.context import Scorer, WorkingContext
 from mcfn.core.focus import Refocus, StreamView
 from mcfn.core.lensnet import rescaled
@@ -138,11 +138,7 @@ def draft_mass(base: GPT, drafted: Int[Tensor, "g t"], n: int, R: int, layout: L
     """``draft_attn``'s mass: the full attention, over the tokens of ``drafted`` (:func:`greedy_draft`), of the
     chunk's query positions ``n - 1`` .. ``n + R - 2`` (within the window)."""
     end = min(n - 1 + R, layout.T)  # one past the chunk's last query position
-    at = torch.arange(end, device=drafted.device, dtype=torch.float32)[None]
-    first = torch.full((drafted.size(0),), n - 1, device=drafted.device)
-    emb = base.embed(drafted[:, :end])
-    attention = hidden_and_tail_attention(base, emb, at, torch.ones_like(at), first, end - n + 1)[1]
-    return without_sink(attention.sum(1), layout.K, layout.T)
+    return without_sink(text_attention(base, drafted[:, :end], end - n + 1).sum(1), layout.K, layout.T)
 
 
 def chunk_oracle(
@@ -162,8 +158,8 @@ def oracle_policies(mass: dict[str, Tensor], drafted: Tensor, lookahead: int) ->
     refocus only."""
     future = mass["future"]
 
-    def attention_of(mass: Tensor):
-        return lambda system, window, layout, reach, scale: attention_scorer(mass)
+    def attention_of(kind: str):
+        return lambda system, window, layout, reach, scale: attention_scorer(mass[kind])
 
     def match_of(system: MegaContext, window: Tensor, layout, reach: int, scale: Tensor | None) -> Scorer:
         return summed_scorer(MATCH.scorer(system, window, layout, reach, scale), attention_scorer(future))
@@ -172,10 +168,10 @@ def oracle_policies(mass: dict[str, Tensor], drafted: Tensor, lookahead: int) ->
         return match_scorer(drafted, layout.K, reach, layout.T if scale is None else scale, lookahead)
 
     return {
-        ORACLE_ATTN: FocusPolicy(ORACLE_ATTN, Choice.SCORED, attention_of(future)),
+        ORACLE_ATTN: FocusPolicy(ORACLE_ATTN, Choice.SCORED, attention_of("future")),
         ORACLE_MATCH: FocusPolicy(ORACLE_MATCH, Choice.SCORED, match_of),
-        HORIZON_ATTN: FocusPolicy(HORIZON_ATTN, Choice.SCORED, attention_of(mass["horizon"])),
-        DRAFT_ATTN: FocusPolicy(DRAFT_ATTN, Choice.SCORED, attention_of(mass["draft"])),
+        HORIZON_ATTN: FocusPolicy(HORIZON_ATTN, Choice.SCORED, attention_of("horizon")),
+        DRAFT_ATTN: FocusPolicy(DRAFT_ATTN, Choice.SCORED, attention_of("draft")),
         DRAFT_MATCH: FocusPolicy(DRAFT_MATCH, Choice.SCORED, draft_match_of),
     }
 
@@ -189,8 +185,8 @@ def oracle_rows(
     contexts: dict[str, list] = {name: [] for name in ORACLES}
     for i in range(cv.window.size(0)):
         mass, drafted = oracle.row(i, cv.view)
+        tree, window = cv.tree[i : i + 1], cv.window[i : i + 1]
         for name, policy in oracle_policies(mass, drafted, oracle.lookahead).items():
-            tree, window = cv.tree[i : i + 1], cv.window[i : i + 1]
             cut, context = policy.refocus(system, tree, window, cv.view, protocol, carried[name][i])
             cuts[name].append(cut)
             contexts[name].append(context)

@@ -32,6 +32,7 @@ from mcfn.data.corpus import Split
 from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
 from mcfn.evaluation.counterfactual import State
+from mcfn.evaluation.indexer_recall import tail_attention
 from mcfn.seeding import derive_seed
 from mcfn.stage.candidates import read_run, run_system
 from mcfn.stage.carried import carried_delta_by_token
@@ -40,7 +41,6 @@ from mcfn.stage.reliability import (
     attention_utility,
     delta_reliability,
     single_edit_reliability,
-    tail_attention,
     whole_cut_reliability,
 )
 from mcfn.stage.traces import FIRST_TRACE_BATCH, RANDOM_CUTS, trace, trace_sampler
@@ -83,7 +83,7 @@ def measure_set(
     two_s = time.perf_counter() - started
     utility = cluster_mean([(clusters[st.window], st.utility_corr) for st in states])
     started = time.perf_counter()
-    attentions = [tail_attention(system.base, window, system.layout) for window in batches]  # read by both below
+    attentions = [tail_attention(system.base, window, system.layout)[0] for window in batches]  # read by both below
     attention, beyond = attention_reliability(attentions, system.nodes, halves_seed, clusters)
     attention_s = time.perf_counter() - started
     by_window = [[st for st in states if st.window == w] for w in range(len(batches))]

@@ -37,11 +37,10 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from mcfn.core.attention import hidden_and_tail_attention, node_mass
+from mcfn.core.attention import node_mass
 from mcfn.core.edits import edit_worth
 from mcfn.core.focus import stream_view, view_node_ids
-from mcfn.core.model import GPT
-from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.nodes import NodeTable
 from mcfn.evaluation.counterfactual import State
 from mcfn.evaluation.stats import spearman
 from mcfn.typecheck import typechecked
@@ -147,24 +146,13 @@ def whole_cut_reliability(states: Sequence[State], seed: int, clusters: Sequence
     return pooled(parts)
 
 
-@torch.no_grad()
-@typechecked
-def tail_attention(base: GPT, window: Int[Tensor, "1 t1"], layout: Layout) -> Float[Tensor, "h t"]:
-    """The attention label's source: each of the tail's ``H`` predictions' attention over the window's ``T`` tokens,
-    the whole window read at LOD0 (summed over layers and heads)."""
-    positions = torch.arange(layout.T, device=window.device, dtype=torch.float32)[None]
-    first = torch.full((1,), layout.T - layout.H, device=window.device)
-    emb = base.embed(window[:, : layout.T])
-    return hidden_and_tail_attention(base, emb, positions, torch.ones_like(positions), first, layout.H)[1][0]
-
-
 @typechecked
 def attention_halves(
     attention: Float[Tensor, "h t"], nodes: NodeTable, generator: torch.Generator
 ) -> tuple[Float[Tensor, " g"], Float[Tensor, " g"]]:
     """The attention label of the gists outside the tail from two disjoint random halves of the tail's predictions
-    (``attention``: :func:`tail_attention`; :func:`random_halves`, as the ΔNLL labels split theirs): the mean
-    attention mass a query puts under each gist's span, per half."""
+    (``attention``: a row of :func:`mcfn.evaluation.indexer_recall.tail_attention`; :func:`random_halves`, as the
+    ΔNLL labels split theirs): the mean attention mass a query puts under each gist's span, per half."""
     gists = (nodes.lod > 0) & nodes.eligible
     halves = (half.to(attention.device) for half in random_halves(attention.size(0), generator))
     a, b = (node_mass(attention[half].mean(0)[None], nodes.layout)[0, gists] for half in halves)
@@ -174,7 +162,7 @@ def attention_halves(
 def attention_reliability(
     attentions: Sequence[Tensor], nodes: NodeTable, seed: int, clusters: Sequence[int]
 ) -> tuple[Reliability, Reliability]:
-    """The split-half reliability of the attention label over windows (each's :func:`tail_attention`), one state
+    """The split-half reliability of the attention label over windows (each's ``tail_attention``), one state
     each, its error over ``clusters`` (each window's): as it is, and beyond position (each gist's mean over the
     windows taken out of both halves: what every window's attention shares, mostly the recent gists' larger share,
     is then no signal about this window)."""
@@ -189,7 +177,7 @@ def attention_reliability(
 
 def attention_utility(attention: Tensor, states: Sequence[State], nodes: NodeTable, every: int) -> list[float]:
     """Whether the attention label is worth learning: per state of one window (``attention``: its
-    :func:`tail_attention`), the rank correlation of each single edit's worth *as the attention label judges it*
+    ``tail_attention``), the rank correlation of each single edit's worth *as the attention label judges it*
     with its measured ΔNLL (``utility_corr`` with the attention mass in place of LensNet's scores: the mass the
     chunk's own predictions put under the node an edit gains, minus under the one it gives up)."""
     layout = nodes.layout
