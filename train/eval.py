@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--oracle",
         action="store_true",
         help="also score oracle_attn, oracle_match, horizon_attn, draft_attn and draft_match (mcfn.evaluation.oracle): "
-        "cuts from full attention (of each chunk's own queries: bounds that read the future; of those up to its "
+        "cuts from full attention (of each chunk's own queries, reading the future; of those up to its "
         "horizon; over the model's own draft of the chunk) and match over that draft; diagnostics, never policies",
     )
     return p.parse_args(argv)

@@ -40,8 +40,8 @@ class EvalSettings:
     # Policies scored beside the registry's, each under its own name (mcfn.core.policy.renamed, lensnet_policy): the
     # run's shipped policy, or the candidates of the ship choice (mcfn.stage.ship). They refocus as generation does.
     candidates: tuple[FocusPolicy, ...] = ()
-    # The oracles (mcfn.evaluation.oracle), under generation's protocol: diagnostics, two of them bounds that read
-    # each chunk's future, never policies (train.eval --oracle).
+    # The oracles (mcfn.evaluation.oracle), under generation's protocol: diagnostics, two of them reading each
+    # chunk's future, never policies (train.eval --oracle).
     oracle: bool = False
 
     def policies(self, system: MegaContext) -> list[FocusPolicy]:

@@ -1,4 +1,5 @@
-"""Attention oracles: what a LensNet fitted exactly to full attention's choice of blocks would cut, as a bound.
+"""Attention oracles: what a LensNet fitted exactly to full attention's choice of blocks would cut, and how much of
+it the signals legible at the horizon carry.
 
 Issue 79's signal is full attention of the next ``R`` predictions, pooled per unit and distilled into LensNet's
 scores. These conditions skip the distillation: per chunk of ``R`` predictions under generation's protocol, each
@@ -23,8 +24,9 @@ then the allocator every scored policy uses settles the cut, cold or warm as gen
 
 The first two read the chunk's future (its own predictions' attention), the next two the whole history in
 detail, and every draft here is made under full attention, so none is a policy: nothing generation, the ship choice
-or the best-of conditions iterate holds them, and only ``train.eval --oracle`` scores them. A LensNet fitted to the
-target cannot be expected past the first; the others say how much of it the horizon's own signals carry.
+or the best-of conditions iterate holds them, and only ``train.eval --oracle`` scores them. ``oracle_attn`` is the
+cut of a perfect fit of the target (not a bound on every LensNet: one scoring otherwise could cut better); the others
+say how much of it the horizon's own signals carry.
 """
 
 from __future__ import annotations

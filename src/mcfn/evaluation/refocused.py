@@ -16,8 +16,8 @@ Every condition that chooses a cut chooses it per chunk, in the view that genera
   with each chunk's measured gap;
 * ``lens_nogist``: the ``lens`` cuts read with every gist zeroed;
 * with ``oracle`` (:mod:`mcfn.evaluation.oracle`), ``oracle_attn``, ``oracle_match``, ``horizon_attn``,
-  ``draft_attn`` and ``draft_match``: cuts scored by full attention, of the chunk's own queries (bounds that break
-  I11 by design), of those up to its horizon, or of the chunk's with the model's own draft in place of its tokens
+  ``draft_attn`` and ``draft_match``: cuts scored by full attention, of the chunk's own queries (which break I11 by
+  design), of those up to its horizon, or of the chunk's with the model's own draft in place of its tokens
   (the last two read every history token at LOD0), and ``match`` reading that draft.
 
 Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk), but ``oracle_attn`` and

@@ -254,7 +254,7 @@ class EvalReport:
         if settings.brief:
             out["brief"] = True  # a full evaluation's file is as it always was
         if settings.oracle:
-            out["oracle"] = True  # oracle_attn and oracle_match read each chunk's future: bounds, not policies
+            out["oracle"] = True  # oracle_attn and oracle_match read each chunk's future: diagnostics, not policies
         out["tasks"] = {name: result.to_json() for name, result in self.tasks.items()}
         if self.checkpoint_step is not None:
             out["checkpoint_step"] = self.checkpoint_step
