@@ -114,7 +114,6 @@ class GistConfig:
 
 
 MATCH_PRIORS = ("", "sum", "gated")
-TARGET_FORMS = ("", "tempered", "top")
 
 
 @dataclass(frozen=True)
@@ -133,11 +132,6 @@ class LensConfig:
     # lightning-indexer term (ReLU of query-key products, weighted per head by the query); every cut it chooses keeps
     # (W - H) / 2 tokens before the horizon at LOD0. Needs a match prior, so that a new LensNet cuts as match does.
     indexer: bool = False
-    # Issue 79's thirty-second-session design stage (an experiment knob): how the indexer's attention target is
-    # fitted. "": as measured; "tempered": the listwise loss reads the scores times a learned sharpness (a scalar,
-    # exp of a log-gain starting at 0), so the target's peaks cost the learned term nothing; "top": the target keeps
-    # only the TARGET_TOP entries of most mass.
-    target_form: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.match_prior, bool):  # a checkpoint saved before the gated prior existed
@@ -145,7 +139,6 @@ class LensConfig:
         _require(self.attention_weight >= 0, "mc.lens.attention_weight", "must be >= 0")
         _require(self.match_prior in MATCH_PRIORS, "mc.lens.match_prior", f"must be one of {MATCH_PRIORS}")
         _require(not self.indexer or bool(self.match_prior), "mc.lens.indexer", "needs mc.lens.match_prior")
-        _require(self.target_form in TARGET_FORMS, "mc.lens.target_form", f"must be one of {TARGET_FORMS}")
 
 
 @dataclass(frozen=True)

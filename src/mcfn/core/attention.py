@@ -54,13 +54,12 @@ class AttentionTarget:
 
     near: int = 0
     sink: int = 0
-    top: int = 0  # > 0: only the ``top`` entries of most mass keep theirs (mc.lens.target_form "top")
 
     @classmethod
-    def of(cls, recent: int, layout: Layout, top: int = 0) -> AttentionTarget:
+    def of(cls, recent: int, layout: Layout) -> AttentionTarget:
         """The target of a LensNet whose cuts keep the ``recent`` tokens before the horizon at LOD0 (the indexer's
         window; 0: none): the entries before them, the sink left out; without a window, every entry."""
-        return cls(near=recent, sink=layout.K, top=top) if recent else cls(top=top)
+        return cls(near=recent, sink=layout.K) if recent else cls()
 
 
 @typechecked
@@ -178,8 +177,6 @@ def attention_target_loss(
     layout: Layout,
     weight: Float[Tensor, ""],
     near: int = 0,
-    top: int = 0,
-    log_sharpness: Float[Tensor, ""] | None = None,
 ) -> StepOutput:
     """``loss_lens_attn``: per working context, the cross-entropy from the tail's attention share under each
     entry outside the tail (and ending at least ``near`` tokens before it) to the softmax of LensNet's scores over
@@ -192,11 +189,7 @@ def attention_target_loss(
 
     candidates = wc.valid & (wc.start + wc.span <= layout.T - layout.H - near)
     entry_mass = torch.where(candidates, per_entry(mass), 0.0)
-    if top:  # a config constant: static under compile
-        entry_mass = entry_mass * (entry_mass >= entry_mass.topk(top, -1).values[:, -1:])
     target = entry_mass / entry_mass.sum(-1, keepdim=True).clamp(min=1e-9)
-    if log_sharpness is not None:  # the loss's own scale, which the cut (an order) never reads
-        scores = scores * log_sharpness.exp()
     log_q = torch.log_softmax(scores.masked_fill(~candidates, -torch.inf), -1)
     cross = -(target * torch.where(candidates, log_q, 0.0)).sum(-1)
     entropy = -(target * torch.log(target.clamp(min=1e-12))).sum(-1)

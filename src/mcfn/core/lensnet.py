@@ -196,7 +196,6 @@ class LensNet(nn.Module):
         match_reach: int = 0,
         match_prior: str = "",
         indexer: bool = False,
-        tempered: bool = False,
     ):
         super().__init__()
         if match_prior and match_reach < 1:
@@ -214,9 +213,6 @@ class LensNet(nn.Module):
         self.feature_proj = nn.Linear(2 + len(VOTE_NGRAMS) * indexer, width, bias=False)
         self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(n_layer))
         self.head = nn.Linear(width, 1, bias=False)
-        self.tempered = tempered
-        if tempered:  # the attention target's loss reads the scores times exp(target_gain); the cut never does
-            self.target_gain = nn.Parameter(torch.zeros(()))
         if indexer:
             self.query_in = nn.Linear(2 * d_model, width, bias=False)  # the query, added to every unit's input
             self.index_query = nn.Linear(2 * d_model, INDEX_HEADS * INDEX_DIM, bias=False)
@@ -237,8 +233,6 @@ class LensNet(nn.Module):
             for proj in (self.query_in, self.index_query, self.index_key):
                 nn.init.uniform_(proj.weight, -math.sqrt(3.0 / proj.in_features), math.sqrt(3.0 / proj.in_features))
             nn.init.zeros_(self.index_weight.weight)  # a new indexer adds nothing: match's cut
-        if self.tempered:
-            nn.init.zeros_(self.target_gain)
 
     @typechecked
     def forward(

@@ -43,7 +43,6 @@ from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
 
 NODE_FIELDS = ("lod", "start", "span", "parent", "eligible")
-TARGET_TOP = 4  # mc.lens.target_form "top": the entries the target keeps, as many as the recall's far blocks
 
 
 def lensnet_of(cfg: RunConfig, layout: Layout, match_prior: str | None = None) -> LensNet:
@@ -52,7 +51,7 @@ def lensnet_of(cfg: RunConfig, layout: Layout, match_prior: str | None = None) -
     lens = cfg.mc.lens
     prior = lens.match_prior if match_prior is None else match_prior
     return LensNet(cfg.model.n_embd, cfg.aux_width, AUX_LAYERS, cfg.aux_heads, layout, match_reach=cfg.mc.refocus_every,
-                   match_prior=prior, indexer=lens.indexer, tempered=lens.target_form == "tempered")  # fmt: skip
+                   match_prior=prior, indexer=lens.indexer)  # fmt: skip
 
 
 class MegaContext(nn.Module):
@@ -73,11 +72,7 @@ class MegaContext(nn.Module):
         self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
         # What of the teacher's attention LensNet is fitted to (None: no attention target).
         lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
-        self.attention_target = (
-            AttentionTarget.of(self.lensnet.recent, self.layout, TARGET_TOP if mc.lens.target_form == "top" else 0)
-            if lens_attention
-            else None
-        )
+        self.attention_target = AttentionTarget.of(self.lensnet.recent, self.layout) if lens_attention else None
         self.refocus_every = mc.refocus_every
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
@@ -207,9 +202,8 @@ def lens_loss_stage(
     out = lens_losses(scores, shown, tails, wc, system.nodes, weights)
     if mass is None:
         return out
-    near, top = system.attention_target.near, system.attention_target.top
-    sharpness = system.lensnet.target_gain if system.lensnet.tempered else None
-    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention, near, top, sharpness))
+    near = system.attention_target.near
+    return out.merge(attention_target_loss(scores, wc, mass, system.layout, weights.attention, near))
 
 
 @stage("recon")

@@ -80,7 +80,7 @@ class BatchedMuon(torch.optim.Muon):
 
 EMBEDDINGS = ("wte.weight", "level_emb", "lod_emb", "offset_emb")  # looked up by index: AdamW at the embedding rate
 HEADS = ("lm_head.weight", "lensnet.head.weight")  # read-out rows: AdamW at the unembedding rate
-GAINS = ("attn.gain", "attn.key_mix", "target_gain")  # scalars (attention gains, key smears, sharpness): gain rate
+GAINS = ("attn.gain", "attn.key_mix")  # per-head scalars (attention gains, key smears): AdamW at the gain rate
 GAIN_LR = 0.02
 MATRIX_LR = 0.02  # Muon's rate for the 2-D block matrices (0.03 lost on the slowest seed: LABLOG, twenty-third session)
 ADAM_BETAS = (0.8, 0.95)
