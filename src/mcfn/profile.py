@@ -119,8 +119,8 @@ RETIRED: dict[str, Any] = {
     "mc.lens.attention_target": ANY_VALUE,
     # The thirty-second session's design stage, rerun at commit e983532: the indexer's attention target fitted
     # through a learned sharpness ("tempered") or over its 4 entries of most mass ("top"); both lost to the target as
-    # it stands (LABLOG). A "tempered" run's LensNet holds one more weight, target_gain, which no loss reads at
-    # inference: such a checkpoint loads at that commit only.
+    # it stands (LABLOG). A "tempered" run's LensNet holds one more weight, target_gain (a scale its loss read and
+    # its cut never did): such a checkpoint loads at that commit only.
     "mc.lens.target_form": ANY_VALUE,
     # Knobs no profile or flag set (issue 57); rerun at commit 8f932ca. GistNet's and LensNet's shape now follows
     # the model's width (RunConfig.aux_width, aux_heads): the same as these defaults below a width of 384.
