@@ -294,7 +294,13 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     capsys.readouterr()
     assert generate_main([*common, "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert "[generate] shipped (lens):" in err and "20 new tokens" in err and "cache entries kept:" in err
+    assert "[generate] shipped (lens), refocus 4:" in err and "20 new tokens" in err and "cache entries kept:" in err
+    assert "0.250 refocuses a token" in err  # 5 refocuses for 20 tokens
+    # The copy rule refocuses at least as often as its clock (at the latest every 4 tokens) and says so.
+    assert generate_main([*common, "--quiet", "--refocus-on", "copy"]) == 0
+    err = capsys.readouterr().err
+    rate = float(err.split(" refocuses a token")[0].rsplit("(", 1)[1])
+    assert "refocus copy4:" in err and rate >= 0.25
     assert generate_main([*common, "--context", "full"]) == 0
     assert "[generate] full:" in capsys.readouterr().err
     # Truncation at the same cadence: every refocus shows the newest W - R = 20 tokens, as blocks of K = 4 tokens.
@@ -302,10 +308,14 @@ def test_generate_cli_decodes_from_a_trained_run(decoding_run, capsys):
     err = capsys.readouterr().err
     refocuses = err.split("[refocus]")[1:]
     maps = ["".join(line.strip() for line in r.splitlines() if line.startswith("  ")) for r in refocuses]
-    assert "[generate] recency:" in err and maps and all(m.lstrip("·") == "0" * len(m.lstrip("·")) for m in maps)
+    assert (
+        "[generate] recency, refocus 4:" in err
+        and maps
+        and all(m.lstrip("·") == "0" * len(m.lstrip("·")) for m in maps)
+    )
     assert all(5 <= len(m.lstrip("·")) <= 6 for m in maps)  # 20 tokens span 5 blocks, or 6 when not aligned
     assert generate_main([*common, "--context", "match", "--quiet"]) == 0
-    assert "[generate] match:" in capsys.readouterr().err
+    assert "[generate] match, refocus 4:" in capsys.readouterr().err
     assert generate_main([*common, "--warm-steps", "-1"]) == 2
     assert generate_main([*common, "--refocus-every", "100000"]) == 2
 

@@ -42,7 +42,7 @@ def test_a_policy_registered_in_one_place_is_generated_with_and_scored_under_bot
     flags = ["--ckpt", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "6", "--refocus-every", "4"]
     assert generate_main([*flags, "--context", "alternate"]) == 0
     err = capsys.readouterr().err
-    assert "[generate] alternate:" in err and "[refocus]" in err
+    assert "[generate] alternate, refocus 4:" in err and "[refocus]" in err
     maps = [line.strip() for line in err.splitlines() if line.startswith("  ")]
     assert any("1" in m and "0" in m for m in maps), maps  # a cut the scorer shaped: gists and tokens
     out = tmp_path / "eval.json"

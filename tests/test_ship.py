@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from mcfn.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from mcfn.core.policy import LENS, RECENCY, SHIPPED, Choice
+from mcfn.core.policy import LENS, MATCH, RECENCY, SHIPPED, Choice
 from mcfn.data.corpus import prepare_corpus
+from mcfn.evaluation.batch import EvalSettings
 from mcfn.evaluation.result import Gain, Paired, Row
 from mcfn.evaluation.stats import Clusters, paired_differences
 from mcfn.shell.restore import load_trained
-from mcfn.stage.ship import SHIP_EVAL_NAME, choose, ship_run
+from mcfn.stage.ship import SHIP_EVAL_NAME, Candidate, choose, ship_run
 
 NAMES = ["recency", "match", "lens", "gated"]  # simplest first
 
@@ -93,11 +94,30 @@ def test_the_choice_reads_validation_windows_never_the_test_split(run_copy, monk
 
     corpus = dataclasses.replace(corpus, test=Unreadable())
     verdict = ship_run(run, torch.device("cpu"), print, corpus)
-    assert verdict.shipped in NAMES and set(verdict.figures) == set(NAMES)
+    R = ckpt.cfg.mc.refocus_every  # each scored candidate also under the copy rule; R/2 and R/4 are over the cap
+    ruled = {f"{name}@copy{R}" for name in NAMES[1:]}
+    assert set(verdict.figures) == set(NAMES) | ruled and verdict.shipped in verdict.figures
+    assert "@1" in verdict.refused and not any(verdict.refused.get(name, "").startswith("refocuses") for name in NAMES)
     assert Checkpoint.read(run).state["shipped"]["name"] == verdict.shipped
     choice = json.loads((run / SHIP_EVAL_NAME).read_text())  # the validation evaluation, for design choices
     assert choice["verdict"]["shipped"] == verdict.shipped and choice["split"] == "validation"
     assert set(NAMES) <= set(choice["tasks"]["corpus"]["bpb"])
+
+
+def test_train_ship_keeps_the_validation_evaluation_beside_its_verdict(run_copy):
+    """``python -m train.ship`` on a saved run: ship.json holds the verdict and the validation evaluation it was read
+    from (the split, the corpus figures of every candidate), not the verdict alone. Fails with the command writing
+    ship.json again from the verdict after the choice wrote it whole."""
+    from train.ship import main as ship_main
+
+    run, _ = run_copy
+    (run / SHIP_EVAL_NAME).unlink(missing_ok=True)
+    assert ship_main(["--run", str(run)]) == 0
+    record = json.loads((run / SHIP_EVAL_NAME).read_text())
+    assert record["split"] == "validation" and set(record["verdict"]["figures"]) <= set(
+        record["tasks"]["corpus"]["bpb"]
+    )
+    assert Checkpoint.read(run).state["shipped"]["name"] == record["verdict"]["shipped"]
 
 
 def shipped_record(run, record: dict) -> None:
@@ -149,6 +169,37 @@ def test_generate_without_a_context_decodes_with_the_shipped_policy(run_copy, mo
     assert used[-1].name == SHIPPED and used[-1].choice is Choice.TRUNCATION
     assert "[generate] shipped (recency)" in capsys.readouterr().err
     assert generate_main([*flags, "--context", "lens"]) == 0 and used[-1] is LENS
+
+
+def test_a_policy_ships_with_its_refocus_rule_and_generation_and_eval_refocus_by_it(run_copy, monkeypatch, capsys):
+    """A candidate chosen under a rule of its own (``match@copy4``) records the rule; the checkpoint's shipped policy
+    carries it; ``train.generate`` without flags decodes by it (the copy rule, at the latest every 4 tokens) and
+    ``--refocus-on clock`` overrides it; the evaluation scores ``shipped`` under it while the rest keep the clock.
+    Fails with the rule dropped on the way from the verdict to the checkpoint, or generation on the run's clock."""
+    import mcfn.inference.generation as generation
+    from train.generate import main as generate_main
+
+    run, prompt = run_copy
+    record = Candidate(MATCH.name, MATCH, MATCH.name).under("copy4").record()
+    assert record == {"name": "match@copy4", "policy": "match", "match_prior": "", "rule": "copy4"}
+    shipped_record(run, record)
+    name, policy = load_trained(run, torch.device("cpu")).shipped
+    assert name == "match@copy4" and policy.rule == "copy4" and policy.scorer_of is MATCH.scorer_of
+    rules = []
+    real = generation.generate_mc
+
+    def spy(system, prompt, max_new_tokens, refocus_every, *args, on, **kwargs):
+        rules.append((on, refocus_every))
+        return real(system, prompt, max_new_tokens, refocus_every, *args, on=on, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_mc", spy)
+    flags = ["--ckpt", str(run), "--prompt-file", str(prompt), "--max-new-tokens", "4", "--quiet", "--temperature", "0"]
+    assert generate_main(flags) == 0 and rules[-1] == ("copy", 4)
+    assert "[generate] shipped (match@copy4), refocus copy4:" in capsys.readouterr().err
+    assert generate_main([*flags, "--refocus-on", "clock"]) == 0 and rules[-1] == ("clock", 4)
+    settings = EvalSettings((8,), refocus_every=8, candidates=(policy,))
+    assert settings.rule_of(policy).name == "copy4" and not settings.on_grid(policy)
+    assert settings.on_grid(MATCH) and settings.rule_of(MATCH).name == "8"
 
 
 def test_train_eval_scores_the_shipped_policy_beside_the_others(run_copy, tmp_path):

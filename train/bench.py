@@ -53,7 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     decode.add_argument("--new-tokens", type=int, default=256)
     decode.add_argument("--repeats", type=int, default=3, help="runs of each mode per length (medians reported)")
     decode.add_argument(
-        "--refocus-every", type=int, help="tokens decoded between refocuses (MC; default: the run's mc.refocus_every)"
+        "--refocus-every",
+        type=int,
+        help="the most tokens decoded between refocuses (MC; default: the shipped rule's, else mc.refocus_every)",
+    )
+    p.add_argument(
+        "--refocus-on",
+        choices=("clock", "copy"),
+        help="clock or copy (mcfn.core.cadence; MC; default: the rule the run ships with its policy)",
     )
     decode.add_argument("--modes", default="mc,mc_cold,recency,full", help="which decoding modes to time")
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
@@ -199,6 +206,7 @@ def decode_benchmark(args: argparse.Namespace) -> None:
 
     from mcfn.bench.decode import MODES, format_decode_table, run_decode_benchmark
     from mcfn.bench.operators import counted_kernels
+    from mcfn.core.cadence import resolved_rule, rule_name
     from mcfn.core.system import MegaContext
     from mcfn.inference.decode import decoding_compiler
     from mcfn.shell.devices import resolve_device
@@ -222,7 +230,9 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     if ids.numel() < max(lengths):
         raise UserError(f"{args.prompt_file} gives {ids.numel()} tokens; --lengths asks for {max(lengths)}")
     compile_fn = None if args.eager else decoding_compiler(trained.cfg.train.compile_mode)
-    refocus_every = trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every
+    assert trained.shipped is not None, "a MegaContext run ships a policy"
+    shipped, policy = trained.shipped  # MC decodes with the shipped policy, under its rule unless the flags say
+    on, refocus_every = resolved_rule(policy.rule, trained.cfg.mc.refocus_every, args.refocus_on, args.refocus_every)
     with counted_kernels():  # the graphs compiled record their kernels, which the operator count reads
         rows = run_decode_benchmark(
             trained.model,
@@ -234,10 +244,12 @@ def decode_benchmark(args: argparse.Namespace) -> None:
             compile_fn,
             progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
             modes=modes,
+            policy=policy,
+            on=on,
         )
     print(
-        f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, refocus every {refocus_every}, "
-        f"median of {args.repeats}"
+        f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, MC with the shipped {shipped} refocusing "
+        f"{rule_name(on, refocus_every)}, median of {args.repeats}"
     )
     print(format_decode_table(rows))
     if args.json:

@@ -15,6 +15,7 @@ from mcfn.errors import exit_code
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, RULES
     from mcfn.core.focus import REFOCUS_STEPS
 
     p = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n")[0])
@@ -43,6 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="R: every condition that chooses a cut refocuses every R tail tokens, as generation does (default: the "
         "run's mc.refocus_every; the one-cut table is reported beside it)",
     )
+    p.add_argument(
+        "--refocus-on",
+        choices=RULES,
+        default=CLOCK,
+        help="clock: a refocus every R tokens; copy: also when a copy starts, at the latest every R "
+        "(mcfn.core.cadence). The shipped policy is scored under the rule it ships with",
+    )
+    p.add_argument("--refocus-threshold", type=float, default=COPY_THRESHOLD, help="the copy rule's evidence threshold")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--task",

@@ -35,7 +35,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "report.md names it)",
     )
     p.add_argument(
-        "--refocus-every", type=int, help="tokens decoded between refocuses (mc; default: the run's mc.refocus_every)"
+        "--refocus-every",
+        type=int,
+        help="the most tokens decoded between refocuses (mc; default: the shipped rule's, else mc.refocus_every)",
+    )
+    p.add_argument(
+        "--refocus-on",
+        choices=("clock", "copy"),
+        help="clock: a refocus every --refocus-every tokens; copy: also when a copy starts (mcfn.core.cadence); "
+        "default: the rule the run ships with its policy",
     )
     p.add_argument(
         "--refocus-steps",
@@ -85,6 +93,7 @@ def show_layout(args: argparse.Namespace, n: int, layout: str) -> None:
 def run(args: argparse.Namespace) -> None:
     import torch
 
+    from mcfn.core.cadence import resolved_rule, rule_name
     from mcfn.core.policy import FULL, POLICIES
     from mcfn.core.system import MegaContext
     from mcfn.inference.decode import decoding_compiler
@@ -111,10 +120,11 @@ def run(args: argparse.Namespace) -> None:
     if policy is not FULL:
         if not isinstance(model, MegaContext):
             raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run); use --context full")
-        every = trained.cfg.mc.refocus_every if args.refocus_every is None else args.refocus_every
+        on, every = resolved_rule(policy.rule, trained.cfg.mc.refocus_every, args.refocus_on, args.refocus_every)
+        name += f", refocus {rule_name(on, every)}"
         out, stats = generate_mc(
             model, prompt, args.max_new_tokens, every, args.refocus_steps, sampling, warm_steps=args.warm_steps,
-            on_refocus=partial(show_layout, args), compile_fn=compile_fn, policy=policy,
+            on_refocus=partial(show_layout, args), compile_fn=compile_fn, policy=policy, on=on,
         )  # fmt: skip
     else:
         base = model.base if isinstance(model, MegaContext) else model
@@ -122,7 +132,8 @@ def run(args: argparse.Namespace) -> None:
     print(tok.decode(out.tolist()))
     extra = ""
     if policy is not FULL:
-        extra = f", refocus {stats.refocus_s:.2f} s of it (cache entries kept: {stats.cache_kept:.0%})"
+        extra = (f", refocus {stats.refocus_s:.2f} s of it ({stats.refocuses_per_token:.3f} refocuses a token, cache "
+                 f"entries kept: {stats.cache_kept:.0%})")  # fmt: skip
     extra += f", compilation {stats.compile_s:.1f} s of it (excluded from tok/s)" if args.compile else ""
     print(
         f"[generate] {name}: prompt {stats.prompt_tokens} tokens read in {stats.prefill_s:.2f} s; "

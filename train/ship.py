@@ -1,16 +1,17 @@
 """Choose the focus policy a run ships: ``python -m train.ship --run DIR``.
 
 Every MegaContext run makes this choice at its end (``mcfn.stage.ship``): truncation, ``match``, the run's own
-LensNet and the run's own gated over ``match``'s cut, scored on validation windows under generation's protocol and
-judged by paired errors; the choice is recorded in the checkpoint, where ``train.eval`` scores it as ``shipped`` and
-``train.generate`` decodes with it when no ``--context`` is given. This command makes it again on a saved run (one
-trained before the choice existed ships ``lens`` until then). Bad input ends with a one-line ``error:`` and exit 2.
+LensNet and the run's own gated over ``match``'s cut, each also under the other refocus rules within the profile's
+cap, scored on validation windows under generation's protocol and judged by paired errors; the choice is recorded in
+the checkpoint (and in ``ship.json`` beside it, with the validation evaluation it read), where ``train.eval`` scores
+it as ``shipped`` and ``train.generate`` decodes with it when no ``--context`` is given. This command makes it again
+on a saved run (one trained before the choice existed ships ``lens`` until then). Bad input ends with a one-line
+``error:`` and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,8 +31,7 @@ def run(args: argparse.Namespace) -> None:
     from mcfn.stage.ship import ship_run
 
     run_dir = args.run if args.run.is_dir() else args.run.parent
-    verdict = ship_run(run_dir, resolve_device(args.device), say)
-    (run_dir / "ship.json").write_text(json.dumps(verdict.to_json(), indent=2))
+    ship_run(run_dir, resolve_device(args.device), say)  # ship.json: the verdict and the evaluation it read
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -183,6 +183,9 @@ class MCConfig:
     # R: tokens read between two refocuses. Generation refocuses every R tokens within W - R entries, and the
     # evaluation scores what generation computes: every condition that chooses a cut refocuses every R tail tokens.
     refocus_every: int = 16
+    # The most refocuses per token a shipped refocus rule may make (the ship choice refuses the rest): the decode cost
+    # a rule that refocuses on events may buy (mcfn.core.cadence).
+    refocus_cap: float = 0.1
     gist: GistConfig = field(default_factory=GistConfig)  # [mc.gist]
     lens: LensConfig = field(default_factory=LensConfig)  # [mc.lens]
     alloc: AllocConfig = field(default_factory=AllocConfig)  # [mc.alloc]
@@ -200,6 +203,7 @@ class MCConfig:
         # Its upper bound (mcfn.geometry.most_refocus_every) binds only where a cut is refocused: generation
         # and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
+        _require(self.refocus_cap > 0, "mc.refocus_cap", "must be > 0")
         _require(
             self.lens.attention_weight == 0 or self.teacher.enabled,
             "mc.lens.attention_weight",

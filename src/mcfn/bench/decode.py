@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from mcfn.bench.operators import warm_refocus_operators
+from mcfn.core.cadence import CLOCK
 from mcfn.core.focus import WARM_STEPS, refocus_budget
-from mcfn.core.policy import FULL, LENS, RECENCY
+from mcfn.core.policy import FULL, LENS, RECENCY, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.inference.decode import REFILL_CHUNK
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc
@@ -40,14 +41,21 @@ MODES = ("mc", "mc_cold", "mc_one_chunk", RECENCY.name, FULL.name)  # lens warm,
 
 
 def decode_once(
-    system: MegaContext, mode: str, prompt: torch.Tensor, new_tokens: int, refocus_every: int, compile_fn
+    system: MegaContext,
+    mode: str,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    refocus_every: int,
+    compile_fn,
+    policy: FocusPolicy = LENS,
+    on: str = CLOCK,
 ) -> GenerationStats:
     greedy = Sampling(temperature=0.0)
     gc.collect()  # the previous mode's garbage is not collected on this one's time
     if mode == FULL.name:
         return generate_full(system.base, prompt, new_tokens, greedy, compile_fn)[1]
     warm_steps = 0 if mode == "mc_cold" else WARM_STEPS
-    policy = RECENCY if mode == RECENCY.name else LENS
+    policy = RECENCY if mode == RECENCY.name else policy
     refill_chunk = refocus_budget(system.layout, refocus_every) if mode == "mc_one_chunk" else REFILL_CHUNK
     return generate_mc(
         system,
@@ -59,6 +67,7 @@ def decode_once(
         compile_fn=compile_fn,
         policy=policy,
         refill_chunk=refill_chunk,
+        on=on,
     )[1]
 
 
@@ -72,24 +81,28 @@ def run_decode_benchmark(
     compile_fn: Callable[[Callable], Callable] | None = None,
     progress: Callable[[str], None] = lambda line: None,
     modes: tuple[str, ...] = MODES,
+    policy: FocusPolicy = LENS,
+    on: str = CLOCK,
 ) -> list[dict[str, Any]]:
     """One row per prompt length (the first ``length`` of ``ids``): per mode the median tokens/s and prompt read
     time, and for MegaContext's modes the refocus time per new token and per refocus and the share of cache entries
     refocuses kept; the ratios of ``mc`` to full context and to truncation where both ran. Compiled, call it within
-    :func:`~mcfn.bench.operators.counted_kernels`, so that the operator count sees the graphs' kernels."""
+    :func:`~mcfn.bench.operators.counted_kernels`, so that the operator count sees the graphs' kernels. MegaContext's
+    modes decode with ``policy`` (truncation's with its own) under the rule ``on`` (:mod:`mcfn.core.cadence`),
+    refocusing at the latest every ``refocus_every`` tokens."""
     unknown = set(modes) - set(MODES)
     if unknown or not modes:
         raise ValueError(f"decode modes are {', '.join(MODES)}; got {', '.join(modes) or 'none'}")
     # One untimed run per mode first, past a warm refocus: on the H100 (2026-11-28) the first mode timed in a process
     # ran at a quarter of its later rate (kernels loaded and tuned on first use, outside the compiled graphs).
     for mode in modes:
-        decode_once(system, mode, ids[: lengths[0]], refocus_every + 1, refocus_every, compile_fn)
+        decode_once(system, mode, ids[: lengths[0]], refocus_every + 1, refocus_every, compile_fn, policy, on)
     rows = []
     for length in lengths:
         runs: dict[str, list[GenerationStats]] = {mode: [] for mode in modes}
         for r in range(repeats):
             for mode in modes:
-                stats = decode_once(system, mode, ids[:length], new_tokens, refocus_every, compile_fn)
+                stats = decode_once(system, mode, ids[:length], new_tokens, refocus_every, compile_fn, policy, on)
                 runs[mode].append(stats)
                 progress(f"{length} tokens, {mode}, repeat {r + 1}/{repeats}: {stats.tokens_per_s:.1f} tok/s")
         row: dict[str, Any] = {"prompt_tokens": length}
@@ -101,7 +114,7 @@ def run_decode_benchmark(
                 row[f"{mode}_refocus_ms_per_refocus"] = statistics.median(s.refocus_ms for s in stats)
                 row[f"{mode}_cache_kept"] = statistics.median(s.cache_kept for s in stats)
         if mc := runs.get("mc"):
-            row["mc_refocuses_per_token"] = statistics.median(len(s.layouts) / s.new_tokens for s in mc)
+            row["mc_refocuses_per_token"] = statistics.median(s.refocuses_per_token for s in mc)
             row["mc_recomputed_per_refocus"] = statistics.median(s.recomputed_entries / len(s.layouts) for s in mc)
             row["mc_focus_ms_per_refocus"] = 1e3 * statistics.median(s.focus_s / len(s.layouts) for s in mc)
             counts = warm_refocus_operators(system, ids, length, refocus_every, COUNTED_REFOCUSES, compile_fn)

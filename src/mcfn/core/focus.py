@@ -21,6 +21,7 @@ view's nodes onto a training window's tree).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.allocator import allocate, node_scores_of, shrink
+from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, RefocusWatch, rule_name
 from mcfn.core.context import Scorer, WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.tree import Tree
@@ -123,13 +125,26 @@ def refocus(
 
 @dataclass(frozen=True)
 class Refocus:
-    """Generation's protocol, which the evaluation and the LensNet stage run too: a refocus every ``every`` tokens,
-    the first with ``steps`` allocator steps from the coarsest cut, later ones with ``warm_steps`` from the previous
-    context (0: cold every time)."""
+    """Generation's protocol, which the evaluation and the LensNet stage run too: a refocus every ``every`` tokens
+    (``on = "clock"``), or when a copy starts and at the latest every ``every`` tokens (``on = "copy"``, with the
+    copy evidence's ``threshold``: :mod:`mcfn.core.cadence`); the first with ``steps`` allocator steps from the
+    coarsest cut, later ones with ``warm_steps`` from the previous context (0: cold every time). Each cut is chosen
+    within ``W - every`` entries, room for the most tokens read before the next refocus."""
 
     every: int
     steps: int = REFOCUS_STEPS
     warm_steps: int = WARM_STEPS
+    on: str = CLOCK
+    threshold: float = COPY_THRESHOLD
+
+    @property
+    def name(self) -> str:
+        """The rule as flags and reports spell it (``16``, ``copy16``)."""
+        return rule_name(self.on, self.every)
+
+    def watch(self, tokens: Iterable[int]) -> RefocusWatch:
+        """The decider of a stream whose history so far is ``tokens``."""
+        return RefocusWatch(self.on, self.every, self.threshold, tokens)
 
     def carried(self, previous: WorkingContext | None) -> WorkingContext | None:
         """What a refocus starts from: the previous refocus's context (warm), or None (cold: the first refocus, or

@@ -243,11 +243,13 @@ class LensNet(nn.Module):
         base: GPT | None = None,
         query: Float[Tensor, "r q2"] | None = None,
         scale: Int[Tensor, ""] | None = None,
+        reach: int | None = None,
     ) -> Float[Tensor, "r w"]:
         """Scores ``[R, W]`` of the entries of ``wc``, a cut of ``layout`` (by default the training one); with the
         match prior, ``tokens`` are each row's window (only what lies up to its newest entry is read); the indexer
         also reads ``base`` (its :func:`horizon_query` over them) unless given the ``query`` of each row's horizon.
-        ``scale``: the length of the view read, which the prior's distance is over (by default ``layout.T``)."""
+        ``scale``: the length of the view read, which the prior's distance is over (by default ``layout.T``);
+        ``reach``: the predictions a cut serves, which the match votes run over (by default ``mc.refocus_every``)."""
         layout = self.layout if layout is None else layout
         units = unit_capacity(wc.batch_size[1], layout)
         unit = block_units(wc, layout.K, units)
@@ -256,17 +258,23 @@ class LensNet(nn.Module):
                 raise ValueError("LensNet's indexer reads the base model's states over the window's tokens")
             query = horizon_query(base, tokens, read_end(wc))
         scale = layout.T if scale is None else scale
-        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, scale, query), (0, 1))  # padding: 0
+        scores = F.pad(self.score(pool_blocks(wc, unit, units), tokens, scale, query, reach), (0, 1))  # padding: 0
         return scores.gather(1, unit) * wc.valid
 
     def scorer(
-        self, layout: Layout, window: Int[Tensor, "r t"], base: GPT, scale: Int[Tensor, ""] | None = None
+        self,
+        layout: Layout,
+        window: Int[Tensor, "r t"],
+        base: GPT,
+        scale: Int[Tensor, ""] | None = None,
+        reach: int | None = None,
     ) -> Scorer:
         """The ``lens`` focus policy's scorer of the working contexts of ``layout`` over ``window``'s rows, reading
         ``base`` where the indexer does; with the indexer's recent window, every cut keeps the newest tokens at
         LOD0. ``scale``: the length of the view read (by default ``layout.T``; a view padded to a fixed shape gives
-        its own, :mod:`mcfn.inference.choice`)."""
-        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base, scale=scale)
+        its own, :mod:`mcfn.inference.choice`); ``reach``: the predictions each cut serves under the refocus rule
+        (by default the run's ``mc.refocus_every``)."""
+        score = partial(self, layout=layout, tokens=window[:, : layout.T], base=base, scale=scale, reach=reach)
         return with_recent_window(score, self.recent) if self.recent else score
 
     def score(
@@ -275,10 +283,11 @@ class LensNet(nn.Module):
         tokens: Tensor | None = None,
         scale: int | Tensor | None = None,
         query: Tensor | None = None,
+        reach: int | None = None,
     ) -> Float[Tensor, "r w"]:
         """The transformer over the rows of ``wc`` (units), one score per valid one; ``scale``: the length of the
         layout read (the prior's distance is over it, as ``match``'s is; by default the training ``T``); ``query``:
-        the indexer's."""
+        the indexer's; ``reach``: the match votes' (by default ``match_reach``)."""
         T, L = self.layout.T, self.layout.L
         end = wc.start + wc.span
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
@@ -290,7 +299,8 @@ class LensNet(nn.Module):
             raise ValueError("LensNet's match prior needs the window's tokens")
         # The match votes per n-gram length, each computed once: the indexer's features, and the prior's (n = NGRAM).
         lengths = VOTE_NGRAMS if self.indexer else (NGRAM,) if self.match_prior else ()  # config constants: static
-        votes = {n: unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, self.match_reach, n) for n in lengths}
+        reach = self.match_reach if reach is None else reach
+        votes = {n: unit_votes(wc, tokens, now[:, 0] - 1, self.layout.K, reach, n) for n in lengths}
         if self.indexer:
             features += [torch.log1p(votes[n]) for n in VOTE_NGRAMS]
         x = (

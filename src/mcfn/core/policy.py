@@ -61,6 +61,9 @@ class FocusPolicy:
     scorer_of: ScorerOf | None = None  # a scored policy's scorer for one view
     needs_lensnet: bool = False  # scored by the run's LensNet: absent from a run without one
     brief: bool = True  # scored by a run's brief final evaluation (full, recency, match and lens)
+    # Its own refocus rule (mcfn.core.cadence.rule_name: "8", "copy16"), where it is not the protocol's: a candidate of
+    # the ship choice, or a shipped policy, which ships with the rule it was chosen under.
+    rule: str | None = None
 
     def __post_init__(self) -> None:
         if (self.choice is Choice.SCORED) != (self.scorer_of is not None):
@@ -141,7 +144,7 @@ def _match(system: MegaContext, window: Tensor, layout: Layout, reach: int, scal
 
 def _lensnet(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
     assert system.lensnet is not None, "the lens policy needs the run's LensNet"
-    return system.lensnet.scorer(layout, window, system.base, scale)
+    return system.lensnet.scorer(layout, window, system.base, scale, reach)
 
 
 FULL = register(FocusPolicy("full", Choice.FULL))
@@ -161,7 +164,7 @@ def lensnet_policy(name: str, lensnet: LensNet) -> FocusPolicy:
     the run's own gated over ``match``, a round of the LensNet stage), the system's base, GistNet and tree unchanged."""
 
     def scorer_of(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
-        return lensnet.scorer(layout, window, system.base, scale)
+        return lensnet.scorer(layout, window, system.base, scale, reach)
 
     return FocusPolicy(name, Choice.SCORED, scorer_of)
 

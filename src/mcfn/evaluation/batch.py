@@ -8,12 +8,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from einops import rearrange
 from torch import Tensor
 
+from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, parse_rule
 from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
 from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import FocusPolicy, policies
@@ -32,7 +34,9 @@ class EvalSettings:
     refocus: int = REFOCUS_STEPS  # allocator steps of a scored policy's cold refocus
     tasks: tuple[str, ...] = PROBES  # corpus first: the report's headline figures come from it
     probe_batches: int | None = None  # batches that carry each probe; None: all of them (corpus always has all)
-    refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens
+    refocus_every: int = 16  # R (mc.refocus_every): generation's protocol refocuses every R tokens (at the latest)
+    refocus_on: str = CLOCK  # when else it refocuses (mcfn.core.cadence): "clock", never; "copy", when a copy starts
+    refocus_threshold: float = COPY_THRESHOLD  # the copy rule's threshold
     warm_steps: int = WARM_STEPS  # allocator steps of every refocus after a window's first, from the previous context
     # Only what a reader needs first (a run's final evaluation): full, recency, match and lens under generation's
     # protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
@@ -63,7 +67,21 @@ class EvalSettings:
     @property
     def protocol(self) -> Refocus:
         """Generation's refocus as the evaluation runs it."""
-        return Refocus(self.refocus_every, self.refocus, self.warm_steps)
+        return Refocus(self.refocus_every, self.refocus, self.warm_steps, self.refocus_on, self.refocus_threshold)
+
+    def rule_of(self, policy: FocusPolicy) -> Refocus:
+        """The refocus rule ``policy`` is scored under: its own (:attr:`FocusPolicy.rule`), else the protocol's."""
+        if policy.rule is None:
+            return self.protocol
+        on, every = parse_rule(policy.rule)
+        return dataclasses.replace(self.protocol, on=on, every=every)
+
+    def on_grid(self, policy: FocusPolicy) -> bool:
+        """Whether ``policy`` refocuses on the evaluation's shared clock (every ``refocus_every`` tokens, the chunks
+        every condition that is not a policy's own is scored in); else it runs its own rule
+        (:func:`mcfn.evaluation.refocused.predict_cadenced`)."""
+        rule = self.rule_of(policy)
+        return rule.on == CLOCK and rule.every == self.refocus_every
 
 
 def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:

@@ -224,7 +224,7 @@ def window_recalls(batch: TaskBatch, pred: ChunkedPredictions, budget: int) -> d
     out: dict[str, list[float]] = {name: [] for name in pred.cuts}
     for row in range(attention.size(0)):
         per_policy = {
-            name: chunk_recall(attention[row], pred.chunk[row], cuts[row], system.layout, budget - R, R)
+            name: chunk_recall(attention[row], pred.chunk_of(name)[row], cuts[row], system.layout, budget - R, R)
             for name, cuts in pred.cuts.items()
         }
         for name, values in per_policy.items():

@@ -93,6 +93,10 @@ class Predictions:
     preference: Tensor | None  # [B, C, P]: LensNet's preference between every pair of a chunk's random contexts
     utility: Tensor | None = None  # [B, C] float64: each chunk's utility_corr (NaN: not measured; None: not asked)
 
+    def refocus_counts(self) -> dict[str, Tensor]:
+        """Per refocusing condition, the refocuses ``[B]`` each window made: none under one cut."""
+        return {}
+
 
 def predict_budget(batch: EvalBatch, budget: int, generator: torch.Generator) -> Predictions:
     """Every condition's tail predictions at ``budget``, each from one cut for the whole tail."""

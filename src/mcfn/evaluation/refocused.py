@@ -36,7 +36,7 @@ from torch import Tensor
 from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import StreamView, refocus_budget
 from mcfn.core.nodes import NodeTable
-from mcfn.core.policy import LENS, Choice
+from mcfn.core.policy import LENS, Choice, FocusPolicy
 from mcfn.core.preferences import pair_margin, pair_slots
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
@@ -51,9 +51,19 @@ from mcfn.evaluation.oracle import ORACLES, ChunkOracle, chunk_oracle, oracle_ro
 
 @dataclass
 class ChunkedPredictions(Predictions):
-    """The tail predictions of one batch at one budget, each chunk of ``R`` from its own cuts, and those cuts."""
+    """The tail predictions of one batch at one budget, each chunk of ``R`` from its own cuts, and those cuts; a
+    policy on a rule of its own refocuses in chunks of its own (``chunks``)."""
 
     cuts: dict[str, list[list[Tensor]]] = field(kw_only=True)  # per focus condition, per row, each chunk's cut [nodes]
+    chunks: dict[str, Tensor] = field(kw_only=True, default_factory=dict)  # [B, H] per policy on its own rule
+
+    def chunk_of(self, name: str) -> Tensor:
+        """``[B, H]``: each tail column's refocus under condition ``name`` (-1: unscored)."""
+        return self.chunks.get(name, self.chunk)
+
+    def refocus_counts(self) -> dict[str, Tensor]:
+        """Per refocusing condition, the refocuses ``[B]`` each window made (its chunks)."""
+        return {name: self.chunk_of(name).amax(-1) + 1 for name in self.cuts}
 
 
 @dataclass(frozen=True)
@@ -88,14 +98,17 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
     slots, nll, hit = None, None, None
     preference = torch.zeros(B, n_chunks, M * (M - 1) // 2, device=device)
     utility = torch.full((B, n_chunks), torch.nan, dtype=torch.float64)
-    focuses = [policy.name for policy in batch.settings.policies(system) if policy.refocuses]
+    settings = batch.settings
+    own = [p for p in settings.policies(system) if p.refocuses and not settings.on_grid(p)]
+    grid = [p for p in settings.policies(system) if p not in own and p.choice is not Choice.FULL]  # full: a reference
+    focuses = [policy.name for policy in grid if policy.refocuses]
     attention = None
     if batch.settings.oracle:  # the oracles read each chunk's own queries' full attention
         focuses += ORACLES
         attention = tail_attention(system.base, window, layout, before=R)  # and the R queries ahead of the tail
     previous: dict[str, list[WorkingContext | None]] = {name: [None] * B for name in focuses}
     cuts: dict[str, list[list[Tensor]]] = {name: [[] for _ in range(B)] for name in focuses}
-    for c in range(n_chunks):
+    for c in range(n_chunks if grid or settings.oracle else 0):
         at = horizon + c * R
         for n in sorted(set((at[at < T] + 1).tolist())):
             rows = torch.nonzero(at + 1 == n).flatten()
@@ -103,7 +116,7 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
             oracle = None
             if attention is not None:
                 oracle = chunk_oracle(system.base, attention[rows], window[rows], chunk[rows], c, n, R, layout)
-            part = predict_chunk(batch, rows, n, nodes, generator, carried, oracle)
+            part = predict_chunk(batch, rows, n, nodes, generator, carried, oracle, grid)
             if slots is None:
                 slots = part.slots
                 nll = torch.zeros(B, part.nll.size(1), H, device=device)
@@ -119,10 +132,79 @@ def predict_chunked(batch: EvalBatch, budget: int, generator: torch.Generator) -
                 for i, row in enumerate(rows.tolist()):
                     previous[name][row] = contexts[i]
                     cuts[name][row].append(part.cuts[name][i])
+    if nll is None:  # no condition on the shared clock: every policy on a rule of its own, no oracle
+        slots, nll, hit = {}, torch.zeros(B, 0, H, device=device), torch.zeros(B, 0, H, dtype=torch.bool, device=device)
+    chunks = {}
+    for policy in own:  # each on its own rule: a column of its own
+        part = predict_cadenced(batch, budget, policy)
+        slots[policy.name] = slice(nll.size(1), nll.size(1) + 1)
+        nll, hit = torch.cat([nll, part.nll[:, None]], 1), torch.cat([hit, part.hit[:, None]], 1)
+        chunks[policy.name], cuts[policy.name] = part.chunk, part.cuts
     with_lens = system.lensnet is not None and not batch.settings.brief  # the random cuts' preferences
     return ChunkedPredictions(
-        nll, hit, slots, chunk, preference if with_lens else None, utility if batch.utility else None, cuts=cuts
+        nll,
+        hit,
+        slots,
+        chunk,
+        preference if with_lens else None,
+        utility if batch.utility else None,
+        cuts=cuts,
+        chunks=chunks,
     )
+
+
+@dataclass(frozen=True)
+class Cadenced:
+    """One policy's tail predictions under a refocus rule of its own, and where it refocused."""
+
+    nll: Tensor  # [B, H]
+    hit: Tensor  # [B, H] bool
+    chunk: Tensor  # [B, H] int64: each tail column's refocus, -1 where unscored
+    cuts: list[list[Tensor]]  # per row, each refocus's cut of the window [nodes]
+
+
+def predict_cadenced(batch: EvalBatch, budget: int, policy: FocusPolicy) -> Cadenced:
+    """``policy``'s tail predictions at ``budget`` under its rule (:meth:`EvalSettings.rule_of`), as generation
+    computes them: each row refocuses at its first scored prediction, then whenever its
+    :class:`~mcfn.core.cadence.RefocusWatch` (the one generation asks) says, fed the window's tokens one at a time,
+    and each refocus's cut serves the predictions up to the next. Rows that refocus at the same history are read
+    together."""
+    system, window, horizon = batch.system, batch.window, batch.horizon
+    layout, rule = system.layout, batch.settings.rule_of(policy)
+    T, H = layout.T, layout.H
+    B, device = window.size(0), window.device
+    nodes = batch.nodes(budget)
+    refocus_budget(nodes.layout, rule.every)
+    nll = torch.zeros(B, H, device=device)
+    hit = torch.zeros(B, H, dtype=torch.bool, device=device)
+    chunk = torch.full((B, H), -1, dtype=torch.int64, device=device)
+    due = (horizon + 1).tolist()  # each row's next refocus: the history it is chosen over
+    tokens = window.tolist()
+    watches = [rule.watch(tokens[row][: due[row]]) for row in range(B)]
+    previous: list[WorkingContext | None] = [None] * B
+    cuts: list[list[Tensor]] = [[] for _ in range(B)]
+    while pending := [n for n in due if n <= T]:
+        n = min(pending)
+        rows = [row for row in range(B) if due[row] == n]
+        index = torch.tensor(rows, device=device)
+        cv = chunk_view(batch.tree[index], window[index], nodes, n, rule.every)
+        view_cuts, contexts = refocus_rows(
+            system, policy, cv.tree, cv.window, cv.view, rule, [previous[row] for row in rows]
+        )
+        shown = cv.window_cut(view_cuts)
+        part_nll, part_hit = chunk_predictions(system, batch.tree[index], shown, window[index], cv)
+        for i, row in enumerate(rows):
+            watch = watches[row]
+            watch.refocused(contexts[i])
+            # The cut serves the predictions from n - 1 up to the token after which the next refocus is due.
+            due[row] = next((t + 1 for t in range(n, min(cv.upto, T - 1) + 1) if watch.due(tokens[row][t])), T + 1)
+            served = due[row] - n  # at most the chunk's k = upto - n + 1 predictions
+            columns = slice(n - 1 - (T - H), n - 1 - (T - H) + served)
+            nll[row, columns], hit[row, columns] = part_nll[i, 0, :served], part_hit[i, 0, :served]
+            chunk[row, columns] = len(cuts[row])
+            previous[row] = contexts[i]
+            cuts[row].append(shown[i, 0])
+    return Cadenced(nll, hit, chunk, cuts)
 
 
 def predict_chunk(
@@ -133,12 +215,14 @@ def predict_chunk(
     generator: torch.Generator,
     carried: dict[str, list[WorkingContext | None]],
     oracle: ChunkOracle | None = None,
+    policies: list[FocusPolicy] | None = None,
 ) -> Chunk:
     """One chunk for the ``rows`` whose history is ``n`` tokens: every condition's predictions of the tokens after
     the horizon ``n - 1``; the focus conditions refocus warm from the contexts ``carried`` (per row; ``None``: cold).
     With ``oracle`` (what the chunk's oracles read), they refocus too (:mod:`mcfn.evaluation.oracle`).
     With ``batch.utility``, each row's LensNet cut is also labelled edit by edit
-    (:mod:`mcfn.evaluation.counterfactual`)."""
+    (:mod:`mcfn.evaluation.counterfactual`). ``policies``: the conditions on the shared clock (by default every one
+    of the settings')."""
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
     protocol, M, brief = batch.settings.protocol, batch.settings.random_contexts, batch.settings.brief
     cv = chunk_view(tree, window, nodes, n, protocol.every)
@@ -146,7 +230,7 @@ def predict_chunk(
     parts: dict[str, Tensor] = {}
     contexts: dict[str, list[WorkingContext]] = {}
     view_cuts: dict[str, Tensor] = {}
-    for policy in batch.settings.policies(system):
+    for policy in batch.settings.policies(system) if policies is None else policies:
         if policy.refocuses:  # truncation and the scored policies: generation's refocus
             view_cuts[policy.name], contexts[policy.name] = refocus_rows(
                 system, policy, cv.tree, cv.window, cv.view, protocol, carried[policy.name]

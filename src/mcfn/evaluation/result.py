@@ -67,6 +67,7 @@ class Row:
     lens_rank_corr: float | None = None
     utility: Utility | None = None
     paired: dict[str, Paired] = field(default_factory=dict)  # "a_over_b" (mcfn.evaluation.stats.paired_differences)
+    refocus_rate: dict[str, float] | None = None  # generation's protocol: refocuses per prediction, per condition
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -85,6 +86,8 @@ class Row:
             u = self.utility
             out |= {"utility_corr": u.corr, "utility_corr_se": u.se, "utility_states": u.states}
         out["paired"] = {name: pair.to_json() for name, pair in self.paired.items()}
+        if self.refocus_rate is not None:
+            out["refocuses_per_token"] = self.refocus_rate
         return out
 
 

@@ -40,6 +40,9 @@ class Scores:
     measured: list[Tensor] = field(default_factory=list)
     docs: list[Tensor] = field(default_factory=list)  # each window's document, where known
     utility: list[Tensor] = field(default_factory=list)  # per state, LensNet's utility_corr (counterfactual edits)
+    # Under generation's protocol: per refocusing condition, each window's refocuses, and the predictions they served.
+    refocuses: dict[str, list[Tensor]] = field(default_factory=dict)
+    served: list[Tensor] = field(default_factory=list)
 
     def add(self, name: str, nats: Tensor, correct: Tensor) -> None:
         self.nats.setdefault(name, []).append(nats.double().cpu())
@@ -56,6 +59,16 @@ class Scores:
         self.measured.extend(other.measured)
         self.docs.extend(other.docs)
         self.utility.extend(other.utility)
+        for name, counts in other.refocuses.items():
+            self.refocuses.setdefault(name, []).extend(counts)
+        self.served.extend(other.served)
+
+    def refocus_rate(self) -> dict[str, float] | None:
+        """Refocuses per prediction served, per refocusing condition (None under one cut)."""
+        if not self.refocuses:
+            return None
+        served = float(torch.cat(self.served).sum())
+        return {name: float(torch.cat(counts).sum()) / max(1.0, served) for name, counts in self.refocuses.items()}
 
 
 BOOTSTRAP = 1000  # resamples of the documents for the gains' errors and the retained fraction's interval
@@ -188,6 +201,7 @@ def summarise(scores: Scores, task: str, budget: int, T: int, candidates: tuple[
         paired=paired_differences(nats, correct, nbytes, (*candidates, *PAIRED), clusters),
         lens_rank_corr=spearman(torch.cat(scores.predicted), torch.cat(scores.measured)) if scores.predicted else None,
         utility=utility,
+        refocus_rate=scores.refocus_rate(),
     )
 
 
@@ -220,6 +234,9 @@ def record(
             out.add(name, nats[:, slots][:, 0], correct[:, slots][:, 0])
     out.nbytes.append(scored.sum(-1).double().cpu())
     out.depth.append(depth.double().cpu())
+    if counts := pred.refocus_counts():
+        out.refocuses = {name: [count.double().cpu()] for name, count in counts.items()}
+        out.served = [(pred.chunk >= 0).sum(-1).double().cpu()]
     if per_state and pred.utility is not None:
         out.utility.append(pred.utility[pred.utility.isfinite()])
     if RANDOM.name in pred.slots:  # not in a brief evaluation

@@ -1,8 +1,9 @@
 """Where a decoded token's context comes from: the two sources the one decode loop
 (:func:`mcfn.inference.generation.decode`) reads.
 
-* :class:`MCContexts`: MegaContext. The prompt streams into a :class:`~mcfn.inference.streaming.StreamingTree`; every
-  ``R`` tokens the focus policy's refocus (a scored policy's as one fixed-shape graph,
+* :class:`MCContexts`: MegaContext. The prompt streams into a :class:`~mcfn.inference.streaming.StreamingTree`;
+  whenever its refocus rule says (:mod:`mcfn.core.cadence`: every ``R`` tokens, or when a copy starts and at the
+  latest every ``R``) the focus policy's refocus (a scored policy's as one fixed-shape graph,
   :class:`~mcfn.inference.choice.FocusChoice`, which makes the evaluation's cut; truncation's by
   :func:`~mcfn.inference.streaming.focused_context`) rebuilds the working context within ``W - R`` entries, and the
   cache keeps the entries before the first one the refocus changed (a cached entry's keys and values depend only on
@@ -56,6 +57,11 @@ class GenerationStats:
         return self.reused_entries / max(1, self.reused_entries + self.recomputed_entries)
 
     @property
+    def refocuses_per_token(self) -> float:
+        """Refocuses per new token (mc; 0 when none ran): the decode cost a refocus rule buys."""
+        return len(self.layouts) / max(1, self.new_tokens)
+
+    @property
     def refocus_ms(self) -> float:
         """Milliseconds a refocus took on average, choosing the context and refilling the cache (mc)."""
         return 1e3 * self.refocus_s / max(1, len(self.layouts))
@@ -106,10 +112,11 @@ def refill(
 
 
 class MCContexts:
-    """MegaContext's contexts for one text: a refocus every ``refocus.every`` tokens with ``policy``'s context and
-    the cache refilled where it changed (``use_cache=False``: the whole context recomputed at every token instead, to
-    hold the cache to the same tokens). ``on_refocus(n, layout)`` hears each refocus's LOD layout. ``refill_chunk``:
-    the entries a compiled refill runs at once (:class:`~mcfn.inference.decode.Decoder`; at most ``W``)."""
+    """MegaContext's contexts for one text: a refocus whenever ``refocus`` says (:mod:`mcfn.core.cadence`) with
+    ``policy``'s context and the cache refilled where it changed (``use_cache=False``: the whole context recomputed at
+    every token instead, to hold the cache to the same tokens). ``on_refocus(n, layout)`` hears each refocus's LOD
+    layout. ``refill_chunk``: the entries a compiled refill runs at once (:class:`~mcfn.inference.decode.Decoder`; at
+    most ``W``)."""
 
     def __init__(self, system: MegaContext, policy: FocusPolicy, refocus: Refocus, device: torch.device,
                  compile_fn=None, use_cache: bool = True, on_refocus=None,
@@ -117,7 +124,6 @@ class MCContexts:
         self.system, self.policy, self.refocus, self.stats = system, policy, refocus, GenerationStats()
         self.use_cache, self.on_refocus, self.device = use_cache, on_refocus, device
         self.budget = refocus_budget(system.layout, refocus.every)
-        self.every = refocus.every
         self.stream = StreamingTree(system, device)
         # A scored policy's choice runs as one fixed-shape graph, compiled with the decoder's graphs.
         self.choice = FocusChoice(system, policy, refocus, self.budget, compile_fn) if policy.scored else None
@@ -128,9 +134,15 @@ class MCContexts:
         self.context: WorkingContext | None = None
         self.cached = torch.zeros(0, 2, dtype=torch.int64, device=device)  # (start, LOD) of each cache entry
         self.entries: tuple[Tensor, Tensor, Tensor] | None = None  # use_cache=False: the context's inputs so far
+        self.watch = refocus.watch(())  # when the next refocus is due (mcfn.core.cadence)
 
     def prefill(self, prompt: Tensor) -> None:
         self.stream.append(prompt)
+        self.watch = self.refocus.watch(prompt.tolist())
+
+    def due(self, token: Tensor) -> bool:
+        """Whether the context refocuses after the decoded ``token [1]`` (its rule's decision)."""
+        return self.watch.due(int(token))
 
     def refresh(self) -> Tensor:
         """A refocus: the policy's context over the history so far, the cache brought to it; the next logits."""
@@ -144,6 +156,7 @@ class MCContexts:
             wc = self.context = focused_context(self.system, self.stream, self.budget, self.policy, self.refocus,
                                                 self.context)  # fmt: skip
         stats.focus_s += settled(self.device) - t_refocus - (self.compile_s - compiling)
+        self.watch.refocused(wc)
         layout_text = lod_string(
             wc.start[0], wc.span[0], wc.lod[0], wc.valid[0], len(self.stream), self.system.layout.K
         )
@@ -186,7 +199,7 @@ class FullContexts:
     """Full context for one text: the prompt read once into a cache of its length and the new tokens'."""
 
     def __init__(self, base: GPT, capacity: int, device: torch.device, compile_fn=None):
-        self.base, self.every, self.stats = base, capacity, GenerationStats()  # never refreshed after the prompt
+        self.base, self.stats = base, GenerationStats()
         self.decoder = Decoder(base, KVCache(base, capacity, device), compile_fn)  # no refill: no padding
         self.logits: Tensor | None = None
 
@@ -199,6 +212,9 @@ class FullContexts:
 
     def refresh(self) -> Tensor:
         return self.logits
+
+    def due(self, token: Tensor) -> bool:
+        return False  # read once: never refocused
 
     @property
     def compile_s(self) -> float:

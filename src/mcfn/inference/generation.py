@@ -1,11 +1,12 @@
 """Text generation past the budget: MegaContext streaming decode, and full-context decode to compare, through one
 decode loop (:func:`decode`) over two sources of contexts (:mod:`mcfn.inference.contexts`).
 
-``mc``: the prompt streams into a :class:`~mcfn.inference.streaming.StreamingTree`. Every ``refocus_every`` tokens
-the working context is rebuilt by LensNet and the allocator within ``W - refocus_every`` entries (room for the tokens
-decoded until the next refocus), run through the base model to fill a KV cache, and the next tokens are
-decoded one at a time against that cache; each new token also joins the tree, so its block's gists exist
-by the next refocus. Per-token cost is bounded by ``W`` however long the text gets.
+``mc``: the prompt streams into a :class:`~mcfn.inference.streaming.StreamingTree`. Whenever the refocus rule says
+(every ``refocus_every`` tokens, or when a copy starts and at the latest every ``refocus_every``:
+:mod:`mcfn.core.cadence`) the working context is rebuilt by LensNet and the allocator within ``W - refocus_every``
+entries (room for the tokens decoded until the next refocus), run through the base model to fill a KV cache, and the
+next tokens are decoded one at a time against that cache; each new token also joins the tree, so its block's gists
+exist by the next refocus. Per-token cost is bounded by ``W`` however long the text gets.
 
 Every refocus scores the nodes with one LensNet pass. A refocus is cheap when little changed: the first
 starts from the coarsest cut (``refocus_steps`` allocator steps), every later one from the previous context
@@ -36,6 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from mcfn.core.cadence import CLOCK, COPY_THRESHOLD
 from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
 from mcfn.core.model import GPT
 from mcfn.core.policy import LENS, FocusPolicy
@@ -72,8 +74,8 @@ def decode(
     choose: Callable[[Tensor, int], Tensor],
 ) -> tuple[Tensor, GenerationStats]:
     """The one decode loop: ``max_new_tokens`` tokens after ``prompt [n]``, each token ``[1]`` given by ``choose(logits
-    [vocab], i)``, its context from ``contexts`` (MegaContext's, refreshed every ``contexts.every`` tokens, or full
-    context's, read once). Returns the new tokens ``[max_new_tokens]`` and the stats."""
+    [vocab], i)``, its context from ``contexts`` (MegaContext's, refreshed whenever its refocus rule says a refocus
+    is due, or full context's, read once). Returns the new tokens ``[max_new_tokens]`` and the stats."""
     stats, device = contexts.stats, prompt.device
     stats.prompt_tokens = prompt.numel()
     t0 = settled(device)
@@ -84,11 +86,13 @@ def decode(
     while len(produced) < max_new_tokens:
         logits = contexts.refresh()
         decoded: list[Tensor] = []
-        for _ in range(min(contexts.every, max_new_tokens - len(produced))):
+        while True:
             token = choose(logits, len(produced) + len(decoded))
             decoded.append(token)
-            if len(produced) + len(decoded) < max_new_tokens:  # the last token's logits are never read
-                logits = contexts.step(token, prompt.numel() + len(produced) + len(decoded) - 1)
+            # The last token's logits are never read, nor those of one after which the context refocuses.
+            if len(produced) + len(decoded) == max_new_tokens or contexts.due(token):
+                break
+            logits = contexts.step(token, prompt.numel() + len(produced) + len(decoded) - 1)
         contexts.absorb(torch.cat(decoded))
         produced += decoded
     stats.decode_s, stats.compile_s = settled(device) - t0, contexts.compile_s
@@ -110,18 +114,21 @@ def generate_mc(
     compile_fn: Callable[[Callable], Callable] | None = None,
     policy: FocusPolicy = LENS,
     refill_chunk: int = REFILL_CHUNK,
+    on: str = CLOCK,
+    threshold: float = COPY_THRESHOLD,
 ) -> tuple[Tensor, GenerationStats]:
     """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
     ``warm_steps = 0`` starts every refocus from the coarsest cut, with a fresh cache. ``compile_fn``
     compiles the per-token step and the refill in chunks of ``refill_chunk`` entries (every refocus's cache has
     capacity ``W``: one shape each). ``policy`` chooses each refocus's context (a scored one, or ``recency``:
-    truncation at the same cadence)."""
+    truncation at the same cadence). ``on``: when to refocus, every ``refocus_every`` tokens (``clock``) or also
+    when a copy starts (``copy``, with ``threshold``: :mod:`mcfn.core.cadence`)."""
     generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
 
     def choose(logits: Tensor, _: int) -> Tensor:
         return pick_token(logits, sampling, generator)
 
-    steps = Refocus(refocus_every, refocus_steps, warm_steps)
+    steps = Refocus(refocus_every, refocus_steps, warm_steps, on, threshold)
     return decode_mc(
         system, prompt, max_new_tokens, steps, policy, choose, use_cache, on_refocus, compile_fn, refill_chunk
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from mcfn.core.cadence import CLOCK, COPY_THRESHOLD
 from mcfn.core.focus import REFOCUS_STEPS, evaluation_budgets
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
@@ -66,6 +67,8 @@ class EvalRequest:
     random_contexts: int = 8
     refocus: int = REFOCUS_STEPS
     refocus_every: int | None = None
+    refocus_on: str = CLOCK
+    refocus_threshold: float = COPY_THRESHOLD
     device: str = "auto"
     tasks: list[str] | None = None
     reference: Path | None = None
@@ -110,6 +113,8 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
         refocus,
         chosen,
         refocus_every=refocus_every,
+        refocus_on=request.refocus_on,
+        refocus_threshold=request.refocus_threshold,
         brief=request.brief,
         candidates=(policy,),
         oracle=request.oracle,

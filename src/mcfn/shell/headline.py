@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 
 from mcfn.config import RunConfig
+from mcfn.core.cadence import CLOCK, resolved_rule
 from mcfn.core.policy import RECENCY, SHIPPED, FocusPolicy, policies
 from mcfn.core.system import MegaContext
 from mcfn.data.probes import evaluation_probe
 from mcfn.data.tokenizer import Tokenizer
-from mcfn.evaluation.result import EvalReport
+from mcfn.evaluation.result import EvalReport, Row
 from mcfn.inference.generation import generate_mc
 
 
@@ -52,11 +53,12 @@ def _one_line(text: str, keep: int, tail: bool) -> str:
 def generate_example(
     system: MegaContext, policy: FocusPolicy, prompt: Tensor, expected: Tensor, tokenizer: Tokenizer, every: int
 ) -> Example:
-    """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with ``policy`` refocusing every
-    ``every`` tokens, as ``train.generate`` does."""
+    """Greedy generation of ``expected.numel()`` tokens after ``prompt [n]`` with ``policy`` refocusing under its
+    own rule (else every ``every`` tokens), as ``train.generate`` does."""
     maps: list[str] = []
+    on, every = resolved_rule(policy.rule, every)
     tokens, _ = generate_mc(
-        system, prompt, expected.numel(), every, policy=policy, on_refocus=lambda _, m: maps.append(m)
+        system, prompt, expected.numel(), every, policy=policy, on_refocus=lambda _, m: maps.append(m), on=on
     )
     decode = tokenizer.decode
     return Example(maps, decode(prompt.tolist()), decode(tokens.tolist()), decode(expected.tolist()))
@@ -114,9 +116,20 @@ def summary_lines(
         f"{report.documents} documents: {bpb} (paired standard errors by bootstrap over documents in eval.json).",
         f"**A pass-key window as `{name}` cuts it** (a character per {K} tokens: 0 tokens, k a level-k gist, · left "
         f"out; the key in brackets), where generation {answered} `{key.generated.strip()}`: `{lod}`",
-        f"**Generated** with `{name}` refocusing every {every} tokens ({len(text.maps)} refocuses): "
+        f"**Generated** with `{name}` refocusing {_rule_words(policy.rule, every)} ({len(text.maps)} refocuses"
+        f"{_refocus_rate(corpus)}): "
         f"`…{_one_line(text.prompt, SHOWN_CHARS, True)}` → `{_one_line(text.generated, SHOWN_CHARS, False)}`",
     ]
+
+
+def _rule_words(rule: str | None, every: int) -> str:
+    on, every = resolved_rule(rule, every)
+    return f"every {every} tokens" if on == CLOCK else f"when a copy starts, at the latest every {every} tokens"
+
+
+def _refocus_rate(corpus: Row) -> str:
+    rate = (corpus.refocus_rate or {}).get(SHIPPED)
+    return "" if rate is None else f"; {rate:.3f} a token on the test windows"
 
 
 def trained_line(cfg: RunConfig, summary: dict[str, Any]) -> str:

@@ -4,11 +4,15 @@ policy when no ``--context`` is given) and the report's opening lines.
 
 The candidates, simplest first: ``recency`` (truncation), ``match`` (the n-gram copy focus), ``lens`` (the run's own
 LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.stage.candidates.gated_lensnet`)
-and, where the LensNet stage ran, each of its rounds' LensNets (``round1``, ...). They are scored in one evaluation
-under generation's protocol at the run's ``W`` on the corpus and the pass key of the *validation* split (the test
-split is never read here), so every difference between two of them is paired, window by window, with its bootstrap
-error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rule (:func:`choose`):
+and, where the LensNet stage ran, each of its rounds' LensNets (``round1``, ...), each scored one also under the other
+refocus rules (issue 90, :func:`ship_rules`: ``match@copy16`` refocuses when a copy starts, at the latest every 16
+tokens; ``match@8``, every 8), so that a run ships its policy with the rule it refocuses by. They are scored in one
+evaluation under generation's protocol at the run's ``W`` on the corpus and the pass key of the *validation* split
+(the test split is never read here), so every difference between two of them is paired, window by window, with its
+bootstrap error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rule (:func:`choose`):
 
+0. refuse a candidate under a rule of its own that refocuses more than ``mc.refocus_cap`` times a token on the
+   corpus (the decode cost the profile allows; the run's own clock is the profile's choice and never refused);
 1. refuse a candidate whose pass key accuracy is more than :data:`PASSKEY_SE` paired standard errors below the best
    candidate's (where the pass key fits the run's tail);
 2. of the rest, take the lowest corpus bits per byte, and then the simplest candidate whose corpus bits per byte lie
@@ -17,7 +21,9 @@ error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rul
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +33,7 @@ import torch
 
 from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import RunConfig
+from mcfn.core.cadence import CLOCK, COPY, rule_name
 from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
 from mcfn.core.system import MegaContext
@@ -44,8 +51,9 @@ SHIP_WINDOWS = 128  # validation windows the choice reads (fewer where the split
 
 @dataclass(frozen=True)
 class Candidate:
-    """A policy the run may ship: how the evaluation scores it (a policy under the candidate's name, or the
-    registry's own for ``recency``, ``match`` and ``lens``) and what the checkpoint keeps to rebuild it."""
+    """A policy the run may ship with the refocus rule it ships with: how the evaluation scores it (a policy under
+    the candidate's name, or the registry's own for ``recency``, ``match`` and ``lens`` on the run's clock) and what
+    the checkpoint keeps to rebuild it."""
 
     name: str
     policy: FocusPolicy
@@ -55,33 +63,60 @@ class Candidate:
 
     @property
     def extra(self) -> bool:
-        """Whether the evaluation scores it beside the registry's policies (a LensNet other than the run's own)."""
-        return self.lensnet is not None
+        """Whether the evaluation scores it beside the registry's policies (a LensNet other than the run's own, or
+        a rule other than the run's clock)."""
+        return self.lensnet is not None or self.policy.rule is not None
 
     def record(self) -> dict[str, Any]:
         """What the checkpoint keeps (``shipped``): enough to rebuild the policy with :func:`shipped_policy`."""
         out: dict[str, Any] = {"name": self.name, "policy": self.runs, "match_prior": self.match_prior}
+        if self.policy.rule is not None:
+            out["rule"] = self.policy.rule
         if self.lensnet is not None:
             out["lensnet"] = {k: v.detach().cpu().clone() for k, v in self.lensnet.items()}
         return out
 
+    def under(self, rule: str) -> Candidate:
+        """This candidate refocusing under ``rule`` (:func:`~mcfn.core.cadence.rule_name`), named ``name@rule``."""
+        name = f"{self.name}@{rule}"
+        return dataclasses.replace(self, name=name, policy=dataclasses.replace(self.policy, name=name, rule=rule))
+
+
+def ship_rules(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
+    """The refocus rules a candidate may ship with beside the run's own clock ``R``: the clock at ``R/2`` and
+    ``R/4``, and the copy event at the latest every ``R``; and the rules refused before scoring (``@8``: every
+    candidate under it), where the clock's refocuses per token alone exceed the profile's cap (``mc.refocus_cap``),
+    with why."""
+    R, cap = cfg.mc.refocus_every, cfg.mc.refocus_cap
+    rules, refused = [], {}
+    for every in (R // 2, R // 4):
+        if every >= 1 and 1 / every > cap:
+            refused[f"@{rule_name(CLOCK, every)}"] = (
+                f"refocuses {1 / every:.3f} times a token, over the cap of {cap:.3f}"
+            )
+        elif every >= 1:
+            rules.append(rule_name(CLOCK, every))
+    return [*rules, rule_name(COPY, R)], refused
+
 
 def candidates(system: MegaContext, cfg: RunConfig, rounds: dict[int, dict[str, torch.Tensor]]) -> list[Candidate]:
     """The run's candidates, simplest first: truncation, ``match``, its own LensNet, its own gated over ``match``'s
-    cut, then each round of the LensNet stage (``rounds``: its LensNet's weights by round)."""
+    cut, then each round of the LensNet stage (``rounds``: its LensNet's weights by round); each scored one also under
+    every rule of :func:`ship_rules` within the cap, right after it (the run's clock is the simpler)."""
     out = [Candidate(RECENCY.name, RECENCY, RECENCY.name), Candidate(MATCH.name, MATCH, MATCH.name)]
-    if system.lensnet is None:
-        return out
-    device = next(system.parameters()).device
-    out.append(Candidate(LENS.name, LENS, LENS.name))
-    gated = gated_lensnet(system.lensnet, cfg)
-    out.append(Candidate(GATED, lensnet_policy(GATED, gated), LENS.name, "gated", gated.state_dict()))
-    prior = cfg.mc.lens.match_prior  # a round trains the run's own LensNet, its prior included
-    for r, weights in rounds.items():
-        name = f"round{r}"
-        lensnet = loaded_lensnet(cfg, system.layout, prior, weights, device)
-        out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, prior, weights))
-    return out
+    if system.lensnet is not None:
+        device = next(system.parameters()).device
+        out.append(Candidate(LENS.name, LENS, LENS.name))
+        gated = gated_lensnet(system.lensnet, cfg)
+        out.append(Candidate(GATED, lensnet_policy(GATED, gated), LENS.name, "gated", gated.state_dict()))
+        prior = cfg.mc.lens.match_prior  # a round trains the run's own LensNet, its prior included
+        for r, weights in rounds.items():
+            name = f"round{r}"
+            lensnet = loaded_lensnet(cfg, system.layout, prior, weights, device)
+            out.append(Candidate(name, lensnet_policy(name, lensnet), LENS.name, prior, weights))
+    rules = ship_rules(cfg)[0]
+    # Truncation's cut never reads an event, and refocusing it more often only shortens what it shows.
+    return [ruled for c in out for ruled in (c, *(c.under(r) for r in rules if c.policy.scored))]
 
 
 @dataclass(frozen=True)
@@ -90,7 +125,7 @@ class Verdict:
 
     shipped: str
     refused: dict[str, str]
-    figures: dict[str, dict[str, float | None]]  # per candidate: corpus bpb, pass key accuracy
+    figures: dict[str, dict[str, float | None]]  # per candidate: corpus bpb, pass key, refocuses per token
 
     def to_json(self) -> dict[str, Any]:
         return {"shipped": self.shipped, "refused": self.refused, "figures": self.figures}
@@ -114,14 +149,20 @@ def paired(row: Row, a: str, b: str) -> tuple[float, float, float | None, float 
     return -pair.bpb, pair.se, None if pair.accuracy is None else -pair.accuracy, pair.accuracy_se
 
 
-def choose(names: list[str], corpus: Row, passkey: Row | None) -> Verdict:
+def choose(
+    names: list[str], corpus: Row, passkey: Row | None, cap: float = math.inf, capped: frozenset[str] = frozenset()
+) -> Verdict:
     """The rule of the module's docstring over ``names`` (simplest first), from the corpus row and the pass key row
-    (None where the pass key does not fit) of one evaluation that scored them all on the same windows."""
-    refused: dict[str, str] = {}
+    (None where the pass key does not fit) of one evaluation that scored them all on the same windows; a candidate
+    of ``capped`` (a rule other than the run's own clock, which its profile chose) refocusing more than ``cap`` times
+    a token on the corpus is refused first."""
+    rate = corpus.refocus_rate or {}
+    refused = {name: f"refocuses {rate[name]:.3f} times a token, over the cap of {cap:.3f}"
+               for name in names if name in capped and rate.get(name, 0.0) > cap}  # fmt: skip
     if passkey is not None and passkey.accuracy is not None:
         accuracy = passkey.accuracy
-        best = max(names, key=lambda name: accuracy[name])
-        for name in names:
+        best = max((name for name in names if name not in refused), key=lambda name: accuracy[name])
+        for name in (name for name in names if name not in refused):
             _, _, behind, se = paired(passkey, best, name) if name != best else (0.0, 0.0, 0.0, 0.0)
             assert behind is not None and se is not None, "a probe's row carries paired accuracies"
             if behind > PASSKEY_SE * se:
@@ -131,7 +172,8 @@ def choose(names: list[str], corpus: Row, passkey: Row | None) -> Verdict:
     lowest = min(allowed, key=lambda name: corpus.bpb[name])
     shipped = next(name for name in allowed if name == lowest or _ties(corpus, name, lowest))
     figures = {name: {"corpus_bpb": corpus.bpb[name],
-                      "passkey": None if passkey is None or passkey.accuracy is None else passkey.accuracy[name]}
+                      "passkey": None if passkey is None or passkey.accuracy is None else passkey.accuracy[name],
+                      "refocuses_per_token": rate.get(name)}
                for name in names}  # fmt: skip
     return Verdict(shipped, refused, figures)
 
@@ -162,7 +204,9 @@ def ship(
     settings = EvalSettings(budgets, tasks=SHIP_TASKS, refocus_every=cfg.mc.refocus_every, brief=True,
                             candidates=tuple(c.policy for c in pool if c.extra))  # fmt: skip
     report = evaluate(system, held, settings)
-    verdict = choose([c.name for c in pool], report.head.head, _passkey_row(report))
+    capped = frozenset(c.name for c in pool if c.policy.rule is not None)
+    verdict = choose([c.name for c in pool], report.head.head, _passkey_row(report), cfg.mc.refocus_cap, capped)
+    verdict = dataclasses.replace(verdict, refused=ship_rules(cfg)[1] | verdict.refused)
     for name, why in verdict.refused.items():
         say(f"[ship] refused {name}: {why}")
     figures = verdict.figures[verdict.shipped]
@@ -185,10 +229,12 @@ def shipped_policy(state: dict[str, Any], system: MegaContext, cfg: RunConfig) -
         default = LENS if system.lensnet is not None else MATCH
         return default.name, renamed(default, SHIPPED)
     if "lensnet" not in record:
-        return record["name"], renamed(POLICIES[record["policy"]], SHIPPED)
-    device = next(system.parameters()).device
-    lensnet = loaded_lensnet(cfg, system.layout, record["match_prior"], record["lensnet"], device)
-    return record["name"], lensnet_policy(SHIPPED, lensnet)
+        policy = renamed(POLICIES[record["policy"]], SHIPPED)
+    else:
+        device = next(system.parameters()).device
+        lensnet = loaded_lensnet(cfg, system.layout, record["match_prior"], record["lensnet"], device)
+        policy = lensnet_policy(SHIPPED, lensnet)
+    return record["name"], dataclasses.replace(policy, rule=record.get("rule"))  # shipped with its rule
 
 
 def write_shipped(path: Path, shipped: Candidate, verdict: Verdict) -> None:
