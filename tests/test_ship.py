@@ -95,8 +95,9 @@ def test_the_choice_reads_validation_windows_never_the_test_split(run_copy, monk
     corpus = dataclasses.replace(corpus, test=Unreadable())
     verdict = ship_run(run, torch.device("cpu"), print, corpus)
     R = ckpt.cfg.mc.refocus_every  # each scored candidate also under the copy rule; R/2 and R/4 are over the cap
-    ruled = {f"{name}@copy{R}" for name in NAMES[1:]}
-    assert set(verdict.figures) == set(NAMES) | ruled and verdict.shipped in verdict.figures
+    pool = [*NAMES, "branches"]  # the branches over match and lens follow gated
+    ruled = {f"{name}@copy{R}" for name in pool[1:]}
+    assert set(verdict.figures) == set(pool) | ruled and verdict.shipped in verdict.figures
     assert "@1" in verdict.refused and not any(verdict.refused.get(name, "").startswith("refocuses") for name in NAMES)
     assert Checkpoint.read(run).state["shipped"]["name"] == verdict.shipped
     choice = json.loads((run / SHIP_EVAL_NAME).read_text())  # the validation evaluation, for design choices

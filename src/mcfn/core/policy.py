@@ -30,6 +30,7 @@ from functools import partial
 from torch import Tensor
 
 from mcfn.core.attention import attention_scores
+from mcfn.core.branches import branch_scores
 from mcfn.core.context import Scorer, WorkingContext
 from mcfn.core.focus import Refocus, StreamView, focus_cut, view_context
 from mcfn.core.lensnet import LensNet
@@ -147,6 +148,11 @@ def _lensnet(system: MegaContext, window: Tensor, layout: Layout, reach: int, sc
     return system.lensnet.scorer(layout, window, system.base, scale, reach)
 
 
+def _branches(system: MegaContext, window: Tensor, layout: Layout, reach: int, scale: Tensor | None) -> Scorer:
+    learned, votes = (of(system, window, layout, reach, scale) for of in (_lensnet, _match))
+    return lambda wc: branch_scores(learned(wc), votes(wc), wc)
+
+
 FULL = register(FocusPolicy("full", Choice.FULL))
 RECENCY = register(FocusPolicy("recency", Choice.TRUNCATION))
 RECENT = register(FocusPolicy("recent", Choice.FIXED, brief=False))
@@ -172,3 +178,4 @@ def lensnet_policy(name: str, lensnet: LensNet) -> FocusPolicy:
 ATTN = register(FocusPolicy("attn", Choice.SCORED, _attention, brief=False))
 MATCH = register(FocusPolicy("match", Choice.SCORED, _match))
 LENS = register(FocusPolicy("lens", Choice.SCORED, _lensnet, needs_lensnet=True))
+BRANCHES = register(FocusPolicy("branches", Choice.SCORED, _branches, needs_lensnet=True))

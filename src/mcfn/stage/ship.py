@@ -3,13 +3,14 @@ before any run, and recorded in the checkpoint for ``train.eval`` (scored as ``s
 policy when no ``--context`` is given) and the report's opening lines.
 
 The candidates, simplest first: ``recency`` (truncation), ``match`` (the n-gram copy focus), ``lens`` (the run's own
-LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.stage.candidates.gated_lensnet`)
-and, where the LensNet stage ran, each of its rounds' LensNets (``round1``, ...), each scored one also under the other
-refocus rules (issue 90, :func:`ship_rules`: ``match@copy16`` refocuses when a copy starts, at the latest every 16
-tokens; ``match@8``, every 8), so that a run ships its policy with the rule it refocuses by. They are scored in one
-evaluation under generation's protocol at the run's ``W`` on the corpus and the pass key of the *validation* split
-(the test split is never read here), so every difference between two of them is paired, window by window, with its
-bootstrap error over documents (:func:`mcfn.evaluation.stats.paired_differences`). The rule (:func:`choose`):
+LensNet), ``gated`` (the run's own LensNet gated over ``match``'s cut: :func:`~mcfn.stage.candidates.gated_lensnet`),
+``branches`` (LensNet's sure picks, then ``match``'s votes: :mod:`mcfn.core.branches`) and, where the LensNet stage ran,
+each of its rounds' LensNets (``round1``, ...), each scored one also under the other refocus rules (issue 90,
+:func:`ship_rules`: ``match@copy16`` refocuses when a copy starts, at the latest every 16 tokens; ``match@8``, every 8),
+so that a run ships its policy with the rule it refocuses by. They are scored in one evaluation under generation's
+protocol at the run's ``W`` on the corpus and the pass key of the *validation* split (the test split is never read
+here), so every difference between two of them is paired, window by window, with its bootstrap error over documents
+(:func:`mcfn.evaluation.stats.paired_differences`). The rule (:func:`choose`):
 
 0. refuse a candidate under a rule of its own that refocuses more than ``mc.refocus_cap`` times a token on the
    corpus (the decode cost the profile allows; the run's own clock is the profile's choice and never refused);
@@ -35,7 +36,7 @@ from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.cadence import CLOCK, COPY, rule_name
 from mcfn.core.focus import evaluation_budgets
-from mcfn.core.policy import LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
+from mcfn.core.policy import BRANCHES, LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus
 from mcfn.evaluation.batch import EvalSettings
@@ -101,14 +102,16 @@ def ship_rules(cfg: RunConfig) -> tuple[list[str], dict[str, str]]:
 
 def candidates(system: MegaContext, cfg: RunConfig, rounds: dict[int, dict[str, torch.Tensor]]) -> list[Candidate]:
     """The run's candidates, simplest first: truncation, ``match``, its own LensNet, its own gated over ``match``'s
-    cut, then each round of the LensNet stage (``rounds``: its LensNet's weights by round); each scored one also under
-    every rule of :func:`ship_rules` within the cap, right after it (the run's clock is the simpler)."""
+    cut, the branches over both, then each round of the LensNet stage (``rounds``: its LensNet's weights by round);
+    each scored one also under every rule of :func:`ship_rules` within the cap, right after it (the run's clock is the
+    simpler)."""
     out = [Candidate(RECENCY.name, RECENCY, RECENCY.name), Candidate(MATCH.name, MATCH, MATCH.name)]
     if system.lensnet is not None:
         device = next(system.parameters()).device
         out.append(Candidate(LENS.name, LENS, LENS.name))
         gated = gated_lensnet(system.lensnet, cfg)
         out.append(Candidate(GATED, lensnet_policy(GATED, gated), LENS.name, "gated", gated.state_dict()))
+        out.append(Candidate(BRANCHES.name, BRANCHES, BRANCHES.name))
         prior = cfg.mc.lens.match_prior  # a round trains the run's own LensNet, its prior included
         for r, weights in rounds.items():
             name = f"round{r}"
