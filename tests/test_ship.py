@@ -121,6 +121,22 @@ def test_train_ship_keeps_the_validation_evaluation_beside_its_verdict(run_copy)
     assert Checkpoint.read(run).state["shipped"]["name"] == record["verdict"]["shipped"]
 
 
+def test_every_candidate_is_paired_with_every_other(run_copy):
+    """The rule reads the paired difference of any two candidates (the pass key's best against each, the lowest
+    corpus against each simpler one), so every candidate is scored under a name the evaluation pairs: one of its own
+    (an extra candidate) or one of :data:`~mcfn.evaluation.stats.PAIRED`. Fails with a registry policy added to the
+    pool that no row pairs (KeyError: 'branches_over_lens' on the default job's validation)."""
+    from mcfn.evaluation.stats import PAIRED
+    from mcfn.stage.candidates import run_system
+    from mcfn.stage.ship import candidates
+
+    run, _ = run_copy
+    ckpt = Checkpoint.read(run)
+    system, cfg = run_system(ckpt, torch.device("cpu"))
+    pool = candidates(system, cfg, {})
+    assert all(c.extra or c.name in PAIRED for c in pool), [c.name for c in pool if not (c.extra or c.name in PAIRED)]
+
+
 def shipped_record(run, record: dict) -> None:
     state = load_checkpoint(Checkpoint.read(run).path)
     state["shipped"] = record

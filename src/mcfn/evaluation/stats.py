@@ -19,7 +19,7 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from mcfn.core.policy import FULL, LENS, MATCH, RANDOM, RECENCY, RECENT, SHIPPED
+from mcfn.core.policy import BRANCHES, FULL, LENS, MATCH, RANDOM, RECENCY, RECENT, SHIPPED
 from mcfn.core.preferences import pair_slots
 from mcfn.core.step import bits_per_byte
 from mcfn.evaluation.headroom import BEST_OF, best_of, candidate_slots, cross_fitted, per_chunk
@@ -147,7 +147,7 @@ GAINS = {
 
 # The policies every row compares pair by pair (:func:`paired_differences`), the more elaborate first; the evaluation
 # adds its candidates' names (the ship choice's) before them.
-PAIRED = (SHIPPED, LENS.name, MATCH.name, RECENCY.name)
+PAIRED = (SHIPPED, LENS.name, BRANCHES.name, MATCH.name, RECENCY.name)
 
 
 def paired_accuracy(correct: dict[str, Tensor], a: str, b: str, clusters: Clusters) -> tuple[float, float]:
