@@ -277,21 +277,25 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     # The run's own evaluation is brief, and its report opens with the five summary lines (mcfn.shell.headline).
     final = json.loads((mc / "eval.json").read_text())
     assert final["brief"] and list(final["tasks"]) == ["corpus", "passkey"] and final["W"] == 128
-    assert set(final["tasks"]["passkey"]["accuracy"]) == {"full", "recency", "match", "lens", "shipped"}
+    assert set(final["tasks"]["passkey"]["accuracy"]) == {"full", "recency", "match", "lens", "branches", "shipped"}
     shipped = final["shipped"]  # chosen on validation windows, recorded in the checkpoint, scored as "shipped"
-    assert list(final)[0] == "shipped" and shipped in ("recency", "match", "lens", "gated")
+    candidates = json.loads((mc / "ship.json").read_text())["verdict"]["figures"]
+    assert list(final)[0] == "shipped" and shipped in candidates
     assert Checkpoint.read(mc).state["shipped"]["name"] == shipped
     assert json.loads((mc / "summary.json").read_text())["shipped"] == shipped
     opening = (mc / "report.md").read_text().split("\n\n")[1].splitlines()
     heads = ["Trained", f"Ships `{shipped}`", "Pass key", "Corpus bpb", f"A pass-key window as `{shipped}` cuts it",
              "Generated"]  # fmt: skip
     assert [line.split("**")[1] for line in opening] == heads, opening
-    assert f"`{shipped}` refocusing every 8 tokens (4 refocuses)" in opening[5], "32 tokens generated, R = 8"
+    if "@copy" in shipped:  # shipped with the copy rule: at least the clock's 4 refocuses
+        assert f"`{shipped}` refocusing when a copy starts, at the latest every 8 tokens (" in opening[5]
+    else:
+        assert f"`{shipped}` refocusing every 8 tokens (4 refocuses; 0.125 a token" in opening[5], "32 tokens, R = 8"
     assert re.search(r"`[0-9·]*\[[0-9·]+\][0-9·]*`$", opening[4]), opening[4]
     # The opening lines' figures are eval.json's, condition by condition, truncation (recency) among them, and the
     # shipped policy's gain over truncation is the paired difference eval.json reports.
     answered, bpb = final["tasks"]["passkey"]["accuracy"], final["bpb"]
-    shown = ("full", "recency", "match", "lens", "shipped")
+    shown = ("full", "recency", "match", "lens", "branches", "shipped")
     assert ", ".join(f"{c} {answered[c]:.2f}" for c in shown) in opening[2], opening[2]
     assert ", ".join(f"{c} {bpb[c]:.4f}" for c in shown) in opening[3], opening[3]
     over = final["tasks"]["corpus"]["paired"]["shipped_over_recency"]

@@ -40,7 +40,9 @@ def test_the_stage_leaves_the_run_as_it_was_ships_a_candidate_and_starts_from_an
     after = Checkpoint.read(run)
     assert all(torch.equal(v, after.state["model"][k]) for k, v in before.state["model"].items())
     assert after.state["config"] == before.state["config"] and "lens_original" not in after.state
-    candidates = {"recency", "match", "lens", "gated", "round1", "round2"}
+    scored = ["match", "lens", "gated", "branches", "round1", "round2"]  # each also under the copy rule
+    R = after.cfg.mc.refocus_every
+    candidates = {"recency", *scored, *(f"{name}@copy{R}" for name in scored)}
     assert set(first["ship"]["figures"]) == candidates and after.state["shipped"]["name"] in candidates
     assert after.state["shipped"]["name"] == first["ship"]["shipped"]
     # A checkpoint of an earlier mcfn: its model's LensNet replaced by a stage, the original kept beside it.
@@ -70,7 +72,7 @@ def test_the_round_shipped_is_its_own_weights_and_the_run_keeps_its_original(dec
         after_round[r] = {k: v.clone() for k, v in self.system.lensnet.state_dict().items()}
         return figures
 
-    def round_one(names, corpus, passkey):
+    def round_one(names, corpus, passkey, *_):
         return ship.Verdict("round1", {}, {name: {"corpus_bpb": 1.0, "passkey": None} for name in names})
 
     monkeypatch.setattr(lens_stage.Stage, "round", round_and_keep)
