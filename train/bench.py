@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mcfn.errors import UserError, exit_code
 from mcfn.profile import parse_override, resolve
+from train import add_rule_flags
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,16 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     decode.add_argument("--lengths", default="1024,4096,16384,32768", help="prompt lengths in tokens")
     decode.add_argument("--new-tokens", type=int, default=256)
     decode.add_argument("--repeats", type=int, default=3, help="runs of each mode per length (medians reported)")
-    decode.add_argument(
-        "--refocus-every",
-        type=int,
-        help="the most tokens decoded between refocuses (MC; default: the shipped rule's, else mc.refocus_every)",
-    )
-    p.add_argument(
-        "--refocus-on",
-        choices=("clock", "copy"),
-        help="clock or copy (mcfn.core.cadence; MC; default: the rule the run ships with its policy)",
-    )
+    add_rule_flags(decode)
     decode.add_argument("--modes", default="mc,mc_cold,recency,full", help="which decoding modes to time")
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")

@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from mcfn.errors import UserError, exit_code
+from train import add_rule_flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,17 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "whole prompt (full); default: the policy the run ships (chosen on validation at the end of its training; "
         "report.md names it)",
     )
-    p.add_argument(
-        "--refocus-every",
-        type=int,
-        help="the most tokens decoded between refocuses (mc; default: the shipped rule's, else mc.refocus_every)",
-    )
-    p.add_argument(
-        "--refocus-on",
-        choices=("clock", "copy"),
-        help="clock: a refocus every --refocus-every tokens; copy: also when a copy starts (mcfn.core.cadence); "
-        "default: the rule the run ships with its policy",
-    )
+    add_rule_flags(p)
     p.add_argument(
         "--refocus-steps",
         type=int,
