@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from mcfn.core.allocator import allocate, shrink
 from mcfn.core.focus import Refocus, focus_scores, shrink_to_budget, stream_view
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.policy import LENS, MATCH
+from mcfn.core.policy import BRANCHES, LENS, MATCH
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.geometry import most_refocus_every
 from mcfn.inference.choice import (
@@ -46,7 +46,7 @@ BUDGET = W - R
 
 def system_for(policy):
     system = decisive(make_system(T, K, L, W, H, N=2, seed=3))
-    return spread_lens(system, seed=4) if policy is LENS else system
+    return spread_lens(system, seed=4) if policy.needs_lensnet else system
 
 
 def same_context(a, b) -> bool:
@@ -59,7 +59,7 @@ def history(n: int, refocuses: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n + refocuses * R,), generator=torch.Generator().manual_seed(n))
 
 
-@pytest.mark.parametrize("policy", [MATCH, LENS], ids=lambda p: p.name)
+@pytest.mark.parametrize("policy", [MATCH, LENS, BRANCHES], ids=lambda p: p.name)
 @pytest.mark.parametrize("warm_steps", [1, 0])
 def test_the_choice_in_a_stepped_capacity_makes_the_evaluations_cut(policy, warm_steps):
     """Over prompts of several lengths (a few tokens; mid-growth; past the point where the origin moves) and 40
@@ -137,15 +137,17 @@ def test_the_choice_is_one_graph_per_capacity_over_200_refocuses_of_a_growing_hi
     assert compiled.shapes == eager.shapes
 
 
-def test_the_compiled_choice_of_match_is_its_eager_one(fresh_dynamo):
-    """``match`` builds its scorer (a type-checked closure) inside the graph: compiled with ``fullgraph``, past the
-    origin's first move, cold then warm, it makes the eager choice's contexts, one graph per shape."""
-    system, protocol = system_for(MATCH), Refocus(R)
+@pytest.mark.parametrize("policy", [MATCH, BRANCHES], ids=lambda p: p.name)
+def test_the_compiled_choice_of_a_composed_scorer_is_its_eager_one(fresh_dynamo, policy):
+    """``match`` builds its scorer (a type-checked closure) inside the graph, and ``branches`` composes it with
+    LensNet's and a top-k: compiled with ``fullgraph``, past the origin's first move, cold then warm, each makes the
+    eager choice's contexts, one graph per shape."""
+    system, protocol = system_for(policy), Refocus(R)
     ids = history(700, 6)
-    eager = FocusChoice(system, MATCH, protocol, BUDGET, compile_fn=lambda fn: fn)
+    eager = FocusChoice(system, policy, protocol, BUDGET, compile_fn=lambda fn: fn)
     expected = contexts_over(system, eager, ids, 700, 6)
     with one_graph("aot_eager", functions=len(eager.shapes)) as compile_fn:
-        got = contexts_over(system, FocusChoice(system, MATCH, protocol, BUDGET, compile_fn), ids, 700, 6)
+        got = contexts_over(system, FocusChoice(system, policy, protocol, BUDGET, compile_fn), ids, 700, 6)
     assert all(same_context(a, b) for a, b in zip(got, expected, strict=True))
 
 
