@@ -139,9 +139,9 @@ def test_report_has_every_condition_and_the_headline(report):
 
 
 def test_a_brief_evaluation_scores_its_conditions_exactly_as_the_full_one():
-    """A run's final evaluation is brief: full, recency, match and lens at the headline budget under generation's
-    protocol, each scored exactly as the full evaluation scores it (the conditions it leaves out never feed them;
-    a LensNet with spread scores, so that a cold refocus and a warm one cut differently)."""
+    """A run's final evaluation is brief: full, recency, match, lens and branches at the headline budget under
+    generation's protocol, each scored exactly as the full evaluation scores it (the conditions it leaves out never
+    feed them; a LensNet with spread scores, so that a cold refocus and a warm one cut differently)."""
     system = spread_lens(decisive(make_system(T, K, L, W, H, N=2, seed=1)), seed=2)
     windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     token_bytes = torch.randint(1, 4, (VOCAB,))
@@ -149,7 +149,7 @@ def test_a_brief_evaluation_scores_its_conditions_exactly_as_the_full_one():
     full = evaluate(system, HeldOut(windows, token_bytes), settings)
     brief = evaluate(system, HeldOut(windows, token_bytes), dataclasses.replace(settings, brief=True))
     js = brief.to_json()
-    assert set(js["bpb"]) == {"full", "recency", "match", "lens"} and js["brief"] is True
+    assert set(js["bpb"]) == {"full", "recency", "match", "lens", "branches"} and js["brief"] is True
     assert "one_cut" not in js and "one_cut" not in js["tasks"]["corpus"]
     for name, value in js["bpb"].items():
         assert value == pytest.approx(full.head.head.bpb[name], rel=1e-6), name

@@ -49,7 +49,7 @@ def test_best_of_all_is_at_most_every_condition_it_picks_from_chunk_by_chunk():
     scored = torch.ones(3, H)
     out = record(pred, {"full": (torch.zeros(3, H), torch.ones(3, H, dtype=torch.bool))}, scored, torch.zeros(3))
     slots = candidate_slots(pred)
-    assert len(slots) == 4 + 4  # the random cuts, recency, attn, match, lens
+    assert len(slots) == 4 + 5  # the random cuts, recency, attn, match, lens, branches
     chunk_nats = per_chunk(pred, scored > 0, scored, slots)[0]  # [B, S, C]
     best = out.nats["best_of_all"][0]
     assert torch.allclose(best, chunk_nats.min(1).values.sum(-1).double())

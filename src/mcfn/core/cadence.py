@@ -72,10 +72,9 @@ class RefocusWatch:
         """Add a token to the history and the index; its n-gram (None before the first whole one)."""
         self.tokens.append(token)
         t = len(self.tokens) - 1
-        if t < NGRAM - 1:
-            return None
-        gram = tuple(self.tokens[t - NGRAM + 1 : t + 1])
-        self.positions[gram].append(t)
+        gram = self._gram(t)
+        if gram is not None:
+            self.positions[gram].append(t)
         return gram
 
     def _gram(self, t: int) -> tuple[int, ...] | None:

@@ -61,7 +61,7 @@ class FocusPolicy:
     choice: Choice
     scorer_of: ScorerOf | None = None  # a scored policy's scorer for one view
     needs_lensnet: bool = False  # scored by the run's LensNet: absent from a run without one
-    brief: bool = True  # scored by a run's brief final evaluation (full, recency, match and lens)
+    brief: bool = True  # scored by a run's brief final evaluation (full, recency, match, lens, branches)
     # Its own refocus rule (mcfn.core.cadence.rule_name: "8", "copy16"), where it is not the protocol's: a candidate of
     # the ship choice, or a shipped policy, which ships with the rule it was chosen under.
     rule: str | None = None

@@ -38,8 +38,8 @@ class EvalSettings:
     refocus_on: str = CLOCK  # when else it refocuses (mcfn.core.cadence): "clock", never; "copy", when a copy starts
     refocus_threshold: float = COPY_THRESHOLD  # the copy rule's threshold
     warm_steps: int = WARM_STEPS  # allocator steps of every refocus after a window's first, from the previous context
-    # Only what a reader needs first (a run's final evaluation): full, recency, match and lens under generation's
-    # protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
+    # Only what a reader needs first (a run's final evaluation): full, recency, match, lens and branches under
+    # generation's protocol; no random, structured or attention cuts, no best-of, no gist ablation, no one-cut protocol.
     brief: bool = False
     # Policies scored beside the registry's, each under its own name (mcfn.core.policy.renamed, lensnet_policy): the
     # run's shipped policy, or the candidates of the ship choice (mcfn.stage.ship). They refocus as generation does.
