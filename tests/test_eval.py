@@ -223,7 +223,7 @@ def test_eval_cli_on_a_trained_checkpoint(tmp_path, text_dir, capsys):
     args = ["--ckpt", str(run), "--json", str(tmp_path / "o.json"), "--out", str(out), "--batches", "1"]
     assert eval_main([*args, "--brief", "--oracle"]) == 0  # the final evaluation's conditions and the oracles
     oracle = json.loads((tmp_path / "o.json").read_text())
-    briefed = {"full", "recency", "match", "lens", "shipped"}
+    briefed = {"full", "recency", "match", "lens", "branches", "shipped"}
     assert oracle["brief"] is oracle["oracle"] is True and set(oracle["bpb"]) == briefed | set(ORACLES)
     assert "oracle_attn_over_match" in oracle["tasks"]["corpus"]["paired"]
     assert set(ORACLES) <= set(oracle["tasks"]["corpus"]["indexer_recall"])
