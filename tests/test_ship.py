@@ -221,7 +221,8 @@ def test_a_policy_ships_with_its_refocus_rule_and_generation_and_eval_refocus_by
 
 def test_train_eval_scores_the_shipped_policy_beside_the_others(run_copy, tmp_path):
     """``train.eval`` on a checkpoint saved before the choice (it ships ``lens``): ``shipped`` at the top of eval.json,
-    scored as ``lens`` is, with the paired differences of every pair among shipped, lens, match and recency."""
+    scored as ``lens`` is, with the paired differences of every pair among shipped, lens, branches, match and
+    recency."""
     import json
 
     from train.eval import main as eval_main
@@ -234,7 +235,7 @@ def test_train_eval_scores_the_shipped_policy_beside_the_others(run_copy, tmp_pa
     assert list(report)[0] == "shipped" and report["shipped"] == "lens"
     corpus = report["tasks"]["corpus"]
     assert corpus["bpb"]["shipped"] == corpus["bpb"]["lens"]
-    names = ["shipped", "lens", "match", "recency"]
+    names = ["shipped", "lens", "branches", "match", "recency"]  # the order of PAIRED
     expected = {f"{a}_over_{b}" for i, a in enumerate(names) for b in names[i + 1 :]}
     assert set(corpus["paired"]) == expected
     for key, pair in corpus["paired"].items():
