@@ -53,3 +53,25 @@ def test_the_summary_is_the_mean_over_windows_with_its_error_and_none_without_an
     assert mean == 0.5 and abs(se - 0.5 / 3**0.5) < 1e-12
     assert summary.to_json()["lens"] == {"recall": 1.0, "se": 0.0}
     assert IndexerRecall.of({"match": []}) is None and IndexerRecall.of({}) is None
+
+
+def test_truncations_recall_is_zero_with_attention_on_both_sides_of_the_boundary():
+    """Truncation's cut at a chunk's horizon ``h`` shows tokens ``[h + 1 - (W - R), h]`` (and the chunk's own): its
+    recall is 0 by definition, here with all of the chunk's attention on the newest far block and the block just
+    after it, which truncation shows in part or whole, for every place of the boundary within a block (``W - R``
+    from 20 to 23). For a boundary a token or a block off, truncation's figure is not 0 or the newest far block goes
+    uncounted."""
+    layout = make_system(T, K, 2, W, H, N=2, refocus_every=R).layout
+    chunk = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    node = torch.arange(layout.n_nodes)
+    for near in range(20, 24):
+        attention = torch.zeros(H, T)
+        truncation, newest_only = [], []
+        for c in range(2):
+            horizon = T - H + R * c
+            newest_far = (horizon + 1 - near) // K - 1  # the newest block wholly before the kept tokens
+            attention[chunk == c] = block_mass({newest_far: 1.0, newest_far + 1: 3.0})
+            truncation.append((node >= horizon + 1 - near) & (node < T))
+            newest_only.append(showing(layout, [newest_far]))
+        assert chunk_recall(attention, chunk, truncation, layout, near, R) == [0.0, 0.0], near
+        assert chunk_recall(attention, chunk, newest_only, layout, near, R) == [0.25, 0.25], near  # 1 of TOP
