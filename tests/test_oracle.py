@@ -11,7 +11,7 @@ import mcfn.evaluation.refocused as refocused
 from mcfn.core.context import assemble, seen_until
 from mcfn.core.match import match_votes
 from mcfn.core.nodes import NodeTable
-from mcfn.core.policy import POLICIES
+from mcfn.core.policy import MATCH, POLICIES
 from mcfn.core.system import tree_stage
 from mcfn.evaluation.batch import EvalBatch, EvalSettings
 from mcfn.evaluation.indexer_recall import tail_attention
@@ -26,6 +26,7 @@ from mcfn.evaluation.oracle import (
     chunk_mass,
     draft_mass,
     greedy_draft,
+    oracle_policies,
 )
 from mcfn.evaluation.refocused import predict_chunked
 
@@ -51,6 +52,37 @@ def test_property_the_attention_oracle_scores_each_entry_by_the_mass_on_its_own_
         start, span = int(wc.start[0, e]), int(wc.span[0, e])
         expected = float(mass[0, start : start + span].sum()) if bool(wc.valid[0, e]) else 0.0
         assert abs(float(scores[0, e]) - expected) < 1e-5, (e, start, span)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), horizon=st.integers(T - H, T - 1), scale=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_property_oracle_match_adds_match_and_the_attention_each_over_its_rows_spread(seed, horizon, scale):
+    """``oracle_match``'s score of every valid entry: ``match``'s score over the population standard deviation of
+    the row's valid ``match`` scores, plus the attention mass on the entry's tokens over the deviation of those
+    masses (either left as it is where it does not vary), both counted by hand; 0 elsewhere. So the attention's
+    overall ``scale`` changes nothing. Fails where one term keeps its own scale or the other weighs more."""
+    system = make_system(T, K, L, W, H, N=2)
+    nodes = NodeTable.of(system.layout, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, 6, (1, T + 1), generator=g)  # a small alphabet: match votes somewhere
+    mass = scale * torch.rand(1, T, generator=g)
+    view = nodes.with_sizes(W=system.layout.block_view_width)
+    with torch.no_grad():
+        wc = seen_until(assemble(tree_stage(system, window), nodes.block_view[None, None], window, view),
+                        torch.tensor([horizon]))  # fmt: skip
+    policies = oracle_policies({"future": mass, "horizon": mass, "draft": mass}, window[:, :T], 0)
+    scores = policies[ORACLE_MATCH].scorer_of(system, window, view.layout, R, None)(wc)[0]
+    votes = POLICIES[MATCH.name].scorer_of(system, window, view.layout, R, None)(wc)[0]
+    valid = wc.valid[0]
+    spans = zip(wc.start[0].tolist(), wc.span[0].tolist(), strict=True)
+    pooled = torch.tensor([float(mass[0, s : s + n].sum()) for s, n in spans])
+
+    def over_spread(x):
+        spread = float(x[valid].std(correction=0))
+        return x / spread if spread > 0 else x
+
+    expected = torch.where(valid, over_spread(votes) + over_spread(pooled), 0.0)
+    torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_chunks_masses_read_its_own_queries_and_those_up_to_its_horizon_and_leave_the_sink_out():
