@@ -68,25 +68,40 @@ def test_the_mc_phase_has_its_own_share_and_its_tasked_rows_are_among_the_plain_
 
 
 @pytest.mark.parametrize("plain_steps", [0, 10])
-def test_a_run_s_sampler_switches_to_mc_mix_where_its_mc_phase_starts(text_dir, plain_steps):
+@pytest.mark.parametrize(("mix", "mc_mix"), [(1.0, 0.25), (0.0, 0.5), (0.5, 0.0)])
+def test_a_run_s_sampler_switches_to_mc_mix_where_its_mc_phase_starts(text_dir, plain_steps, mix, mc_mix):
     """``data.mc_mix`` from the first MegaContext step on: at ``train.plain_steps``, or from the start of a run
-    without a plain phase (all of it is the MC phase); a plain run (``mc.enabled`` off) keeps ``data.mix``."""
+    without a plain phase (all of it is the MC phase); a plain run (``mc.enabled`` off) keeps ``data.mix``. Either
+    share may be 0: the batches are then the natural ones in that phase, and tasked ones in the other (a run with
+    ``data.mix = 0`` still gets its MC phase's tasks)."""
     import dataclasses
 
     from builders import tiny_sections
 
     from mcfn.data.corpus import prepare_corpus
     from mcfn.data.mixture import training_sampler
+    from mcfn.data.loader import WindowSampler
     from mcfn.profile import build_config
 
-    sections = tiny_sections(f"text:{text_dir}", data={"mix": 1.0, "mc_mix": 0.25, "mix_tasks": "repeat"})
+    sections = tiny_sections(f"text:{text_dir}", data={"mix": mix, "mc_mix": mc_mix, "mix_tasks": "repeat"})
     sections["train"]["plain_steps"] = plain_steps
     cfg = build_config(sections)
-    sampler = training_sampler(cfg, prepare_corpus(cfg.data))
-    assert [sampler.share(i) for i in (0, plain_steps, plain_steps + 5)] == [1.0 if plain_steps else 0.25, 0.25, 0.25]
-    plain = training_sampler(dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, enabled=False)),
-                             prepare_corpus(cfg.data))  # fmt: skip
-    assert {plain.share(i) for i in (0, 20)} == {1.0}
+    corpus = prepare_corpus(cfg.data)
+    sampler = training_sampler(cfg, corpus)
+    first = mix if plain_steps else mc_mix
+    assert [sampler.share(i) for i in (0, plain_steps, plain_steps + 5)] == [first, mc_mix, mc_mix]
+    natural = WindowSampler(corpus.train, cfg.data.seq_len + 1, cfg.train.seed)
+    for index in range(plain_steps + 12):
+        share = sampler.share(index)
+        changed = not torch.equal(sampler.batch(index, 8), natural.batch(index, 8))
+        assert changed == any(sampler.tasked(index, 8)) and (share > 0 or not changed), (index, share)
+    assert any(any(sampler.tasked(i, 8)) for i in range(plain_steps, plain_steps + 12)) == (mc_mix > 0)
+    assert any(any(sampler.tasked(i, 8)) for i in range(plain_steps)) == (mix > 0 and plain_steps > 0)
+    plain = training_sampler(dataclasses.replace(cfg, mc=dataclasses.replace(cfg.mc, enabled=False)), corpus)
+    if mix > 0:
+        assert {plain.share(i) for i in (0, 20)} == {mix}
+    else:
+        assert isinstance(plain, WindowSampler)
 
 
 def test_the_mixture_never_touches_the_validation_windows(split, tok):
