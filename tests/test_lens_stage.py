@@ -136,6 +136,8 @@ def test_a_run_with_lens_stage_rounds_ends_with_the_stage_then_ships_and_evaluat
     assert [r["round"] for r in stage["rounds"]] == [1]
     report = json.loads((out / "eval.json").read_text())
     assert report["shipped"] in ("recency", "match", "lens", "gated", "round1") and "shipped" in report["bpb"]
+    judged = json.loads((out / "ship.json").read_text())["verdict"]["figures"]
+    assert {"lens", "match", "round1", "round1@copy2"} <= judged.keys()  # the round is judged, under each rule
     assert report["brief"] and report["utility_corr"] is None and "lens" in report["bpb"]
     assert report["best_context"] in ("lens", "match", "recency")  # what a brief evaluation scores within W
     assert f"Generate with `--context {report['best_context']}`" in (out / "eval.md").read_text()
