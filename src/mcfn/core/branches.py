@@ -14,6 +14,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
+from mcfn.core.lensnet import row_moments
 from mcfn.typecheck import typechecked
 
 PICKS = 2  # LensNet's picks a cut may show in detail before match's votes (chosen on validation: LABLOG)
@@ -33,9 +34,7 @@ def branch_scores(
     entries (gists: the tail's tokens are raw whatever they score) that LensNet scores highest (``learned``) which
     stand more than ``sure_z`` standard deviations above the mean of the row's far entries leading them."""
     far = wc.valid & (wc.lod > 0)
-    count = far.sum(-1, keepdim=True).clamp(min=1)
-    mean = torch.where(far, learned, 0.0).sum(-1, keepdim=True) / count
-    spread = (torch.where(far, learned - mean, 0.0).square().sum(-1, keepdim=True) / count).sqrt()
+    mean, spread = row_moments(learned, far)
     sure = far & (learned - mean > sure_z * spread) & (spread > 0)
     top = torch.where(far, learned, float("-inf")).topk(min(picks, learned.size(1)), -1).indices
     picked = torch.zeros_like(far).scatter(1, top, True) & sure

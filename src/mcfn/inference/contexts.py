@@ -22,6 +22,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from mcfn.core.cadence import RefocusWatch
 from mcfn.core.context import WorkingContext
 from mcfn.core.focus import Refocus, refocus_budget
 from mcfn.core.model import GPT
@@ -134,7 +135,7 @@ class MCContexts:
         self.context: WorkingContext | None = None
         self.cached = torch.zeros(0, 2, dtype=torch.int64, device=device)  # (start, LOD) of each cache entry
         self.entries: tuple[Tensor, Tensor, Tensor] | None = None  # use_cache=False: the context's inputs so far
-        self.watch = refocus.watch(())  # when the next refocus is due (mcfn.core.cadence)
+        self.watch: RefocusWatch | None = None  # when the next refocus is due (mcfn.core.cadence): from the prompt on
 
     def prefill(self, prompt: Tensor) -> None:
         self.stream.append(prompt)
