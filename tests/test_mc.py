@@ -11,6 +11,7 @@ from builders import (
     VOCAB,
     cases,
     contexts,
+    decisive,
     flat,
     make_system,
     random_batches,
@@ -21,7 +22,7 @@ from builders import (
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 
-from mcfn.config import MCConfig, OptimConfig
+from mcfn.config import LensConfig, MCConfig, OptimConfig, TeacherConfig
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.system import allocator_cuts, build_contexts, process_batch, served_horizon, tree_stage
@@ -203,6 +204,23 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
     assert_one_graph_equals_eager(
         process_batch, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()
     )
+
+
+def test_the_cadence_step_is_one_graph_equal_to_eager_whatever_refocus_point_each_window_draws(fresh_dynamo):
+    """``mc.lens.cadence`` (the default profile's) with the teacher's attention target: the step compiled whole gives
+    the eager losses and gradients, and a batch whose windows draw other refocus points does not recompile."""
+    lens, teacher = {"cadence": True, "attention_weight": 1.0}, {"full_weight": 1.0}
+    system = decisive(make_system(T=64, K=4, L=2, W=32, H=16, N=2, refocus_every=4, lens=lens, teacher=teacher))
+    weights = LossWeights.of(MCConfig(lens=LensConfig(**lens), teacher=TeacherConfig(**teacher)), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(3):
+        window = torch.randint(0, VOCAB, (2, 65), generator=g)
+        noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"), chunks=system.chunks)
+        batches.append((system, window, noise, weights))
+    drawn = {tuple(served_horizon(system, noise).tolist()) for _, _, noise, _ in batches}
+    assert len(drawn) > 1, drawn  # the batches cut at different points
+    assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), params=system.parameters())
 
 
 @given(cases)
