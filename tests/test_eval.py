@@ -14,9 +14,8 @@ from builders import VOCAB, decisive, make_system, rewritten_after, spread_lens
 
 from mcfn.checkpoint import Checkpoint
 from mcfn.core.attention import attention_mass
-from mcfn.core.focus import default_budgets, evaluation_budgets
 from mcfn.errors import UserError
-from mcfn.evaluation.batch import EvalBatch, EvalSettings
+from mcfn.evaluation.batch import EvalBatch, EvalSettings, default_budgets, evaluation_budgets
 from mcfn.evaluation.evaluate import HeldOut, conditions, evaluate
 from mcfn.evaluation.one_cut import predict_budget
 from mcfn.evaluation.oracle import ORACLES

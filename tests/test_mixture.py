@@ -79,8 +79,8 @@ def test_a_run_s_sampler_switches_to_mc_mix_where_its_mc_phase_starts(text_dir, 
     from builders import tiny_sections
 
     from mcfn.data.corpus import prepare_corpus
-    from mcfn.data.mixture import training_sampler
     from mcfn.data.loader import WindowSampler
+    from mcfn.data.mixture import training_sampler
     from mcfn.profile import build_config
 
     sections = tiny_sections(f"text:{text_dir}", data={"mix": mix, "mc_mix": mc_mix, "mix_tasks": "repeat"})

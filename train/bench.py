@@ -120,8 +120,7 @@ def evaluate_batch(system, window) -> None:
     ``--typecheck-cost`` times beside the step."""
     import torch
 
-    from mcfn.core.focus import evaluation_budgets
-    from mcfn.evaluation.batch import EvalSettings
+    from mcfn.evaluation.batch import EvalSettings, evaluation_budgets
     from mcfn.evaluation.evaluate import HeldOut, score_tasks
 
     token_bytes = torch.ones(system.base.wte.weight.size(0), dtype=torch.int64, device=window.device)

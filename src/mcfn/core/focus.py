@@ -165,29 +165,6 @@ class StreamView:
     real: int
 
 
-def default_budgets(layout: Layout) -> tuple[int, ...]:
-    """The budgets an evaluation sweeps by default: the run's own ``W`` first, then ``T/2, T/4, T/8`` where they fit
-    above the coarsest cover."""
-    sweep = [layout.W] + [layout.T // d for d in (2, 4, 8)]
-    fits = [w for w in sweep if layout.coarsest_cover < w < layout.T]
-    return tuple(dict.fromkeys(fits))
-
-
-def evaluation_budgets(layout: Layout, budgets: tuple[int, ...] | None, refocus_every: int) -> tuple[int, ...]:
-    """The budgets an evaluation of ``layout`` sweeps (``None``: :func:`default_budgets`), the first its headline,
-    refused in one line where one lies outside ``[coarsest cover, T]`` or the headline cannot refocus every ``R``
-    (:func:`refocus_budget`)."""
-    budgets = default_budgets(layout) if budgets is None else budgets
-    for w in budgets:
-        if not layout.coarsest_cover <= w <= layout.T:
-            raise UserError(
-                f"budget {w} is outside [{layout.coarsest_cover}, {layout.T}]: the coarsest full-coverage context "
-                f"needs {layout.coarsest_cover} entries and T={layout.T}"
-            )
-    refocus_budget(dataclasses.replace(layout, W=budgets[0]), refocus_every)
-    return budgets
-
-
 def refocus_budget(layout: Layout, refocus_every: int) -> int:
     """The budget of each refocus's cut, ``W - R``: the ``R`` tokens read before the next refocus join it as tokens.
     It must hold the tail of the view and a few gists; a ``UserError`` names the valid range of ``R`` otherwise."""

@@ -1,5 +1,6 @@
 """What the evaluation's functions share: its settings (the budgets it sweeps among them, checked where they are made:
-:func:`mcfn.core.focus.evaluation_budgets`), and one held-out batch as every condition is scored from it.
+:func:`evaluation_budgets`), the brief judgement a run's end makes (:func:`brief_judgement`), and one held-out batch as
+every condition is scored from it.
 
 :class:`EvalBatch` carries the model, the batch's window, its summary tree (and the tree with every gist zeroed, for
 ``lens_nogist``), and each window's horizon, so that the two protocols (:mod:`mcfn.evaluation.one_cut`,
@@ -16,12 +17,13 @@ from einops import rearrange
 from torch import Tensor
 
 from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, parse_rule
-from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
-from mcfn.core.nodes import NodeTable
+from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus, refocus_budget
+from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import FocusPolicy, policies
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.probes import PROBES
+from mcfn.errors import UserError
 from mcfn.evaluation.oracle import ORACLES
 
 PROTOCOLS = ("refocus", "one_cut")  # generation's (the headline), and one cut for the whole tail (R = H)
@@ -87,6 +89,43 @@ class EvalSettings:
 def gists_zeroed(tree: Tree, nodes: NodeTable) -> Tree:
     """``tree`` with every gist's embedding zeroed (tokens kept): what ``lens_nogist`` reads."""
     return Tree(emb=tree.emb * rearrange(nodes.lod == 0, "n -> 1 n 1"), batch_size=tree.batch_size)
+
+
+def default_budgets(layout: Layout) -> tuple[int, ...]:
+    """The budgets an evaluation sweeps by default: the run's own ``W`` first, then ``T/2, T/4, T/8`` where they fit
+    above the coarsest cover."""
+    sweep = [layout.W] + [layout.T // d for d in (2, 4, 8)]
+    fits = [w for w in sweep if layout.coarsest_cover < w < layout.T]
+    return tuple(dict.fromkeys(fits))
+
+
+def evaluation_budgets(layout: Layout, budgets: tuple[int, ...] | None, refocus_every: int) -> tuple[int, ...]:
+    """The budgets an evaluation of ``layout`` sweeps (``None``: :func:`default_budgets`), the first its headline,
+    refused in one line where one lies outside ``[coarsest cover, T]`` or the headline cannot refocus every ``R``
+    (:func:`~mcfn.core.focus.refocus_budget`)."""
+    budgets = default_budgets(layout) if budgets is None else budgets
+    for w in budgets:
+        if not layout.coarsest_cover <= w <= layout.T:
+            raise UserError(
+                f"budget {w} is outside [{layout.coarsest_cover}, {layout.T}]: the coarsest full-coverage context "
+                f"needs {layout.coarsest_cover} entries and T={layout.T}"
+            )
+    refocus_budget(dataclasses.replace(layout, W=budgets[0]), refocus_every)
+    return budgets
+
+
+BRIEF_TASKS = ("corpus", "passkey")  # how a run judges a policy: natural text, and the retrieval truncation cannot do
+
+
+def brief_judgement(
+    layout: Layout, refocus_every: int, probe_batches: int | None = None, candidates: tuple[FocusPolicy, ...] = ()
+) -> EvalSettings:
+    """The brief judgement each reader at a run's end makes (the ship choice, the LensNet stage's judge, the final
+    evaluation): the corpus and the pass key at the run's own ``W`` under generation's protocol, ``candidates``
+    scored beside the brief conditions."""
+    budgets = evaluation_budgets(layout, (layout.W,), refocus_every)
+    return EvalSettings(budgets, tasks=BRIEF_TASKS, probe_batches=probe_batches, refocus_every=refocus_every,
+                        brief=True, candidates=candidates)  # fmt: skip
 
 
 @dataclass(frozen=True)

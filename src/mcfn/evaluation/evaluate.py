@@ -123,7 +123,7 @@ def probe_accuracy(base: GPT, windows: list[Tensor], tokenizer: Tokenizer, tail:
 
 def protocol_budgets(settings: EvalSettings, layout: Layout, protocol: str) -> tuple[int, ...]:
     """The budgets a protocol is scored at: every one for ``one_cut``; for ``refocus``, those whose ``W - R`` holds
-    a refocused cut (the headline always does: :func:`mcfn.core.focus.evaluation_budgets`)."""
+    a refocused cut (the headline always does: :func:`mcfn.evaluation.batch.evaluation_budgets`)."""
     if protocol == "one_cut":
         return settings.budgets
     most = partial(most_refocus_every, tail=layout.H, block=layout.K, lod_max=layout.L)
@@ -293,7 +293,7 @@ def evaluate(
     """The evaluation, the one entry point of ``train.eval`` and a run's final evaluation: :func:`score_tasks`
     on the ``held_out`` windows with a progress bar on stderr. The headline figures come from ``corpus`` at the first
     budget, which must refocus every ``R``: every caller checks its settings' budgets as it makes them
-    (:func:`mcfn.core.focus.evaluation_budgets`). :mod:`mcfn.evaluation.report` formats the report."""
+    (:func:`mcfn.evaluation.batch.evaluation_budgets`). :mod:`mcfn.evaluation.report` formats the report."""
     windows = held_out.windows
     probes = len(windows[: settings.probe_batches])
     total = len(windows) + probes * (len(settings.tasks) - 1)  # batches; a skipped task's are never counted

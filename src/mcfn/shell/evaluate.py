@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from mcfn.core.cadence import CLOCK, COPY_THRESHOLD
-from mcfn.core.focus import REFOCUS_STEPS, evaluation_budgets
+from mcfn.core.focus import REFOCUS_STEPS
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import encode_source, held_out
 from mcfn.data.loader import evaluation_windows
 from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
-from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.batch import EvalSettings, evaluation_budgets
 from mcfn.evaluation.evaluate import HeldOut, evaluate
 from mcfn.evaluation.report import write_eval_outputs
 from mcfn.evaluation.result import EvalReport, Provenance

@@ -19,12 +19,11 @@ from typing import Any
 from torch import Tensor
 
 from mcfn.checkpoint import run_checkpoint
-from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import SHIPPED, FocusPolicy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
 from mcfn.data.loader import evaluation_windows
-from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.batch import brief_judgement
 from mcfn.evaluation.evaluate import HeldOut, evaluate
 from mcfn.evaluation.report import write_eval_outputs
 from mcfn.evaluation.result import EvalReport
@@ -54,7 +53,6 @@ def git_commit(repo: Path = REPO_DIR) -> str:
 
 Shipped = tuple[str, FocusPolicy]  # the candidate a run ships, and its policy named "shipped"
 FINAL_EVAL_PROBE_BATCHES = 8  # of the final evaluation's batches, those that also carry the pass key
-FINAL_EVAL_TASKS = ("corpus", "passkey")  # natural text, and the retrieval truncation cannot do
 
 
 def evaluates_at_end(s: Session) -> bool:
@@ -73,14 +71,8 @@ def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, l
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     name, split = held_out(s.corpus, "test")
     windows, docs = evaluation_windows(split, window, cfg.final_eval_batches * cfg.batch_size, cfg.batch_size)
-    settings = EvalSettings(
-        evaluation_budgets(s.model.layout, (s.model.layout.W,), s.cfg.mc.refocus_every),
-        tasks=FINAL_EVAL_TASKS,
-        probe_batches=FINAL_EVAL_PROBE_BATCHES,
-        refocus_every=s.cfg.mc.refocus_every,
-        brief=True,
-        candidates=() if shipped is None else (shipped[1],),
-    )
+    candidates = () if shipped is None else (shipped[1],)
+    settings = brief_judgement(s.model.layout, s.cfg.mc.refocus_every, FINAL_EVAL_PROBE_BATCHES, candidates)
     held = HeldOut(windows, s.token_bytes, s.corpus.tokenizer, docs, name)
     report = dataclasses.replace(evaluate(s.model, held, settings), checkpoint_step=cfg.steps,
                                  shipped=None if shipped is None else shipped[0])  # fmt: skip

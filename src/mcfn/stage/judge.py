@@ -7,13 +7,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import MegaContext
-from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.batch import BRIEF_TASKS, brief_judgement
 from mcfn.evaluation.evaluate import HeldOut, evaluate
-
-JUDGED_TASKS = ("corpus", "passkey")  # as the run's final evaluation judges a policy
 
 
 @dataclass(frozen=True)
@@ -32,11 +29,9 @@ class Judged:
 
 def judge(system: MegaContext, held: HeldOut, refocus_every: int) -> Judged:
     """``system``'s LensNet under generation's protocol at its ``W``, on the corpus and the pass key of ``held``."""
-    budgets = evaluation_budgets(system.layout, (system.layout.W,), refocus_every)
-    settings = EvalSettings(budgets, tasks=JUDGED_TASKS, probe_batches=len(held.windows),
-                            refocus_every=refocus_every, brief=True)  # fmt: skip
+    settings = brief_judgement(system.layout, refocus_every, probe_batches=len(held.windows))
     report = evaluate(system, held, settings)
-    corpus, passkey = report.corpus.refocus.head, report.scored(JUDGED_TASKS[1])
+    corpus, passkey = report.corpus.refocus.head, report.scored(BRIEF_TASKS[1])
     accuracy = passkey.refocus.head.accuracy if passkey is not None else None
     lens, match = LENS.name, MATCH.name
     return Judged(corpus.bpb[lens], corpus.bpb[match], None if accuracy is None else accuracy[lens],

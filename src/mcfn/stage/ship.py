@@ -35,18 +35,16 @@ import torch
 from mcfn.checkpoint import load_checkpoint, save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.cadence import CLOCK, COPY, rule_name
-from mcfn.core.focus import evaluation_budgets
 from mcfn.core.policy import BRANCHES, LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus
-from mcfn.evaluation.batch import EvalSettings
+from mcfn.evaluation.batch import BRIEF_TASKS, brief_judgement
 from mcfn.evaluation.evaluate import HeldOut, evaluate
 from mcfn.evaluation.result import EvalReport, Row
 from mcfn.stage.candidates import GATED, gated_lensnet, loaded_lensnet, read_run, run_system, validation_windows
 
 PASSKEY_SE = 2.0  # a candidate this many paired standard errors below the best candidate's pass key is refused
 TIE_SE = 1.0  # within this many paired standard errors of the lowest corpus bpb, the simpler candidate is shipped
-SHIP_TASKS = ("corpus", "passkey")
 SHIP_WINDOWS = 128  # validation windows the choice reads (fewer where the split has fewer), each also a pass key
 
 
@@ -203,9 +201,7 @@ def ship(
     """Score every candidate on ``held`` (validation windows) in one brief evaluation and apply the rule; says the
     verdict in a few lines. Returns the candidate shipped, the verdict and the evaluation."""
     pool = candidates(system, cfg, rounds or {})
-    budgets = evaluation_budgets(system.layout, (system.layout.W,), cfg.mc.refocus_every)
-    settings = EvalSettings(budgets, tasks=SHIP_TASKS, refocus_every=cfg.mc.refocus_every, brief=True,
-                            candidates=tuple(c.policy for c in pool if c.extra))  # fmt: skip
+    settings = brief_judgement(system.layout, cfg.mc.refocus_every, candidates=tuple(c.policy for c in pool if c.extra))
     report = evaluate(system, held, settings)
     capped = frozenset(c.name for c in pool if c.policy.rule is not None)
     verdict = choose([c.name for c in pool], report.head.head, _passkey_row(report), cfg.mc.refocus_cap, capped)
@@ -220,7 +216,7 @@ def ship(
 
 
 def _passkey_row(report: EvalReport) -> Row | None:
-    result = report.scored(SHIP_TASKS[1])
+    result = report.scored(BRIEF_TASKS[1])
     return None if result is None else result.refocus.head
 
 
