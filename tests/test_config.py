@@ -151,6 +151,7 @@ FIXED_KNOBS = {
     "mc.lens.match_feature": (False, True),
     "mc.lens.horizons": ("tail", "chunks"),
     "mc.lens.pair_weight": (0.0, 1.0),
+    "mc.lens.cadence": (False, True),
     "mc.lens.layers": (2, 3),
     "mc.lens.width": (0, 32),
     "mc.lens.heads": (2, 4),

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from builders import cases, contexts
 from hypothesis import given
-from hypothesis import strategies as st
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.losses import served_queries, served_tail_nll, tail_mask, tail_nll, variant_losses
+from mcfn.core.losses import tail_mask, tail_nll, variant_losses
 from mcfn.core.nodes import Layout
 
 
@@ -69,30 +68,3 @@ def test_one_entry_at_a_level_is_its_own_mean():
     nll = torch.where(lod == 1, 5.0, 1.0) * wc.valid
     out = variant_losses(nll, torch.zeros(2, 3), wc, layout).metrics
     assert float(out["mc/lod_loss/1"]) == 5.0 and float(out["mc/lod_delta/1"]) == 4.0
-
-
-@given(cases, st.data())
-def test_property_served_tail_is_the_mean_over_the_tokens_a_cut_at_the_horizon_serves(case, data):
-    """LensNet's preference NLL under ``mc.lens.cadence``: per row, the mean over exactly the entries of tokens
-    ``[h, h + served)`` of its window's horizon ``h``; at the tail's start with ``served = H``, the whole tail's."""
-    shape, batch, seed = case
-    system, window, wc = contexts(shape, batch, seed)
-    layout, T, H, V = system.layout, shape["T"], shape["H"], shape["N"] + 1
-    served = data.draw(st.integers(1, H))
-    horizon = torch.tensor(data.draw(st.lists(st.integers(T - H, T - served), min_size=batch, max_size=batch)))
-    nll = torch.rand(wc.valid.shape, generator=torch.Generator().manual_seed(seed)) * wc.valid
-    expected = []
-    for r in range(nll.size(0)):
-        h = int(horizon[r // V])
-        picked = wc.valid[r] & (wc.start[r] >= h) & (wc.start[r] < h + served)
-        assert wc.start[r][picked].tolist() == list(range(h, h + served))
-        expected.append(nll[r][picked].mean())
-    got = served_tail_nll(nll, wc, layout, horizon, served).flatten()
-    torch.testing.assert_close(got, torch.stack(expected))
-    whole = served_tail_nll(nll, wc, layout, torch.full((batch,), T - H), H)
-    torch.testing.assert_close(whole, tail_nll(nll, wc, layout))
-    queries = served_queries(layout, horizon, served)
-    for b in range(batch):
-        assert (T - H + torch.nonzero(queries[b]).flatten()).tolist() == list(
-            range(int(horizon[b]), int(horizon[b]) + served)
-        )

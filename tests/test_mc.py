@@ -11,21 +11,18 @@ from builders import (
     VOCAB,
     cases,
     contexts,
-    decisive,
     flat,
     make_system,
     random_batches,
-    rewritten_after,
-    spread_lens,
     tiny_profile_system,
 )
 from compile_check import assert_one_graph_equals_eager
 from hypothesis import given
 
-from mcfn.config import LensConfig, MCConfig, OptimConfig, TeacherConfig
+from mcfn.config import MCConfig, OptimConfig
 from mcfn.core.context import WorkingContext
 from mcfn.core.nodes import Layout, NodeTable
-from mcfn.core.system import allocator_cuts, build_contexts, process_batch, served_horizon, tree_stage
+from mcfn.core.system import build_contexts, process_batch
 from mcfn.core.tree import build_tree
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.core.weights import LossWeights
@@ -204,49 +201,3 @@ def test_compiled_mc_step_equals_eager(fresh_dynamo):
     assert_one_graph_equals_eager(
         process_batch, batches, backend="inductor", loss=lambda out: out.total(), params=system.parameters()
     )
-
-
-def test_the_cadence_step_is_one_graph_equal_to_eager_whatever_refocus_point_each_window_draws(fresh_dynamo):
-    """``mc.lens.cadence`` (the default profile's) with the teacher's attention target: the step compiled whole gives
-    the eager losses and gradients, and a batch whose windows draw other refocus points does not recompile."""
-    lens, teacher = {"cadence": True, "attention_weight": 1.0}, {"full_weight": 1.0}
-    system = decisive(make_system(T=64, K=4, L=2, W=32, H=16, N=2, refocus_every=4, lens=lens, teacher=teacher))
-    weights = LossWeights.of(MCConfig(lens=LensConfig(**lens), teacher=TeacherConfig(**teacher)), torch.device("cpu"))
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(3):
-        window = torch.randint(0, VOCAB, (2, 65), generator=g)
-        noise = draw_variant_noise(system.layout, 2, g, torch.device("cpu"), chunks=system.chunks)
-        batches.append((system, window, noise, weights))
-    drawn = {tuple(served_horizon(system, noise).tolist()) for _, _, noise, _ in batches}
-    assert len(drawn) > 1, drawn  # the batches cut at different points
-    assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), params=system.parameters())
-
-
-@given(cases)
-def test_property_cadence_cuts_at_a_refocus_point_of_the_tail_from_nothing_after_it(case):
-    """``mc.lens.cadence`` with ``R = K``: each window's allocator cut is made at a horizon ``T - H + R·j`` (I11: the
-    cut is the same when every token after it is rewritten); without it, at the tail's first token."""
-    shape, batch, seed = case
-    T, H, K = shape["T"], shape["H"], shape["K"]
-    system = spread_lens(make_system(**shape, seed=seed, refocus_every=K, lens={"cadence": True}), seed)
-    plain = make_system(**shape, seed=seed, refocus_every=K)
-    assert (system.served, system.chunks, plain.served, plain.chunks) == (K, H // K, H, 1)
-    g = torch.Generator().manual_seed(seed)
-    window = torch.randint(0, VOCAB, (batch, T + 1), generator=g)
-    noise = draw_variant_noise(system.layout, batch, g, torch.device("cpu"), chunks=system.chunks)
-    horizon = served_horizon(system, noise)
-    assert ((horizon - (T - H)) % K == 0).all() and (horizon >= T - H).all() and (horizon < T).all()
-    assert (served_horizon(plain, draw_variant_noise(plain.layout, batch, g, torch.device("cpu"))) == T - H).all()
-    rewritten = rewritten_after(window, horizon, seed=seed + 1)
-    with torch.no_grad():
-        cuts = [allocator_cuts(system, tree_stage(system, w), w, noise) for w in (window, rewritten)]
-    assert torch.equal(*cuts)
-
-
-def test_cadence_draws_every_refocus_point_of_the_tail_alike():
-    """Over 4,000 windows each of the tail's ``H / R`` refocus points is drawn within 2 points of its share."""
-    system = make_system(T=64, K=4, L=2, W=32, H=16, N=2, refocus_every=4, lens={"cadence": True})
-    noise = draw_variant_noise(system.layout, 4000, torch.Generator().manual_seed(0), torch.device("cpu"), chunks=4)
-    shares = torch.bincount(served_horizon(system, noise) - (64 - 16), minlength=16)[::4] / 4000
-    assert shares.sum() == 1 and ((shares - 0.25).abs() < 0.02).all(), shares

@@ -132,10 +132,6 @@ class LensConfig:
     # lightning-indexer term (ReLU of query-key products, weighted per head by the query); every cut it chooses keeps
     # (W - H) / 2 tokens before the horizon at LOD0. Needs a match prior, so that a new LensNet cuts as match does.
     indexer: bool = False
-    # LensNet learns at generation's cadence: each MC window's allocator cut is made at a horizon drawn among the tail's
-    # refocus points (T - H + R·j), and the preference and attention targets read only the R tokens that cut serves.
-    # false: one cut at the tail's start, judged on the whole tail.
-    cadence: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.match_prior, bool):  # a checkpoint saved before the gated prior existed
@@ -208,11 +204,6 @@ class MCConfig:
         # and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")
         _require(self.refocus_cap > 0, "mc.refocus_cap", "must be > 0")
-        _require(
-            not self.lens.cadence or self.tail % self.refocus_every == 0,
-            "mc.lens.cadence",
-            "needs mc.tail to be a multiple of mc.refocus_every",
-        )
         _require(
             self.lens.attention_weight == 0 or self.teacher.enabled,
             "mc.lens.attention_weight",

@@ -122,6 +122,9 @@ RETIRED: dict[str, Any] = {
     # it stands (LABLOG). A "tempered" run's LensNet holds one more weight, target_gain (a scale its loss read and
     # its cut never did): such a checkpoint loads at that commit only.
     "mc.lens.target_form": ANY_VALUE,
+    # The thirty-fourth session's lever, rerun at commit 6afd300: LensNet trained on cuts at the tail's refocus points,
+    # judged on the tokens each serves; its text gained 0.016 bpb and seed 2 lost the pass key (LABLOG).
+    "mc.lens.cadence": False,
     # Knobs no profile or flag set (issue 57); rerun at commit 8f932ca. GistNet's and LensNet's shape now follows
     # the model's width (RunConfig.aux_width, aux_heads): the same as these defaults below a width of 384.
     "mc.gist.layers": 2,

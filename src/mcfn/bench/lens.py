@@ -55,8 +55,7 @@ def lens_forward_ms(
     window = torch.randint(0, vocab, (1, layout.T + 1), device=device, generator=gen)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     with torch.no_grad(), autocast:
-        noise = draw_variant_noise(layout, 1, gen, device, cfg.mc.alloc.iterations, system.chunks)
-        wc = build_contexts(system, window, noise)[0]
+        wc = build_contexts(system, window, draw_variant_noise(layout, 1, gen, device, cfg.mc.alloc.iterations))[0]
     row = wc[:1]  # the recency variant: every entry of the budget filled
     tokens = window[:, : layout.T]
     forward = compile_fn(system.lensnet)

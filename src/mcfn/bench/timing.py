@@ -97,8 +97,7 @@ class Rig:
     def mc_inputs(self) -> tuple:
         """A batch of windows and its variant noise, what ``process_batch`` takes after the system."""
         B, layout = self.cfg.train.batch_size, self.system.layout
-        iterations, chunks = self.cfg.mc.alloc.iterations, self.system.chunks
-        return self.windows(), draw_variant_noise(layout, B, self.generator, self.device, iterations, chunks)
+        return self.windows(), draw_variant_noise(layout, B, self.generator, self.device, self.cfg.mc.alloc.iterations)
 
     def training_call(self, fn: Callable[..., StepOutput]) -> Callable[[tuple], None]:
         """One training step of ``fn`` on its arguments: forward under the autocast, backward, gradients dropped."""

@@ -35,7 +35,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from einops import rearrange
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
@@ -64,17 +64,11 @@ class AttentionTarget:
 
 @typechecked
 def long_range_mass(
-    attention: Float[Tensor, "b h t"],
-    recency_nll: Float[Tensor, "b h"],
-    full_nll: Float[Tensor, "b h"],
-    sink: int = 0,
-    served: Bool[Tensor, "b h"] | None = None,
+    attention: Float[Tensor, "b h t"], recency_nll: Float[Tensor, "b h"], full_nll: Float[Tensor, "b h"], sink: int = 0
 ) -> Float[Tensor, "b t"]:
     """The tail's attention over the window, each query weighted by how much the far past lowers its NLL, with
-    nothing on the first ``sink`` tokens; only the ``served`` queries where given (the tokens a cut serves)."""
+    nothing on the first ``sink`` tokens."""
     weight = (recency_nll - full_nll).detach().clamp(min=0) + LONG_RANGE_FLOOR
-    if served is not None:
-        weight = weight * served
     mass = torch.einsum("bh,bht->bt", weight, attention)
     return mass * (torch.arange(mass.size(1), device=mass.device) >= sink)
 

@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import torch
-from einops import rearrange, repeat
-from jaxtyping import Bool, Float, Int
+from einops import rearrange
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, tail_entries
@@ -36,25 +36,6 @@ def tail_mask(wc: WorkingContext, layout: Layout) -> Bool[Tensor, "r w"]:
 def tail_nll(nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout) -> Float[Tensor, "b v"]:
     tail = tail_mask(wc, layout)
     return rearrange((nll * tail).sum(-1) / layout.H, "(b v) -> b v", v=layout.V)
-
-
-@typechecked
-def served_tail_nll(
-    nll: Float[Tensor, "r w"], wc: WorkingContext, layout: Layout, horizon: Int[Tensor, " b"], served: int
-) -> Float[Tensor, "b v"]:
-    """Per variant, the mean NLL over the ``served`` tail tokens from each window's ``horizon`` on: what a cut made
-    at the horizon serves until the next refocus. The whole tail (:func:`tail_nll`) at the tail's start with
-    ``served = H``."""
-    at = repeat(horizon, "b -> (b v) 1", v=layout.V)
-    mask = wc.valid & (wc.start >= at) & (wc.start < at + served)
-    return rearrange((nll * mask).sum(-1) / served, "(b v) -> b v", v=layout.V)
-
-
-@typechecked
-def served_queries(layout: Layout, horizon: Int[Tensor, " b"], served: int) -> Bool[Tensor, "b h"]:
-    """Which of the tail's ``H`` tokens a cut at each window's ``horizon`` serves: the ``served`` from it on."""
-    token = layout.T - layout.H + torch.arange(layout.H, device=horizon.device)
-    return (token >= horizon[:, None]) & (token < horizon[:, None] + served)
 
 
 @typechecked

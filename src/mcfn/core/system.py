@@ -25,17 +25,10 @@ from torch import Tensor, nn
 from mcfn.config import AUX_LAYERS, RunConfig
 from mcfn.core.attention import AttentionTarget, attention_target_loss
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.focus import refocus
+from mcfn.core.focus import refocus, tail_horizon
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet, horizon_query
-from mcfn.core.losses import (
-    recency_tail_nll,
-    served_queries,
-    served_tail_nll,
-    tail_mask,
-    tail_nll,
-    variant_losses,
-)
+from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
@@ -81,10 +74,6 @@ class MegaContext(nn.Module):
         lens_attention = mc.lens.enabled and mc.lens.attention_weight > 0
         self.attention_target = AttentionTarget.of(self.lensnet.recent, self.layout) if lens_attention else None
         self.refocus_every = mc.refocus_every
-        # LensNet learns from cuts at one of the tail's ``chunks`` refocus points, judged on the ``served`` tokens each
-        # serves (mc.lens.cadence); else from one cut at the tail's start, judged on the whole tail.
-        self.served = mc.refocus_every if mc.lens.cadence else self.layout.H
-        self.chunks = self.layout.H // self.served
         # Buffers, so that the table follows the module's device; ``nodes`` wraps them in the typed table.
         for name, value in NodeTable.of(self.layout).tensors().items():
             self.register_buffer(f"node_{name}", value, persistent=False)
@@ -99,24 +88,14 @@ class MegaContext(nn.Module):
 
 
 @typechecked
-def served_horizon(system: MegaContext, noise: VariantNoise) -> Int[Tensor, " b"]:
-    """Each window's horizon (I11): the refocus point in the tail where the step's allocator cuts and whose
-    ``system.served`` tokens judge the cuts for LensNet; the tail's first token with one refocus point."""
-    chunks = system.chunks
-    chunk = (noise.refocus_point[:, 0] * chunks).floor().long().clamp(max=chunks - 1)
-    return system.layout.T - system.layout.H + system.served * chunk
-
-
-@typechecked
 def allocator_cuts(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b a nodes"]:
     """The allocator's working contexts, ``A = alloc_variants`` per sample, refocused from the coarsest cut
-    with exploration noise, reading up to each window's horizon (I11, :func:`served_horizon`): LensNet thus learns on
-    the contexts it creates."""
+    with exploration noise, reading up to the tail (I11): LensNet thus learns on the contexts it creates."""
     A, B = system.alloc_variants, window.size(0)
     start = repeat(system.coarsest, "n -> b a n", b=B, a=A)
-    horizon = served_horizon(system, noise)
+    horizon = tail_horizon(system.layout, B, window.device)
     explore = noise.explore[:, -A:]
     scorer = system.lensnet.scorer(system.layout, window, system.base)
     return refocus(scorer, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise)
@@ -183,12 +162,11 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
 
 @stage("teacher")
 def teacher_stage(
-    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights, served: Tensor
+    system: MegaContext, window: Tensor, recency_nll: Tensor, weights: LossWeights
 ) -> tuple[StepOutput, Tensor | None]:
-    """The full-window teacher's loss, and its attention target from the ``served`` tail queries ``[B, H]`` when
-    LensNet learns from it."""
+    """The full-window teacher's loss, and its attention target when LensNet learns from it."""
     target, reach = system.attention_target, system.teacher_window
-    return teacher_losses(system.base, window, recency_nll, system.layout, weights, target, reach, served)
+    return teacher_losses(system.base, window, recency_nll, system.layout, weights, target, reach)
 
 
 def horizon_queries(system: MegaContext, window: Tensor, horizon: Tensor, copies: int) -> Tensor | None:
@@ -247,20 +225,17 @@ def build_contexts(system: MegaContext, window: Tensor, noise: VariantNoise) -> 
 
 
 def language_model_terms(
-    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights, horizon: Tensor
+    system: MegaContext, window: Tensor, wc: WorkingContext, weights: LossWeights
 ) -> tuple[Tensor, StepOutput, Tensor | None]:
     """The packed base forward's loss terms (``loss_lm`` over the whole tail), with the teacher's when it is on; the
-    NLL ``[B, V]`` LensNet's preferences compare (over the tokens a cut at each window's ``horizon`` serves); and the
-    teacher's attention target (mass per node ``[B, nodes]``, from those tokens' queries) when LensNet learns from
-    it."""
+    tail NLL ``[B, V]`` LensNet's preferences compare; and the teacher's attention target (mass per node
+    ``[B, nodes]``) when LensNet learns from it."""
     hidden = base_stage(system, wc)
-    nll, _, out = loss_stage(system, hidden, wc)
-    served = served_tail_nll(nll, wc, system.layout, horizon, system.served)
+    nll, tails, out = loss_stage(system, hidden, wc)
     if not system.use_teacher:  # a config constant: static under compile
-        return served, out, None
-    queries = served_queries(system.layout, horizon, system.served)
-    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights, queries)
-    return served, out.merge(teacher), mass
+        return tails, out, None
+    teacher, mass = teacher_stage(system, window, recency_tail_nll(nll, wc, system.layout), weights)
+    return tails, out.merge(teacher), mass
 
 
 def with_recon(system: MegaContext, out: StepOutput, tree: Tree, window: Tensor, weights: LossWeights) -> StepOutput:
@@ -273,12 +248,11 @@ def process_batch(system: MegaContext, window: Tensor, noise: VariantNoise, weig
     """The MegaContext step: ``loss_lm`` (with the teacher's and reconstruction's terms where on) and, with a
     LensNet, ``loss_lens``, and all metrics, from one packed base forward."""
     wc, shown, tree = build_contexts(system, window, noise)
-    horizon = served_horizon(system, noise)
-    tails, out, mass = language_model_terms(system, window, wc, weights, horizon)
+    tails, out, mass = language_model_terms(system, window, wc, weights)
     out = with_recon(system, out, tree, window, weights)
     if system.lensnet is None:  # a config constant: static under compile
         return out
-    scores = lens_stage(system, wc, horizon, window)
+    scores = lens_stage(system, wc, tail_horizon(system.layout, window.size(0), window.device), window)
     return out.merge(lens_loss_stage(system, scores, shown, tails, wc, weights, mass))
 
 

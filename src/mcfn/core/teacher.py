@@ -15,7 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.attention import (
@@ -42,13 +42,11 @@ def teacher_losses(
     weights: LossWeights,
     target: AttentionTarget | None = None,
     reach: int = 0,
-    served: Bool[Tensor, "b h"] | None = None,
 ) -> tuple[StepOutput, Float[Tensor, "b nodes"] | None]:
     """``loss_full`` (weighted), with its unweighted value as a metric; and with a ``target``, the tail's
     long-range attention mass under every tree node ``[B, nodes]`` (else ``None``), weighted by how much better
     the full window predicts each tail target than the recency baseline (``recency_nll``, read off the packed
-    forward: :func:`mcfn.core.losses.recency_tail_nll`), without the target's sink, from the ``served`` tail queries
-    where given. With
+    forward: :func:`mcfn.core.losses.recency_tail_nll`), without the target's sink. With
     ``reach`` every token reads the ``reach`` tokens up to itself and the tail all
     (:func:`mcfn.core.attention.local_and_tail_attention`)."""
     inputs, targets = split_window(window)
@@ -64,7 +62,6 @@ def teacher_losses(
     nll = base.nll(full_hidden, targets)  # [B, T]
     mass = None
     if target is not None:
-        tail_nll = nll[:, layout.T - layout.H :]
-        mass = node_mass(long_range_mass(attention, recency_nll, tail_nll, target.sink, served), layout)
+        mass = node_mass(long_range_mass(attention, recency_nll, nll[:, layout.T - layout.H :], target.sink), layout)
     full_nll = nll.mean()
     return StepOutput({"loss_full": weights.full * full_nll}, {"train/loss_full": full_nll}, {}), mass

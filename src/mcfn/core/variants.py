@@ -36,9 +36,6 @@ class VariantNoise(TensorClass):
     share: Tensor
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
     leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
-    # [B, N], one draw per window repeated over its variants: which of the tail's refocus points its cut is made at
-    # (:func:`mcfn.core.system.served_horizon`); zero with one refocus point, the tail's start
-    refocus_point: Tensor
 
 
 def draw_variant_noise(
@@ -47,28 +44,14 @@ def draw_variant_noise(
     generator: torch.Generator,
     device: torch.device,
     alloc_iterations: int = 1,
-    chunks: int = 1,
 ) -> VariantNoise:
-    """The noise of a batch: ``N`` variants per window, ``alloc_iterations`` exploration draws per variant, and with
-    ``chunks`` > 1 refocus points in the tail a draw of one per window (last, and only then, so that every other draw
-    stays what it was)."""
+    """The noise of a batch: ``N`` variants per window, ``alloc_iterations`` exploration draws per variant."""
     shape = (batch, layout.N)
     priority = torch.rand(*shape, layout.n_nodes, generator=generator, device=device)
     share = torch.rand(*shape, layout.L, generator=generator, device=device)
     explore = torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device)
     leave_out = torch.rand(*shape, generator=generator, device=device)
-    if chunks > 1:
-        refocus_point = torch.rand(batch, 1, generator=generator, device=device).expand(shape).contiguous()
-    else:
-        refocus_point = torch.zeros(shape, device=device)
-    return VariantNoise(
-        priority=priority,
-        share=share,
-        explore=explore,
-        leave_out=leave_out,
-        refocus_point=refocus_point,
-        batch_size=list(shape),
-    )
+    return VariantNoise(priority=priority, share=share, explore=explore, leave_out=leave_out, batch_size=list(shape))
 
 
 def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:

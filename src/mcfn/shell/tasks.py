@@ -104,9 +104,7 @@ class MCTask:
 
     def noise(self, batch: int, seed: int):
         self.generator.manual_seed(seed)
-        return draw_variant_noise(
-            self.layout, batch, self.generator, self.device, self.alloc_iterations, self.model.chunks
-        )
+        return draw_variant_noise(self.layout, batch, self.generator, self.device, self.alloc_iterations)
 
     def contexts_per_window(self, step: int) -> int:
         """Working contexts the base model reads per window at ``step``: ``V``; the whole window, once, in the
