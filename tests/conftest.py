@@ -18,6 +18,15 @@ settings.register_profile("nightly", deadline=None, max_examples=400)
 settings.load_profile(os.environ.get("MCFN_HYPOTHESIS", "ci"))
 
 
+# Under pytest-xdist each worker is one process of the suite's: one thread each (its subprocesses too), so two
+# workers on two cores do not fight over them.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+
+
 # Inductor's own cache is keyed by the graph, not by the ATen kernels in force: a kernel that a suite run under
 # ATEN_CPU_CAPABILITY=avx2 compiled and cached corrupted the heap when the next run at the machine's own AVX-512
 # loaded it (LABLOG, twentieth session). Each capability compiles into a cache of its own.
@@ -29,6 +38,17 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
     capability = torch.backends.cpu.get_cpu_capability().lower()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}_{capability}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The heavy tests first, the longest first (``@pytest.mark.heavy(seconds)``: its time on 2 cores with an empty
+    inductor cache), the rest in file order: the workers then take the long ones early and finish together."""
+
+    def seconds(item: pytest.Item) -> float:
+        mark = item.get_closest_marker("heavy")
+        return mark.args[0] if mark else 0.0
+
+    items.sort(key=lambda item: -seconds(item))
 
 
 @pytest.fixture

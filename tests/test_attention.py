@@ -146,6 +146,7 @@ def test_the_attention_target_needs_the_teacher():
         build_config({"mc": {"lens": {"attention_weight": 1.0}}})
 
 
+@pytest.mark.heavy(20)
 def test_the_step_with_the_attention_target_is_one_graph_equal_to_eager(fresh_dynamo):
     system = decisive(make_system(**SHAPE, **WITH_ATTENTION))
     weights = LossWeights.of(MCConfig(**system_configs()), torch.device("cpu"))

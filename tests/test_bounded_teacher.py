@@ -3,6 +3,7 @@ them all, so its cost grows like ``T·window`` instead of ``T²``, and the step 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from builders import VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager
@@ -27,6 +28,7 @@ def weights() -> LossWeights:
     return LossWeights.of(MCConfig(teacher=TeacherConfig(full_weight=1.0)), torch.device("cpu"))
 
 
+@pytest.mark.heavy(18)
 def test_the_step_with_a_windowed_teacher_is_one_graph_equal_to_eager(fresh_dynamo):
     """The band keeps the step one graph equal to eager."""
     teacher = {"full_weight": 1.0, "window": 16}

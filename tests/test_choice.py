@@ -118,6 +118,7 @@ def contexts_over(system, choice: FocusChoice, ids: torch.Tensor, prompt: int, r
     return out
 
 
+@pytest.mark.heavy(76)
 def test_the_choice_is_one_graph_per_capacity_over_200_refocuses_of_a_growing_history(fresh_dynamo):
     """From a 5-token prompt over 200 warm refocuses (800 tokens: through every capacity, past the origin's first
     move) the compiled choice is one graph per capacity and one for the cold start, at most 8 (dynamo's limit per
@@ -137,6 +138,7 @@ def test_the_choice_is_one_graph_per_capacity_over_200_refocuses_of_a_growing_hi
     assert compiled.shapes == eager.shapes
 
 
+@pytest.mark.heavy(21)
 @pytest.mark.parametrize("policy", [MATCH, BRANCHES], ids=lambda p: p.name)
 def test_the_compiled_choice_of_a_composed_scorer_is_its_eager_one(fresh_dynamo, policy):
     """``match`` builds its scorer (a type-checked closure) inside the graph, and ``branches`` composes it with

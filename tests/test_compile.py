@@ -26,6 +26,7 @@ def _windows(shape: tuple[int, int], n: int) -> list[torch.Tensor]:
     return [torch.randint(0, 128, shape, generator=g) for _ in range(n)]
 
 
+@pytest.mark.heavy(30)
 @pytest.mark.parametrize("key_smear", [False, True])
 def test_compiled_step_equals_eager_and_never_recompiles(key_smear):
     """One graph for the whole step (no graph break, no recompile), the same loss and gradients as eager; with the

@@ -51,6 +51,7 @@ def test_the_token_step_matches_the_full_forward():
 
 @pytest.mark.parametrize(("kept", "n"), [(0, REFILL_CHUNK + 7), (5, REFILL_CHUNK + 12), (70, 2 * REFILL_CHUNK + 7),
                                          (3, 30)])  # fmt: skip
+@pytest.mark.heavy(12)
 def test_the_compiled_refill_in_chunks_writes_what_eager_extending_writes(fresh_dynamo, kept, n):
     """A refocus's refill compiled in fixed chunks of REFILL_CHUNK entries, after ``kept`` cached entries, in a
     cache of exactly the context's length (the last chunk ends at the context's end, recomputing entries before it),

@@ -275,6 +275,7 @@ def test_attention_mass_is_the_models_attention_from_the_queries():
     assert (mass[later] == 0).all()
 
 
+@pytest.mark.heavy(38)
 def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     """``--task`` and ``--reference`` end to end; a reference with another T or corpus is refused (exit 2)."""
     from builders import tiny_sections, write_profile

@@ -40,6 +40,7 @@ def decisive_system(key_smear: bool = False):
     return decisive(make_system(T, K, L, W, H, N=2, seed=3, key_smear=key_smear))
 
 
+@pytest.mark.heavy(69)
 def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
     """``--compile``: the token step and the refill compiled by inductor once each, for every token and refocus
     (every refocus's cache has one capacity), the refocus's choice once cold and once warm (the history stays within

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from train.gpu_check import Step, main, run_step
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ["bench", "run", "tests", "decode", "decode_r64", "sweep"]
 
 
+@pytest.mark.heavy(53)
 def test_the_dry_check_runs_every_step_and_reports_each_figure(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(

@@ -128,6 +128,7 @@ def test_an_indexer_learns_from_match_the_step_reaching_every_term():
     assert not horizon_query(system.base, window[:, :T], torch.tensor([T - H] * 3)).requires_grad
 
 
+@pytest.mark.heavy(30)
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_the_step_with_the_indexer_is_one_graph_and_equals_eager():
     """With the teacher's attention target over the entries before its recent window too."""

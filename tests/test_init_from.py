@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from builders import one_line_error, tiny_sections, write_profile
 
@@ -53,6 +54,7 @@ def test_a_two_stage_run_trains_and_says_where_it_started(tmp_path, profile, cap
     assert not torch.equal(load_checkpoint(out / CHECKPOINT_NAME)["model"]["base.wte.weight"], trained), "then trains"
 
 
+@pytest.mark.heavy(21)
 def test_a_branch_starts_after_the_plain_phase_of_the_run_it_comes_from(tmp_path, profile, capsys):
     """A checkpoint saved at exactly ``train.plain_steps`` starts an MC run there: its steps are the MC phase's
     only, under the same schedule; a checkpoint at any other step starts from 0, as a plain ``--init-from``."""

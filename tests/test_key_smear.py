@@ -125,6 +125,7 @@ def test_the_token_step_carries_the_key_smear_and_a_refill_smears_the_kept_entry
     torch.testing.assert_close(refilled, want[:, 10:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.heavy(42)
 def test_the_compiled_token_step_with_the_key_smear_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
     """The token step and the refill read the newest kept entry's raw keys from the cache: one graph each for every
     token and refocus (and the refocus's choice one cold, one warm), and the same greedy tokens as eager."""

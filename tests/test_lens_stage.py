@@ -25,6 +25,7 @@ def lensnet_weights(state: dict) -> dict[str, torch.Tensor]:
     return {k.removeprefix("lensnet."): v for k, v in state.items() if k.startswith("lensnet.")}
 
 
+@pytest.mark.heavy(27)
 def test_the_stage_leaves_the_run_as_it_was_ships_a_candidate_and_starts_from_an_original(decoding_run, tmp_path):
     """``train.lens`` on a tiny run: the checkpoint's weights and config are unchanged (the stage's rounds are
     candidates, not replacements), the ship choice among truncation, match, the run's own, the gated one and each
@@ -122,6 +123,7 @@ def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, caps
     assert one_line(["--run", str(tmp_path), "--rounds", "0"]).startswith("error: ")
 
 
+@pytest.mark.heavy(26)
 def test_a_run_with_lens_stage_rounds_ends_with_the_stage_then_ships_and_evaluates(tmp_path, profile):
     """``lens_stage.rounds``: the run's last checkpoint goes through the stage, then the ship choice (its round among
     the candidates), then the final evaluation, which scores the shipped policy and says which context to generate

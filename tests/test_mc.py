@@ -178,12 +178,15 @@ def test_network_is_in_the_optimizer_and_learns_in_the_training_step(network):
     assert changed == set(before), f"unchanged: {set(before) - changed}"
 
 
+@pytest.mark.heavy(24)
 def test_mc_step_is_one_graph_with_no_recompile_over_many_batches(fresh_dynamo):
     system = make_system(T=32, K=4, L=2, W=16, H=8, N=2)
     batches = [(system, window, noise, STEP_WEIGHTS) for window, noise in random_batches(system, 24)]
     assert_one_graph_equals_eager(process_batch, batches, loss=lambda out: out.total(), against_eager=False)
 
 
+@pytest.mark.heavy(108)
+@pytest.mark.xdist_group("tiny-step")
 def test_compiled_mc_step_equals_eager(fresh_dynamo):
     """The full step (tree, random and allocator variants, base model, LensNet and every loss) compiled by
     inductor gives the eager losses, metrics and gradients, on the tiny profile's system and batch (inductor's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from builders import VOCAB, decisive, make_system, spread_lens
 
@@ -42,6 +43,7 @@ def test_counting_a_warm_refocus_leaves_its_context_as_generation_gets_it():
         torch.testing.assert_close(counted.lod, plain.lod)
 
 
+@pytest.mark.heavy(77)
 def test_a_compiled_warm_refocus_launches_a_fifth_of_the_eager_ones_operators_kernels_counted(fresh_dynamo):
     """Compiled (inductor), the choice is one graph: a warm refocus launches at most 100 operators, its kernels
     among them (the count sees inside the graph), against the eager choice's hundreds. Fails if the kernels went

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch._dynamo
 from builders import TINY_VOCAB, VOCAB, decisive, expanded, layouts, make_system, tiny_profile_system
@@ -136,6 +137,7 @@ def test_a_winning_truncation_teaches_drops_on_the_old_blocks_and_detail_on_the_
     assert tie[0, 0][: int(valid.sum())].sum() == layout.H  # the tail's tokens: shown alike by both
 
 
+@pytest.mark.heavy(16)
 def test_lensnet_learns_where_detail_pays():
     """A toy with a known answer: a variant's tail loss falls with the detail it shows over one block
     (tokens 20..23), and nothing else matters. After 800 steps on the entry-wise preference term alone, LensNet
@@ -176,6 +178,8 @@ def test_lensnet_learns_where_detail_pays():
     assert hit >= 0.6 and hit > 3 * chance, (hit, chance)  # 0.97-1.0 over seeds 0-3; chance is 0.2
 
 
+@pytest.mark.heavy(14)
+@pytest.mark.xdist_group("tiny-step")
 def test_lens_step_is_one_graph_without_recompiles_and_equals_eager(fresh_dynamo):
     """Compiled for real (inductor, the backend training uses), on the tiny profile's system and batch, against
     eager. The model tells variants apart (``decisive``): at init their losses tie to 1e-6, and rounding would pick

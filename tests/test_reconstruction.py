@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from builders import VOCAB, decisive, make_system
 from compile_check import assert_one_graph_equals_eager, one_graph
@@ -168,6 +169,7 @@ def weights(gist: dict) -> dict[str, torch.Tensor]:
     return LossWeights.of(MCConfig(gist=GistConfig(**gist)), torch.device("cpu"))
 
 
+@pytest.mark.heavy(21)
 def test_the_lens_step_with_loss_recon_compiles_to_one_graph_equal_to_eager(fresh_dynamo):
     from mcfn.core.system import process_batch
 

@@ -83,6 +83,7 @@ def test_megacontext_run_logs_its_metrics(tmp_path, profile):
     assert "| 16 |" in report and "step 9:" in report  # the evaluation table and the last step's LOD maps
 
 
+@pytest.mark.heavy(25)
 def test_resumed_run_ends_exactly_like_the_uninterrupted_one(tmp_path, text_dir):
     # The schedule's horizon is train.steps; with no warmdown, the first half of a 24-step run and a
     # 12-step run train identically, so the resumed run must reproduce the straight one bit for bit.
@@ -163,12 +164,16 @@ def test_exit_code_and_message_from_a_real_process(tmp_path):
     assert proc.stderr.strip() == "error: invalid value for train.steps: must be >= 1"
 
 
+@pytest.mark.heavy(35)
 def test_the_embedded_stdlib_default_trains(tmp_path):
+    """The corpus every default run reads, from the standard library on disk, tokenized and learned from. The run's
+    end (the ship choice and the final evaluation) is other tests' subject: here it would cost a minute."""
     profile = write_profile(
         tmp_path / "p.toml",
         tiny_sections(
             "stdlib",
             data={"vocab_size": 512, "min_doc_chars": 512, "val_fraction": 0.05},
+            train={"final_eval_batches": 0},
         ),
     )
     out = tmp_path / "run"
@@ -177,6 +182,8 @@ def test_the_embedded_stdlib_default_trains(tmp_path):
     assert summary["final_val_bpb"] < summary["first_val_bpb"]
 
 
+@pytest.mark.heavy(65)
+@pytest.mark.xdist_group("tiny-step")
 def test_compiled_run_prints_no_graph_break_and_a_second_run_loads_the_compile_cache(tmp_path, profile):
     """A compiled run saves torch's portable compile cache beside the token cache; the next run of the same
     profile loads it (and still shows no graph break or recompile)."""

@@ -27,6 +27,7 @@ def _train_records(out: Path) -> list[dict]:
     return [r for r in read_metrics(out) if "train/loss" in r]
 
 
+@pytest.mark.heavy(22)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, text_dir, sig):
     profile = write_profile(
@@ -104,6 +105,7 @@ def test_non_finite_losses_in_a_row_stop_with_a_checkpoint(tmp_path, profile, mo
     assert main(["--profile", str(profile), "--out", str(out), "--steps", "10", "--no-mc", "--resume"]) == 0
 
 
+@pytest.mark.heavy(23)
 def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint_exactly(tmp_path, text_dir):
     profile = write_profile(
         tmp_path / "p.toml",
@@ -131,6 +133,7 @@ def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint_exactly
     assert not list(killed.glob(".checkpoint.pt.*"))  # no temporary file left behind
 
 
+@pytest.mark.heavy(25)
 @pytest.mark.parametrize("mode", ["mc", "plain"])
 def test_two_processes_with_gloo_train_like_one(tmp_path, text_dir, mode):
     """torchrun with 2 CPU processes: each takes half of every global batch, gradients are averaged, and the

@@ -3,6 +3,7 @@ are read off the packed forward, and the teacher's step is one graph."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from builders import decisive, make_system, random_batch
@@ -54,6 +55,7 @@ def test_the_recency_tail_nll_is_the_full_windows_when_the_window_fits():
     assert not torch.allclose(tails[:, 0], tails[:, 1])
 
 
+@pytest.mark.heavy(24)
 def test_the_step_with_the_teacher_is_one_graph_equal_to_eager(fresh_dynamo):
     """The last batch brings new weight values: they are tensors, so it does not recompile."""
     system = decisive(make_system(**SHAPE, teacher={"full_weight": 1.0}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from builders import VOCAB, make_system
 from compile_check import one_graph
@@ -112,6 +113,7 @@ def weights() -> dict[str, torch.Tensor]:
     return LossWeights.of(MCConfig(gist=GistConfig(recon_weight=1.0)), torch.device("cpu"))
 
 
+@pytest.mark.heavy(31)
 def test_the_bounded_step_has_the_exact_steps_losses_and_compiles_to_one_graph_equal_to_eager(fresh_dynamo):
     """The step's losses are the exact step's (only the gradient is bounded), and the bounded step compiles to one
     graph with no recompile whose losses and gradients equal eager's from the same seed."""

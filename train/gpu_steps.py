@@ -3,7 +3,6 @@ steps at tiny shapes on the CPU (``--dry``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +48,7 @@ def dry_steps(work: Path) -> list[Step]:
         Step("run", 120, py + ["-m", "train.run", "--profile", "cpu-long", "--steps", "3", "--out", str(run_dir),
                               *data, *tiny, "--set", "train.log_every=1", *run_settings(1)], logs,
               fresh=run_dir),
-        Step("tests", 120, py + cuda_tests),
+        Step("tests", 120, py + cuda_tests + ["-n", "0"]),
         Step("decode", 90, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
                                  "--eager", "--lengths", "256,512", "--modes", "mc,mc_one_chunk,full", "--new-tokens",
                                  "4", "--repeats", "1", "--json", str(work / "decode.json")]),
@@ -66,7 +65,6 @@ def dry_steps(work: Path) -> list[Step]:
 def full_steps(work: Path) -> list[Step]:
     py, run_dir, prompt, cuda_tests, logs = common(work)
     default = ["--set", "train.compile_mode=default"]
-    xdist = ["-n", "4"] if importable("xdist") else []
     # B = 8 in the bench: at the profile's 32 the whole-batch MC step ran out of the H200's 140 GB. The run uses
     # B = 8 too: at 32 its micro-batch search compiles the step once for each size it tries (minutes each), and at
     # the bench's shapes inductor's caches on the machine may serve the compile the bench just did.
@@ -76,7 +74,7 @@ def full_steps(work: Path) -> list[Step]:
         Step("run", 180, py + ["-m", "train.run", "--profile", "gpu-h100", "--compile", "--steps", "100", "--out",
                                str(run_dir), *default, "--set", "train.batch_size=8", *run_settings(4)], logs,
              fresh=run_dir),
-        Step("tests", 120, py + cuda_tests + xdist),
+        Step("tests", 120, py + cuda_tests + ["-n", "4"]),
         # mc_one_chunk: the refill as one replay of the whole budget, against mc's 64-entry chunks (45 ms a refocus on
         # 2026-11-28, when warm refocuses kept 0-4 % of the cache).
         Step("decode", 260, py + ["-m", "train.bench", "--decode", str(run_dir), "--prompt-file", str(prompt),
@@ -102,7 +100,3 @@ def run_settings(eval_batches: int) -> list[str]:
     sets = ["train.wandb=disabled", "train.final_eval_batches=0", "train.eval_every=1000",
             f"train.eval_batches={eval_batches}"]  # fmt: skip
     return [a for s in sets for a in ("--set", s)]
-
-
-def importable(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
