@@ -32,7 +32,9 @@ def _train_records(out: Path) -> list[dict]:
 def test_a_signal_finishes_the_step_checkpoints_and_resumes_exactly(tmp_path, text_dir, sig):
     profile = write_profile(
         tmp_path / "p.toml",
-        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 100000}),
+        tiny_sections(
+            f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 100000, "final_eval_batches": 0}
+        ),
     )
     stopped, straight = tmp_path / "stopped", tmp_path / "straight"
     proc = subprocess.Popen(
@@ -109,7 +111,9 @@ def test_non_finite_losses_in_a_row_stop_with_a_checkpoint(tmp_path, profile, mo
 def test_sigkill_at_any_moment_resumes_from_the_last_complete_checkpoint_exactly(tmp_path, text_dir):
     profile = write_profile(
         tmp_path / "p.toml",
-        tiny_sections(f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 3}),
+        tiny_sections(
+            f"text:{text_dir}", optim={"warmdown_frac": 0.0}, train={"eval_every": 3, "final_eval_batches": 0}
+        ),
     )
     killed, straight = tmp_path / "killed", tmp_path / "straight"
     proc = subprocess.Popen(
@@ -140,7 +144,7 @@ def test_two_processes_with_gloo_train_like_one(tmp_path, text_dir, mode):
     losses follow the 1-process run's: up to float rounding for the plain GPT; for MegaContext, LensNet
     included, the losses are weighted means over entries per process, so the runs differ by that
     weighting only."""
-    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000})
+    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000, "final_eval_batches": 0})
     profile = write_profile(tmp_path / "p.toml", sections)
     one, two = tmp_path / "one", tmp_path / "two"
     flags = ["--profile", str(profile), "--steps", "8"] + (["--no-mc"] if mode == "plain" else [])
@@ -162,7 +166,7 @@ def test_two_processes_with_gloo_train_like_one(tmp_path, text_dir, mode):
 
 @pytest.mark.parametrize("mode", ["mc", "plain"])
 def test_micro_batches_accumulate_to_the_whole_batch(tmp_path, text_dir, mode):
-    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000})
+    sections = tiny_sections(f"text:{text_dir}", train={"eval_every": 100000, "final_eval_batches": 0})
     profile = write_profile(tmp_path / "p.toml", sections)
     flags = ["--profile", str(profile), "--steps", "5"] + (["--no-mc"] if mode == "plain" else [])
     assert main([*flags, "--out", str(tmp_path / "whole")]) == 0
