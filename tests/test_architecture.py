@@ -2,7 +2,11 @@
 module or function grows past what a reader can hold in their head."""
 
 import ast
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +17,35 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 80
 
 
 def test_import_contracts_hold():
-    """shell → tools | inference → core | data → profile → base modules, a core without I/O, no cycles.
+    """train → shell → stage → evaluation | bench → inference → core | data → checkpoint → profile → base modules,
+    a core without I/O, no cycles.
     ``lint-imports`` prints which import breaks which contract."""
     assert lint_imports(config_filename=str(REPO / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+
+
+@pytest.mark.parametrize(
+    ("planted", "line", "broken"),
+    [
+        ("mcfn/core/planted.py", "from mcfn.checkpoint import CHECKPOINT_NAME", "The compiled core does no I/O"),
+        ("mcfn/core/planted.py", "import mcfn.profile", "The compiled core does no I/O"),
+        ("mcfn/shell/planted.py", "import train.run", "train/ (the entry points) on top"),
+        ("mcfn/core/planted.py", "import torch", None),  # the copy itself keeps every contract
+    ],
+)
+def test_a_planted_import_breaks_its_contract(tmp_path, planted, line, broken):
+    """The contracts on a copy of the code with one import planted: the core reading a file format or a profile, or
+    the package importing an entry point, breaks the contract that names it."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    shutil.copytree(REPO / "src", tmp_path / "src", ignore=ignore)
+    shutil.copytree(REPO / "train", tmp_path / "train", ignore=ignore)
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    (tmp_path / "src" / planted).write_text(line + "\n")
+    lint = "from importlinter.cli import lint_imports; raise SystemExit(lint_imports(no_cache=True, no_logo=True))"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'src'}{os.pathsep}{tmp_path}"}
+    done = subprocess.run([sys.executable, "-c", lint], cwd=tmp_path, env=env, capture_output=True, text=True)
+    report = " ".join(done.stdout.split())  # lint-imports wraps its lines
+    assert done.returncode == (0 if broken is None else 1), report[-2000:]
+    assert broken is None or broken in report.partition("Broken contracts")[2], report[-2000:]
 
 
 def python_files() -> list[Path]:

@@ -24,9 +24,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mcfn.core.allocator import allocate, shrink
-from mcfn.core.focus import Refocus, focus_scores, shrink_to_budget, stream_view
+from mcfn.core.focus import Refocus, focus_scores, shrink_to_budget
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import BRANCHES, LENS, MATCH
+from mcfn.core.stream_view import stream_view
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.geometry import most_refocus_every
 from mcfn.inference.choice import (

@@ -16,7 +16,8 @@ from mcfn.checkpoint import Checkpoint
 from mcfn.core.attention import attention_mass
 from mcfn.errors import UserError
 from mcfn.evaluation.batch import EvalBatch, EvalSettings, default_budgets, evaluation_budgets
-from mcfn.evaluation.evaluate import HeldOut, conditions, evaluate
+from mcfn.evaluation.evaluate import conditions, evaluate
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.one_cut import predict_budget
 from mcfn.evaluation.oracle import ORACLES
 from mcfn.evaluation.report import format_eval_table

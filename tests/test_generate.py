@@ -15,15 +15,14 @@ from mcfn.core.focus import (
     carried_cut,
     focus_cut,
     focus_scores,
-    refocus_budget,
     shrink_to_budget,
     start_cut,
-    stream_view,
     view_context,
 )
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import LENS, MATCH
+from mcfn.core.stream_view import refocus_budget, stream_view
 from mcfn.core.system import history_tree
 from mcfn.core.tree import Tree
 from mcfn.core.variants import coarsest_cut

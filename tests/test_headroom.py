@@ -6,8 +6,9 @@ import torch
 from builders import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.evaluation.batch import EvalBatch, EvalSettings
-from mcfn.evaluation.evaluate import HeldOut, evaluate, record
+from mcfn.evaluation.evaluate import evaluate, record
 from mcfn.evaluation.headroom import candidate_slots, halves, per_chunk
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.long_range import far_context_tokens
 from mcfn.evaluation.one_cut import Predictions
 from mcfn.evaluation.refocused import predict_chunked

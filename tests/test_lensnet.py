@@ -7,7 +7,7 @@ import torch
 from builders import awake, cases, contexts, padded_contexts
 from hypothesis import given
 
-from mcfn.core.lensnet import block_units, pool_blocks
+from mcfn.core.units import block_units, pool_blocks
 
 
 def block_contexts(shape: dict, batch: int, seed: int):

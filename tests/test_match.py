@@ -118,8 +118,9 @@ def test_the_gated_prior_is_matchs_cut_where_lensnet_does_not_stand_out_and_adds
     from builders import make_system, spread_lens
 
     from mcfn.core.context import seen_until
-    from mcfn.core.lensnet import block_units, pool_blocks, standing_out, unit_capacity
+    from mcfn.core.lensnet import standing_out
     from mcfn.core.system import build_contexts
+    from mcfn.core.units import block_units, pool_blocks, unit_capacity
     from mcfn.core.variants import draw_variant_noise
 
     T, K, H, R = 64, 4, 8, 4

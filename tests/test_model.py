@@ -142,7 +142,7 @@ def test_step_flops_estimate_matches_the_counted_flops(mc):
     """The MFU numerator against torch's FLOP counter over a real forward + backward."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from mcfn.bench.flops import step_flops
+    from mcfn.core.flops import step_flops
     from mcfn.profile import build_config
     from mcfn.shell.tasks import build_task
 

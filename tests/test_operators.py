@@ -7,8 +7,9 @@ import torch
 from builders import VOCAB, decisive, make_system, spread_lens
 
 from mcfn.bench.operators import OperatorCount, warm_refocus_operators
-from mcfn.core.focus import Refocus, refocus_budget
+from mcfn.core.focus import Refocus
 from mcfn.core.policy import LENS
+from mcfn.core.stream_view import refocus_budget
 from mcfn.inference.streaming import StreamingTree, focused_context
 
 

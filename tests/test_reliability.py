@@ -149,10 +149,10 @@ def test_a_small_validation_split_gives_windows_of_its_text_with_their_documents
     import numpy as np
 
     from mcfn.data.corpus import Split
-    from mcfn.stage.labels import validation_windows
+    from mcfn.stage.labels import reliability_windows
 
     split = Split(tokens=np.arange(300, dtype=np.uint16), doc_offsets=np.array([0, 100, 250, 300]))
-    rows, docs = validation_windows(split, 40, 12, 4, seed=0)
+    rows, docs = reliability_windows(split, 40, 12, 4, seed=0)
     assert rows.shape == (12, 40) and docs.shape == (12,)
     for row, doc in zip(rows.tolist(), docs.tolist(), strict=True):
         assert row == list(range(row[0], row[0] + 40))  # a window of the text itself

@@ -6,7 +6,7 @@ measured and how is in :mod:`mcfn.bench.benchmark`.
 
 ``python -m train.bench --decode RUN_DIR --prompt-file F`` instead times generation with a trained model:
 MegaContext (warm and cold refocuses) against full context at several prompt lengths
-(:mod:`mcfn.bench.decode`).
+(:mod:`mcfn.bench.decode_speed`).
 
 ``python -m train.bench --profile NAME --sweep-T 512,1024,...`` instead measures how the training step's cost grows
 with the history: the plain step against the MC step with the teacher off, on and bounded, at each ``T``
@@ -121,7 +121,8 @@ def evaluate_batch(system, window) -> None:
     import torch
 
     from mcfn.evaluation.batch import EvalSettings, evaluation_budgets
-    from mcfn.evaluation.evaluate import HeldOut, score_tasks
+    from mcfn.evaluation.evaluate import score_tasks
+    from mcfn.evaluation.held_out import HeldOut
 
     token_bytes = torch.ones(system.base.wte.weight.size(0), dtype=torch.int64, device=window.device)
     budgets = evaluation_budgets(system.layout, None, system.refocus_every)
@@ -195,7 +196,7 @@ def sweep_point(spec: dict) -> None:
 def decode_benchmark(args: argparse.Namespace) -> None:
     import torch
 
-    from mcfn.bench.decode import MODES, format_decode_table, run_decode_benchmark
+    from mcfn.bench.decode_speed import MODES, format_decode_table, run_decode_benchmark
     from mcfn.bench.operators import counted_kernels
     from mcfn.core.cadence import resolved_rule, rule_name
     from mcfn.core.system import MegaContext
@@ -225,19 +226,9 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     shipped, policy = trained.shipped  # MC decodes with the shipped policy, under its rule unless the flags say
     on, refocus_every = resolved_rule(policy.rule, trained.cfg.mc.refocus_every, args.refocus_on, args.refocus_every)
     with counted_kernels():  # the graphs compiled record their kernels, which the operator count reads
-        rows = run_decode_benchmark(
-            trained.model,
-            ids,
-            lengths,
-            args.new_tokens,
-            args.repeats,
-            refocus_every,
-            compile_fn,
-            progress=lambda line: print(f"[decode] {line}", file=sys.stderr),
-            modes=modes,
-            policy=policy,
-            on=on,
-        )
+        say = lambda line: print(f"[decode] {line}", file=sys.stderr)  # noqa: E731
+        rows = run_decode_benchmark(trained.model, ids, lengths, args.new_tokens, args.repeats, refocus_every,
+                                    compile_fn, progress=say, modes=modes, policy=policy, on=on)  # fmt: skip
     print(
         f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, MC with the shipped {shipped} refocusing "
         f"{rule_name(on, refocus_every)}, median of {args.repeats}"

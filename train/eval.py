@@ -14,27 +14,11 @@ from pathlib import Path
 from mcfn.errors import exit_code
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def add_refocus_arguments(p: argparse.ArgumentParser) -> None:
+    """How every condition that chooses a cut refocuses: generation's protocol, its steps, cadence and rule."""
     from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, RULES
     from mcfn.core.focus import REFOCUS_STEPS
 
-    p = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n")[0])
-    p.add_argument("--ckpt", type=Path, required=True, help="run directory (or its checkpoint.pt)")
-    p.add_argument(
-        "--split",
-        choices=["test", "val"],
-        default="test",
-        help="the run's held-out split to read: test (the default, read by nothing else; validation where the run has "
-        "no test document) or val (the split design choices are made on)",
-    )
-    p.add_argument("--data", help="evaluate on the documents of this source instead of one of the run's splits")
-    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
-    p.add_argument("--out", type=Path, help="where eval.md and eval_sweep.png go (default: the run directory)")
-    p.add_argument(
-        "--batches", type=int, help="held-out batches of train.batch_size windows (default train.eval_batches)"
-    )
-    p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
-    p.add_argument("--random-contexts", type=int, default=8, help="random cuts per window (random, best_of_*)")
     p.add_argument(
         "--refocus", type=int, default=REFOCUS_STEPS, help="allocator steps of a scored policy's cold refocus"
     )
@@ -52,6 +36,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(mcfn.core.cadence). The shipped policy is scored under the rule it ships with",
     )
     p.add_argument("--refocus-threshold", type=float, default=COPY_THRESHOLD, help="the copy rule's evidence threshold")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", type=Path, required=True, help="run directory (or its checkpoint.pt)")
+    p.add_argument(
+        "--split",
+        choices=["test", "val"],
+        default="test",
+        help="the run's held-out split to read: test (the default, read by nothing else; validation where the run has "
+        "no test document) or val (the split design choices are made on)",
+    )
+    p.add_argument("--data", help="evaluate on the documents of this source instead of one of the run's splits")
+    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    p.add_argument("--out", type=Path, help="where eval.md and eval_sweep.png go (default: the run directory)")
+    p.add_argument(
+        "--batches", type=int, help="held-out batches of train.batch_size windows (default train.eval_batches)"
+    )
+    p.add_argument("--budgets", help="comma-separated W values to sweep (default: the run's W, then T/2, T/4, T/8)")
+    p.add_argument("--random-contexts", type=int, default=8, help="random cuts per window (random, best_of_*)")
+    add_refocus_arguments(p)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument(
         "--task",
@@ -79,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> None:
     from mcfn.evaluation.report import eval_json
-    from mcfn.shell.evaluate import EvalRequest, evaluate_checkpoint
+    from mcfn.shell.checkpoint_evaluation import EvalRequest, evaluate_checkpoint
 
     flags = vars(args).copy()
     flags.pop("json")

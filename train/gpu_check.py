@@ -110,7 +110,7 @@ def step_phases(run_dir: Path, mfu_per_step_ms: float | None) -> dict[str, float
     compiles): where a training step's time goes beyond the benchmark's forward + backward. And the step time of the
     throughput between logged steps (``train/tokens_per_s`` over the steps since the last log, none of them
     synchronised), with its MFU (``mfu_per_step_ms``: the MFU of a 1 ms step)."""
-    from mcfn.shell.report import PHASES
+    from mcfn.shell.run_report import PHASES
     from mcfn.shell.tracking import read_metrics  # here: they bring torch, which only reading a run needs
 
     timed = [r for r in read_metrics(run_dir) if "time/step_ms" in r][1:]

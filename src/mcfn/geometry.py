@@ -22,5 +22,5 @@ def coarsest_cover_size(seq_len: int, block: int, lod_max: int, tail: int) -> in
 def most_refocus_every(budget: int, tail: int, block: int, lod_max: int) -> int:
     """The largest ``R`` whose refocus budget ``W - R`` still holds any history's coarsest cover: the view's tail
     (at most ``H + K - 1`` tokens) and, once the oldest top-level blocks are dropped, at most ``K - 1`` gists per
-    level below the top (:func:`mcfn.core.focus.stream_view`)."""
+    level below the top (:func:`mcfn.core.stream_view.stream_view`)."""
     return budget - tail - (block - 1) * lod_max

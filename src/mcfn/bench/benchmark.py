@@ -32,10 +32,10 @@ import torch
 import torch._dynamo
 from torch import Tensor
 
-from mcfn.bench.flops import peak_flops, step_flops
 from mcfn.bench.lens import lens_forward_ms
 from mcfn.bench.timing import Rig, Timer, compiled_frames, graph_breaks_seen, time_phases
 from mcfn.config import RunConfig
+from mcfn.core.flops import peak_flops, step_flops
 from mcfn.core.model import GPT
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext, build_contexts, process_batch

@@ -21,8 +21,9 @@ from jaxtyping import Int
 from torch import Tensor
 from torch.profiler import ProfilerActivity, profile
 
-from mcfn.core.focus import Refocus, refocus_budget
+from mcfn.core.focus import Refocus
 from mcfn.core.policy import LENS
+from mcfn.core.stream_view import refocus_budget
 from mcfn.core.system import MegaContext
 from mcfn.inference.choice import FocusChoice
 from mcfn.inference.streaming import StreamingTree

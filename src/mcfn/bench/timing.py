@@ -23,9 +23,9 @@ from torch import Tensor
 
 from mcfn.config import RunConfig
 from mcfn.core.outputs import StepOutput
-from mcfn.core.stages import recording
 from mcfn.core.step import compile_step
 from mcfn.core.system import MegaContext
+from mcfn.core.timing_hook import recording
 from mcfn.core.variants import draw_variant_noise
 from mcfn.core.weights import LossWeights
 
@@ -112,7 +112,8 @@ class Rig:
 
 
 class StageRecorder:
-    """Installed with :func:`mcfn.core.stages.recording`: calls each stage and records its name, function and inputs."""
+    """Installed with :func:`mcfn.core.timing_hook.recording`: calls each stage and records its name, function and
+    inputs."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Callable, tuple]] = []

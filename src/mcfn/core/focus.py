@@ -4,23 +4,20 @@ Generation (:mod:`mcfn.inference.generation`), streaming and the held-out evalua
 function, :func:`focus_cut`, so what the evaluation scores is what generation computes (the project's protocol:
 ``mc.refocus_every = R`` tokens between refocuses). A refocus over a history of ``n`` tokens:
 
-* lays the static layout over the history (:func:`stream_view`): the last ``H`` to ``H + K - 1`` tokens are the
-  LOD0 tail, the length is rounded up to a multiple of ``K^L`` with *phantom* tokens after the newest one, and the
-  budget is ``W - R`` (room for the ``R`` tokens decoded before the next refocus) raised by the phantoms' count so
-  that they cost nothing;
+* lays the static layout over the history (:mod:`mcfn.core.stream_view`: the LOD0 tail, phantom tokens after the
+  newest one, a budget of ``W - R`` raised by the phantoms' count);
 * scores every node once from the block view read up to the newest real token (I11, I12,
   :func:`focus_scores`), with a focus policy's scorer (:mod:`mcfn.core.policy`: LensNet or a training-free one);
 * starts cold from the coarsest cut, or warm from the previous refocus's context carried over
   (:func:`carried_cut`) and shrunk back within budget (:func:`shrink_to_budget`), and settles it with the allocator.
 
 :func:`view_context` turns the cut into the ``[1, m]`` context generation reads (phantoms dropped, absolute
-positions); the evaluation appends the teacher-forced tokens instead of decoded ones (:func:`view_node_ids` maps a
-view's nodes onto a training window's tree).
+positions); the evaluation appends the teacher-forced tokens instead of decoded ones
+(:func:`mcfn.core.stream_view.view_node_ids` maps a view's nodes onto a training window's tree).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,9 +31,8 @@ from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, RefocusWatch, rule_name
 from mcfn.core.context import Scorer, WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
+from mcfn.core.stream_view import StreamView
 from mcfn.core.tree import Tree
-from mcfn.errors import UserError
-from mcfn.geometry import most_refocus_every
 from mcfn.typecheck import typechecked
 
 REFOCUS_STEPS = 4  # allocator steps of a cold refocus, from the coarsest cut: L + 2 settle every case tried (I12)
@@ -153,60 +149,6 @@ class Refocus:
 
     def steps_from(self, carried: WorkingContext | None) -> int:
         return self.steps if carried is None else self.warm_steps
-
-
-@dataclass(frozen=True)
-class StreamView:
-    """Where the static layout lies over a history: tokens ``[origin, origin + layout.T)``, of which the ones from
-    ``origin + real`` on are phantoms."""
-
-    layout: Layout
-    origin: int
-    real: int
-
-
-def refocus_budget(layout: Layout, refocus_every: int) -> int:
-    """The budget of each refocus's cut, ``W - R``: the ``R`` tokens read before the next refocus join it as tokens.
-    It must hold the tail of the view and a few gists; a ``UserError`` names the valid range of ``R`` otherwise."""
-    most = most_refocus_every(layout.W, layout.H, layout.K, layout.L)
-    if not 1 <= refocus_every <= most:
-        raise UserError(
-            f"refocus every {refocus_every} tokens: R must lie in [1, {most}], for the working context of W={layout.W} "
-            f"to keep room for the tail of H={layout.H} tokens and a few gists"
-        )
-    return layout.W - refocus_every
-
-
-def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
-    """The layout over a history of ``n`` tokens, or over its most recent part that ``budget`` entries can
-    cover: past about ``budget·K^L`` tokens even the coarsest cover is too big, and the oldest top-level
-    gists are dropped, ``K^L`` tokens at a time."""
-    K, top = layout.K, layout.top_span
-    tail_start = max(0, (n - layout.H) // K * K)
-
-    def fitted(origin: int) -> tuple[Layout, int]:
-        real = n - origin
-        T = -(-real // top) * top
-        H = T - (tail_start - origin)
-        phantoms = T - real
-        view = dataclasses.replace(layout, T=T, H=H, W=min(budget + phantoms, T), N=0)
-        return view, view.coarsest_cover - phantoms
-
-    # Each top-level block dropped from the front takes exactly one gist off the cover (the rest of the cover is
-    # unchanged): the origin is as many blocks in as the cover is over, as long as whole blocks precede the tail.
-    cover = fitted(0)[1]
-    origin = top * min(max(0, cover - budget), tail_start // top)
-    return StreamView(fitted(origin)[0], origin, n - origin)
-
-
-def view_node_ids(view: StreamView, layout: Layout, device: torch.device) -> Int[Tensor, " view_nodes"]:
-    """Each node of ``view`` as a node id of ``layout``, a layout over the same history from token 0 that covers the
-    view (``origin + view.T <= layout.T``): how the evaluation reads a view from a training window's tree."""
-    ids = [
-        torch.arange(size, device=device) + offset + view.origin // layout.K**k
-        for k, (size, offset) in enumerate(zip(view.layout.level_sizes, layout.level_offsets, strict=True))
-    ]
-    return torch.cat(ids)
 
 
 SHRINKS = 1  # shrink calls a carried cut gets beyond one per level: each can complete groups one level up

@@ -42,78 +42,20 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from jaxtyping import Bool, Float, Int, Shaped
+from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from mcfn.core.context import Scorer, WorkingContext, read_end
-from mcfn.core.match import NGRAM, match_votes
+from mcfn.core.match import NGRAM
 from mcfn.core.model import GPT, ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
+from mcfn.core.units import block_units, pool_blocks, unit_capacity, unit_votes
 from mcfn.typecheck import typechecked
 
 QUERY_TOKENS = 32  # the newest tokens before the horizon whose base-model states are the indexer's query
 VOTE_NGRAMS = (2, 3, 4)  # the n-gram lengths of the match votes the indexer reads per unit (NGRAM among them)
 INDEX_HEADS, INDEX_DIM = 4, 32  # the lightning-indexer term's heads and their query-key width
 RECENT_PRIORITY = 1.0e4  # added to the scores of the recent window's entries: above any other, order kept
-
-
-def unit_capacity(width: int, layout: Layout) -> int:
-    """The most units a cut of ``layout`` has in a row of ``width`` entries: at most one per K-aligned block."""
-    return min(width, layout.T // layout.K)
-
-
-@typechecked
-def block_units(wc: WorkingContext, K: int, units: int) -> Int[Tensor, "r w"]:
-    """Each entry's unit, numbered in entry order (so valid units are a prefix): a gist is a unit of its own,
-    consecutive tokens of one K-aligned block share one. Padding goes to slot ``units``, which is dropped.
-    A cut has at most ``T/K`` units (I1, I8); a row with more (not a cut) has its extra units dropped too."""
-    block = wc.start // K
-    after_token_of_block = F.pad((wc.lod[:, :-1] == 0) & (block[:, :-1] == block[:, 1:]), (1, 0), value=False)
-    head = wc.valid & ((wc.lod > 0) | ~after_token_of_block)
-    unit = (head.long().cumsum(-1) - 1).clamp(max=units)
-    return torch.where(wc.valid, unit, units)
-
-
-@typechecked
-def unit_sums(x: Shaped[Tensor, "r w c"], unit: Int[Tensor, "r w"], units: int) -> Shaped[Tensor, "r u c"]:
-    """Per unit, the sum of its entries' rows ``x`` (slot ``units``, padding, dropped)."""
-    sums = x.new_zeros(x.size(0), units + 1, x.size(-1))
-    return sums.scatter_add(1, repeat(unit, "r w -> r w c", c=x.size(-1)), x)[:, :units]
-
-
-@typechecked
-def pool_blocks(wc: WorkingContext, unit: Int[Tensor, "r w"], units: int) -> WorkingContext:
-    """The units as a working context ``[R, units]``: mean embedding, the unit's first start, summed span
-    (K for a block of tokens, the gist's own span), its first entry's LOD, position at the span centre."""
-    first = (unit != F.pad(unit[:, :-1], (1, 0), value=-1)) & wc.valid
-    columns = torch.stack((wc.valid.long(), wc.start * first, wc.span, wc.lod * first), dim=-1)  # exact in int64
-    count, start, span, lod = unit_sums(columns, unit, units).unbind(-1)
-    valid = count > 0
-    emb = unit_sums(wc.emb.detach(), unit, units) / count.clamp(min=1)[..., None]
-    span = span.clamp(min=1)
-    return WorkingContext(
-        emb=emb,
-        position=(start + (span - 1) / 2).float(),
-        start=start,
-        span=span,
-        lod=lod,
-        node=torch.zeros_like(start),
-        target=torch.full_like(start, -1),
-        valid=valid,
-        batch_size=[wc.batch_size[0], units],
-    )
-
-
-@typechecked
-def unit_votes(
-    wc: WorkingContext, tokens: Int[Tensor, "r t"], horizon: Int[Tensor, " r"], K: int, reach: int, n: int = NGRAM
-) -> Float[Tensor, "r u"]:
-    """The match votes (of ``n``-grams) on each unit's span ``[R, units]``, read from ``tokens`` up to ``horizon``."""
-    votes = match_votes(tokens, horizon, K, reach, n)  # [R, t / K]
-    running = F.pad(votes.cumsum(-1), (1, 0))
-    first = (wc.start // K).clamp(max=votes.size(1))
-    last = ((wc.start + wc.span) // K).clamp(max=votes.size(1))
-    return (running.gather(1, last) - running.gather(1, first)).clamp(min=0) * wc.valid
 
 
 GATE_Z = 2.0  # standard deviations above its row's mean where a gated prior lets LensNet's own score through

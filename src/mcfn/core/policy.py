@@ -32,10 +32,11 @@ from torch import Tensor
 from mcfn.core.attention import attention_scores
 from mcfn.core.branches import branch_scores
 from mcfn.core.context import Scorer, WorkingContext
-from mcfn.core.focus import Refocus, StreamView, focus_cut, view_context
+from mcfn.core.focus import Refocus, focus_cut, view_context
 from mcfn.core.lensnet import LensNet
 from mcfn.core.match import match_scorer
 from mcfn.core.nodes import Layout
+from mcfn.core.stream_view import StreamView
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import recency_cut

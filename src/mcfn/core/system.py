@@ -11,7 +11,7 @@ The step is a composition of pure stage functions, compiled as one graph::
 ``process_batch`` trains the base model and GistNet, and LensNet with its preference loss when the system has one
 (``mc.lens.enabled``, a static choice under compile); it adds the full-window teacher's terms
 (:mod:`mcfn.core.teacher`) when ``[mc.teacher]`` turns them on, static too. Each stage is
-marked with :func:`mcfn.core.stages.stage`: a plain call in training, and in the benchmark a recorder that
+marked with :func:`mcfn.core.timing_hook.stage`: a plain call in training, and in the benchmark a recorder that
 times each stage on its own, so the phase table always times the program that trains.
 """
 
@@ -34,9 +34,9 @@ from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lens_losses
 from mcfn.core.reconstruction import RECON_TOKENS, GistDecoder, reconstruction_loss
-from mcfn.core.stages import stage
 from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses
+from mcfn.core.timing_hook import stage
 from mcfn.core.tree import Tree, build_tree, gradient_blocks, sparse_gradient_bites, with_sparse_gradient
 from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
 from mcfn.core.weights import LossWeights

@@ -130,7 +130,8 @@ def recent_cut(layout: Layout, device: torch.device) -> Tensor:
 def recency_cut(layout: Layout, batch: int, device: torch.device, real: int | None = None) -> Bool[Tensor, "b 1 nodes"]:
     """Truncation, ``[batch, 1, n_nodes]``: the newest tokens at LOD0 that the budget holds, and nothing older. Of a
     training window, tokens ``[T - W, T)``; of a streaming view whose tokens from ``real`` on are phantoms (its ``W``
-    raised by their count, :func:`~mcfn.core.focus.stream_view`), ``[T - W, real)``: the newest ``W - (T - real)``."""
+    raised by their count, :func:`~mcfn.core.stream_view.stream_view`), ``[T - W, real)``: the newest
+    ``W - (T - real)``."""
     node = torch.arange(layout.n_nodes, device=device)
     shown = (node < (layout.T if real is None else real)) & (node >= layout.T - layout.W)
     return shown.expand(batch, 1, layout.n_nodes)

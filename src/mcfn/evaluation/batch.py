@@ -17,9 +17,10 @@ from einops import rearrange
 from torch import Tensor
 
 from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, parse_rule
-from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus, refocus_budget
+from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import FocusPolicy, policies
+from mcfn.core.stream_view import refocus_budget
 from mcfn.core.system import MegaContext, tree_stage
 from mcfn.core.tree import Tree
 from mcfn.data.probes import PROBES
@@ -102,7 +103,7 @@ def default_budgets(layout: Layout) -> tuple[int, ...]:
 def evaluation_budgets(layout: Layout, budgets: tuple[int, ...] | None, refocus_every: int) -> tuple[int, ...]:
     """The budgets an evaluation of ``layout`` sweeps (``None``: :func:`default_budgets`), the first its headline,
     refused in one line where one lies outside ``[coarsest cover, T]`` or the headline cannot refocus every ``R``
-    (:func:`~mcfn.core.focus.refocus_budget`)."""
+    (:func:`~mcfn.core.stream_view.refocus_budget`)."""
     budgets = default_budgets(layout) if budgets is None else budgets
     for w in budgets:
         if not layout.coarsest_cover <= w <= layout.T:

@@ -1,5 +1,5 @@
 """One chunk of generation's protocol, as the evaluation and the counterfactual traces both read it: the view that
-generation lays over a history of ``n`` tokens (:func:`~mcfn.core.focus.stream_view`), the focus policies' refocus
+generation lays over a history of ``n`` tokens (:func:`~mcfn.core.stream_view.stream_view`), the focus policies' refocus
 in it (generation's own, :meth:`~mcfn.core.policy.FocusPolicy.refocus`), and the base model's NLL of the chunk's
 predictions under any cut of the window.
 
@@ -16,9 +16,10 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, tail_entries
-from mcfn.core.focus import Refocus, StreamView, stream_view, view_node_ids
+from mcfn.core.focus import Refocus
 from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import FocusPolicy
+from mcfn.core.stream_view import StreamView, stream_view, view_node_ids
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import compressed_cuts, draw_variant_noise

@@ -24,10 +24,9 @@ Two protocols, both reported. The headline is **generation's** (:mod:`mcfn.evalu
 chooses a cut refocuses every ``R = mc.refocus_every`` tokens in generation's own layout, and the predictions of each
 chunk of ``R`` come from the cut chosen at the chunk's horizon. The earlier one, **one cut** for all ``H`` tail
 predictions (:mod:`mcfn.evaluation.one_cut`, ``R = H``), stays beside it so that earlier figures remain comparable.
-A cut
-is chosen from each window up to its **horizon** (I11), the position of the first prediction it serves (the tail's
-first token on ``corpus``, the token before the answer on a probe, and ``R`` further for each later chunk): it never
-depends on the tokens it is scored on.
+A cut is chosen from each window up to its **horizon** (I11), the position of the first prediction it serves (the
+tail's first token on ``corpus``, the token before the answer on a probe, and ``R`` further for each later chunk): it
+never depends on the tokens it is scored on.
 
 What is scored depends on the task (:mod:`mcfn.data.probes`): every tail token for ``corpus``, the answer
 tokens of ``passkey``, ``kv-recall`` and ``copy``. ``corpus`` also scores its **long-range tokens**, defined by
@@ -72,6 +71,7 @@ from mcfn.data.probes import ProbeBatch, evaluation_probe, misfit
 from mcfn.data.tokenizer import Tokenizer
 from mcfn.evaluation.batch import EvalBatch, EvalSettings
 from mcfn.evaluation.headroom import BEST_OF
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.indexer_recall import IndexerRecall, chunk_recall, tail_attention
 from mcfn.evaluation.long_range import far_context_tokens
 from mcfn.evaluation.one_cut import NOGIST, predict_budget, tail_predictions
@@ -128,17 +128,6 @@ def protocol_budgets(settings: EvalSettings, layout: Layout, protocol: str) -> t
         return settings.budgets
     most = partial(most_refocus_every, tail=layout.H, block=layout.K, lod_max=layout.L)
     return tuple(w for w in settings.budgets if settings.refocus_every <= most(w))
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """The held-out windows an evaluation scores, batch by batch, and what it needs to score them."""
-
-    windows: list[Tensor]  # batches of windows [B, T + 1]
-    token_bytes: Tensor  # [vocab] UTF-8 bytes of each token: bits per byte
-    tokenizer: Tokenizer | None = None  # the probes write their questions with it (corpus alone needs none)
-    docs: list[Tensor] | None = None  # each window's document, batch by batch: errors by document
-    split: str | None = None  # where the windows came from
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,13 @@ from torch import Tensor
 
 from mcfn.core.attention import text_attention
 from mcfn.core.context import Scorer, WorkingContext
-from mcfn.core.focus import Refocus, StreamView
+from mcfn.core.focus import Refocus
 from mcfn.core.lensnet import rescaled
 from mcfn.core.match import match_scorer
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.policy import MATCH, Choice, FocusPolicy
+from mcfn.core.stream_view import StreamView
 from mcfn.core.system import MegaContext
 from mcfn.evaluation.chunks import ChunkView
 from mcfn.typecheck import typechecked

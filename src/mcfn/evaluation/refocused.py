@@ -34,10 +34,10 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext, assemble, seen_until
-from mcfn.core.focus import StreamView, refocus_budget
 from mcfn.core.nodes import NodeTable
 from mcfn.core.policy import LENS, Choice, FocusPolicy
 from mcfn.core.preferences import pair_margin, pair_slots
+from mcfn.core.stream_view import StreamView, refocus_budget
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.core.variants import recent_cut
@@ -225,8 +225,7 @@ def predict_chunk(
     of the settings')."""
     system, tree, window = batch.system, batch.tree[rows], batch.window[rows]
     protocol, M, brief = batch.settings.protocol, batch.settings.random_contexts, batch.settings.brief
-    cv = chunk_view(tree, window, nodes, n, protocol.every)
-    g = rows.numel()
+    cv, g = chunk_view(tree, window, nodes, n, protocol.every), rows.numel()
     parts: dict[str, Tensor] = {}
     contexts: dict[str, list[WorkingContext]] = {}
     view_cuts: dict[str, Tensor] = {}

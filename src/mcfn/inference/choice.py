@@ -1,8 +1,8 @@
 """A streaming refocus's choice as one fixed-shape graph, compiled once per shape.
 
 Eagerly a refocus's choice is hundreds of small operators, and compiled as it stands it would recompile at nearly
-every refocus: the view's layout (:func:`~mcfn.core.focus.stream_view`) changes its ``T`` every ``K^L`` tokens while
-a history grows, and its tail ``H`` and budget ``W`` at every refocus. So the view is laid in a **capacity**
+every refocus: the view's layout (:func:`~mcfn.core.stream_view.stream_view`) changes its ``T`` every ``K^L`` tokens
+while a history grows, and its tail ``H`` and budget ``W`` at every refocus. So the view is laid in a **capacity**
 (:func:`capacity_of`): its length rounded up to a power of two of top-level blocks, at most the longest view the
 budget allows (:func:`longest_view`), the tokens added being phantoms after the newest one, like the view's own: in the
 tail, shown at LOD0 and paid for by the budget they raise. The view's tail, budget and length are tensors (``where``;
@@ -31,9 +31,10 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.focus import Refocus, StreamView, chosen_context, chosen_cut, stream_view, valid_prefix
+from mcfn.core.focus import Refocus, chosen_context, chosen_cut, valid_prefix
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import FocusPolicy
+from mcfn.core.stream_view import StreamView, stream_view
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.inference.streaming import StreamingTree, view_tree

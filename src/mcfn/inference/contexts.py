@@ -24,9 +24,10 @@ from torch import Tensor
 
 from mcfn.core.cadence import RefocusWatch
 from mcfn.core.context import WorkingContext
-from mcfn.core.focus import Refocus, refocus_budget
+from mcfn.core.focus import Refocus
 from mcfn.core.model import GPT
 from mcfn.core.policy import FocusPolicy
+from mcfn.core.stream_view import refocus_budget
 from mcfn.core.system import MegaContext
 from mcfn.inference.choice import FocusChoice
 from mcfn.inference.decode import REFILL_CHUNK, Decoder, KVCache, extend

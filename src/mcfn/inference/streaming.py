@@ -10,7 +10,7 @@
   little has changed keeps most of the previous context (and the cache behind it).
 
 The static machinery needs a history whose length is a multiple of ``K^L``: the view rounds it up with
-*phantom* tokens after the newest one (:func:`mcfn.core.focus.stream_view`). They sit in the tail, so no gist ever
+*phantom* tokens after the newest one (:func:`mcfn.core.stream_view.stream_view`). They sit in the tail, so no gist ever
 covers them, the budget is raised by their count so that they cost nothing, and they are dropped from the context
 before it is used.
 """
@@ -23,9 +23,10 @@ from jaxtyping import Int
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.focus import Refocus, StreamView, stream_view
+from mcfn.core.focus import Refocus
 from mcfn.core.nodes import Layout
 from mcfn.core.policy import FocusPolicy
+from mcfn.core.stream_view import StreamView, stream_view
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 

@@ -22,13 +22,13 @@ from mcfn.checkpoint import run_checkpoint
 from mcfn.core.policy import SHIPPED, FocusPolicy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
-from mcfn.data.loader import evaluation_windows
 from mcfn.evaluation.batch import brief_judgement
-from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.evaluate import evaluate
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.report import write_eval_outputs
 from mcfn.evaluation.result import EvalReport
 from mcfn.shell.headline import summary_lines, trained_line
-from mcfn.shell.report import write_report
+from mcfn.shell.run_report import write_report
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
 from mcfn.stage.rounds import run_stage
@@ -70,15 +70,15 @@ def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, l
         return None
     window, cfg = s.cfg.data.seq_len + 1, s.cfg.train
     name, split = held_out(s.corpus, "test")
-    windows, docs = evaluation_windows(split, window, cfg.final_eval_batches * cfg.batch_size, cfg.batch_size)
+    count = cfg.final_eval_batches * cfg.batch_size
+    held = HeldOut.drawn(split, name, window, count, cfg.batch_size, s.token_bytes, s.corpus.tokenizer)
     candidates = () if shipped is None else (shipped[1],)
     settings = brief_judgement(s.model.layout, s.cfg.mc.refocus_every, FINAL_EVAL_PROBE_BATCHES, candidates)
-    held = HeldOut(windows, s.token_bytes, s.corpus.tokenizer, docs, name)
     report = dataclasses.replace(evaluate(s.model, held, settings), checkpoint_step=cfg.steps,
                                  shipped=None if shipped is None else shipped[0])  # fmt: skip
     if s.model.lensnet is None or shipped is None or report.scored("passkey") is None:
         return report, []
-    example = windows[0][0].to(s.device)
+    example = held.windows[0][0].to(s.device)
     return report, summary_lines(s.model, shipped, example, s.corpus.tokenizer, s.cfg.mc.refocus_every, report)
 
 
@@ -121,7 +121,7 @@ def summarise(s: Session, progress: Progress, t_start: float, final_eval: EvalRe
         "final_val_bpb": progress.last_bpb,
         "step_ms_median": median_ms,
         "tokens_per_s": tokens_per_step / (median_ms / 1e3) if median_ms else None,
-        # Model FLOPs utilisation of the median step on a known GPU (mcfn.bench.flops); None elsewhere.
+        # Model FLOPs utilisation of the median step on a known GPU (mcfn.core.flops); None elsewhere.
         "mfu": progress.peak_step_s / (median_ms / 1e3) if progress.peak_step_s and median_ms else None,
         # The first step (and first eval) include compilation; the rest do not.
         "compile_s": max(0.0, ((progress.first_step_ms or 0.0) - median_ms) / 1e3),

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.bench.flops import peak_flops, step_flops
 from mcfn.config import RunConfig
+from mcfn.core.flops import peak_flops, step_flops
 from mcfn.core.outputs import StepOutput
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import cache_root

@@ -16,9 +16,8 @@ from mcfn.core.lensnet import LensNet
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext, lensnet_of
 from mcfn.data.corpus import Corpus, prepare_corpus
-from mcfn.data.loader import evaluation_windows
 from mcfn.errors import UserError
-from mcfn.evaluation.evaluate import HeldOut
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.profile import config_from_saved
 
 # The run's own LensNet gated over match's cut: its learned scores times this, where they stand out of their row
@@ -77,8 +76,9 @@ def validation_windows(corpus: Corpus, cfg: RunConfig, count: int, device: torch
     """Up to ``count`` windows of the validation split (never the test split), drawn as the final evaluation draws
     its own, in batches of the run's size on ``device``; refused in one line where the split has none (``purpose``:
     what they were for)."""
-    windows, docs = evaluation_windows(corpus.val, cfg.data.seq_len + 1, count, cfg.train.batch_size)
-    if not windows:
-        raise UserError(f"the validation split has no window of T + 1 tokens {purpose}")
     token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
-    return HeldOut([w.to(device) for w in windows], token_bytes, corpus.tokenizer, docs, "validation")
+    held = HeldOut.drawn(corpus.val, "validation", cfg.data.seq_len + 1, count, cfg.train.batch_size, token_bytes,
+                         corpus.tokenizer)  # fmt: skip
+    if not held.windows:
+        raise UserError(f"the validation split has no window of T + 1 tokens {purpose}")
+    return held

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from mcfn.core.policy import LENS, MATCH
 from mcfn.core.system import MegaContext
 from mcfn.evaluation.batch import BRIEF_TASKS, brief_judgement
-from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.evaluate import evaluate
+from mcfn.evaluation.held_out import HeldOut
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 The run's own LensNet walks two sets of ``N`` windows under generation's protocol, as a stage round traces them:
 the stage's own training windows (its first round's, beyond every batch the MC phase read: half of them with a
 long-range task) and corpus text, validation windows past the ones the stage
-selects and reports on (:func:`validation_windows`). Every state's single-edit ΔNLL labels are measured twice, from
+selects and reports on (:func:`reliability_windows`). Every state's single-edit ΔNLL labels are measured twice, from
 disjoint random halves of the
 chunk's predictions (:mod:`mcfn.stage.reliability`), and so is the attention label on the same windows. The figures
 per set and label kind: the split-half agreement with its error (over windows for the training set, over documents
@@ -59,7 +59,7 @@ def label_reliability(
     sampler = trace_sampler(cfg, corpus)
     training = [sampler.batch(FIRST_TRACE_BATCH + i, 1) for i in range(windows)]
     held_out = cfg.lens_stage.held_out if held_out is None else held_out
-    rows, docs = validation_windows(corpus.val, cfg.data.seq_len + 1, windows, 2 * held_out, cfg.train.seed)
+    rows, docs = reliability_windows(corpus.val, cfg.data.seq_len + 1, windows, 2 * held_out, cfg.train.seed)
     sets = {
         "training windows (the stage's: half with a task)": (training, list(range(windows))),
         "validation windows (corpus text)": (list(rows[:, None]), docs.tolist()),
@@ -150,7 +150,7 @@ def cluster_mean(values: list[tuple[int, float]]) -> tuple[float, float]:
     return float(means.mean()), float(means.std() / means.numel() ** 0.5)
 
 
-def validation_windows(split: Split, length: int, count: int, skip: int, seed: int) -> tuple[Tensor, Tensor]:
+def reliability_windows(split: Split, length: int, count: int, skip: int, seed: int) -> tuple[Tensor, Tensor]:
     """``count`` validation windows ``[count, length]`` and each one's document: those the final evaluation would
     draw after the ``skip`` the stage selects and reports on, or, where the split has too few of them (C++'s has
     47), windows at random positions of its text, which may overlap the stage's windows: the measurement chooses

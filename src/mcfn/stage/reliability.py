@@ -39,8 +39,8 @@ from torch import Tensor
 
 from mcfn.core.attention import node_mass
 from mcfn.core.edits import edit_worth
-from mcfn.core.focus import stream_view, view_node_ids
 from mcfn.core.nodes import NodeTable
+from mcfn.core.stream_view import stream_view, view_node_ids
 from mcfn.evaluation.counterfactual import State
 from mcfn.evaluation.stats import spearman
 from mcfn.typecheck import typechecked

@@ -39,7 +39,8 @@ from mcfn.core.policy import BRANCHES, LENS, MATCH, POLICIES, RECENCY, SHIPPED, 
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus
 from mcfn.evaluation.batch import BRIEF_TASKS, brief_judgement
-from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.evaluate import evaluate
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.result import EvalReport, Row
 from mcfn.stage.candidates import GATED, gated_lensnet, loaded_lensnet, read_run, run_system, validation_windows
 

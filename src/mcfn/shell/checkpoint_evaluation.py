@@ -13,11 +13,11 @@ from mcfn.core.focus import REFOCUS_STEPS
 from mcfn.core.model import GPT
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import encode_source, held_out
-from mcfn.data.loader import evaluation_windows
 from mcfn.data.probes import PROBES, misfit
 from mcfn.errors import UserError
 from mcfn.evaluation.batch import EvalSettings, evaluation_budgets
-from mcfn.evaluation.evaluate import HeldOut, evaluate
+from mcfn.evaluation.evaluate import evaluate
+from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.report import write_eval_outputs
 from mcfn.evaluation.result import EvalReport, Provenance
 from mcfn.shell.devices import resolve_device
@@ -101,7 +101,8 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
     else:
         name, split = data, encode_source(data, tok, cfg.data.min_doc_chars)
     B = cfg.train.batch_size
-    windows, docs = evaluation_windows(split, cfg.data.seq_len + 1, (request.batches or cfg.train.eval_batches) * B, B)
+    count = (request.batches or cfg.train.eval_batches) * B
+    held = HeldOut.drawn(split, name, cfg.data.seq_len + 1, count, B, trained.token_bytes, tok)
     refocus_every = cfg.mc.refocus_every if refocus_every is None else refocus_every
     budgets = evaluation_budgets(layout, budgets, refocus_every)  # every request is checked before the work starts
     plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
@@ -119,7 +120,7 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
         candidates=(policy,),
         oracle=request.oracle,
     )
-    report = evaluate(trained.model, HeldOut(windows, trained.token_bytes, tok, docs, name), settings, plain)
+    report = evaluate(trained.model, held, settings, plain)
     provenance = Provenance(data or f"{cfg.data.source} ({name} split)", None if reference is None else str(reference))
     report = dataclasses.replace(report, checkpoint_step=trained.step, provenance=provenance, shipped=shipped)
     table = write_eval_outputs(report, request.out or (ckpt if ckpt.is_dir() else ckpt.parent))

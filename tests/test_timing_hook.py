@@ -1,8 +1,8 @@
-"""The stage hook (``mcfn.core.stages``): a plain call by default, the recorder's call while one is installed."""
+"""The stage hook (``mcfn.core.timing_hook``): a plain call by default, the recorder's call while one is installed."""
 
 import pytest
 
-from mcfn.core.stages import recording, stage
+from mcfn.core.timing_hook import recording, stage
 
 
 @stage("double")

@@ -29,8 +29,9 @@ import torch
 
 from mcfn.bench.operators import warm_refocus_operators
 from mcfn.core.cadence import CLOCK
-from mcfn.core.focus import WARM_STEPS, refocus_budget
+from mcfn.core.focus import WARM_STEPS
 from mcfn.core.policy import FULL, LENS, RECENCY, FocusPolicy
+from mcfn.core.stream_view import refocus_budget
 from mcfn.core.system import MegaContext
 from mcfn.inference.decode import REFILL_CHUNK
 from mcfn.inference.generation import GenerationStats, Sampling, generate_full, generate_mc

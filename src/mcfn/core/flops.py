@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import nn
 
 from mcfn.config import AUX_LAYERS, RunConfig
-from mcfn.core.lensnet import unit_capacity
 from mcfn.core.nodes import Layout
+from mcfn.core.units import unit_capacity
 
 # Dense bf16 peak, FLOP/s, by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = {"H100": 989.5e12, "H200": 989.5e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
