@@ -18,10 +18,12 @@ settings.register_profile("nightly", deadline=None, max_examples=400)
 settings.load_profile(os.environ.get("MCFN_HYPOTHESIS", "ci"))
 
 
-# Under pytest-xdist each worker is one process of the suite's: one thread each (its subprocesses too), so two
-# workers on two cores do not fight over them.
+# Under pytest-xdist each worker is one process of the suite's: one thread each (its subprocesses too), and
+# inductor's C++ compiled in the worker itself rather than in a pool of its own, so two workers on two cores do not
+# fight over them.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
