@@ -124,16 +124,37 @@ def test_the_stage_refuses_a_run_without_a_checkpoint_in_one_line(tmp_path, caps
 
 
 @pytest.mark.heavy(26)
-def test_a_run_with_lens_stage_rounds_ends_with_the_stage_then_ships_and_evaluates(tmp_path, profile):
-    """``lens_stage.rounds``: the run's last checkpoint goes through the stage, then the ship choice (its round among
-    the candidates), then the final evaluation, which scores the shipped policy and says which context to generate
-    with. The final evaluation is brief:
+def test_a_run_with_lens_stage_rounds_ends_with_the_stage_then_ships_and_evaluates(tmp_path, profile, monkeypatch):
+    """``lens_stage.rounds``: the trained system goes through the stage, then the ship choice (its round among the
+    candidates), then the final evaluation, which scores the shipped policy and says which context to generate
+    with; the run's end reads no checkpoint, and writes the last one once, with the stage and the choice in it.
+    The final evaluation is brief:
     its edits are not labelled (``train.eval`` labels them, ``test_report_has_every_condition_and_the_headline``)."""
+    import sys
+
+    import mcfn.checkpoint
+    import mcfn.shell.trainer  # noqa: F401 - the run's modules, imported before their references are spied on
     from train.run import main as run_main
 
+    def unread(path):
+        pytest.fail(f"the run read the checkpoint {path}")
+
+    written, save = [], mcfn.checkpoint.save_checkpoint
+
+    def keep(path, state):
+        written.append((state["step"], sorted(state)))
+        save(path, state)
+
+    spies = {mcfn.checkpoint.load_checkpoint: unread, save: keep}
+    for module in [m for name, m in sys.modules.items() if name.startswith("mcfn")]:
+        for name in ("load_checkpoint", "save_checkpoint"):
+            if (spy := spies.get(getattr(module, name, None))) is not None:
+                monkeypatch.setattr(module, name, spy)
     out = tmp_path / "run"
-    overrides = ["--set", "lens_stage.rounds=1", "--set", "train.final_eval_batches=2"]
+    overrides = ["--set", "lens_stage.rounds=1", "--set", "train.final_eval_batches=2", "--set", "train.eval_every=1"]
     assert run_main(["--profile", str(profile), "--out", str(out), "--steps", "2", *overrides]) == 0
+    trained = ["config", "corpus_key", "data_position", "format", "model", "optimizers", "rng", "step"]
+    assert written == [(1, trained), (2, sorted([*trained, "lens_stage", "shipped"]))], written
     stage = json.loads((out / "summary.json").read_text())["lens_stage"]
     assert [r["round"] for r in stage["rounds"]] == [1]
     report = json.loads((out / "eval.json").read_text())

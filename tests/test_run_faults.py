@@ -212,3 +212,24 @@ def test_out_of_memory_names_the_micro_batch_to_try(tmp_path, profile, monkeypat
         "error: out of GPU memory at micro-batch 4; try --set train.micro_batch_size=2 (gradients accumulate, "
         "so the global batch stays train.batch_size)"
     )
+
+
+def test_a_run_whose_ship_choice_fails_still_writes_its_trained_checkpoint(tmp_path, profile, monkeypatch):
+    """The run's end writes the last checkpoint once, after the ship choice; where the choice fails, the trained
+    state is written all the same (without a choice), and resuming it at the same step makes the choice."""
+    from mcfn.shell import outcome
+
+    def fails(*_):
+        raise RuntimeError("the ship choice failed")
+
+    out = tmp_path / "run"
+    run = ["--profile", str(profile), "--out", str(out), "--steps", "2", "--set", "train.final_eval_batches=1"]
+    with monkeypatch.context() as patched:
+        patched.setattr(outcome, "ship_policy", fails)
+        with pytest.raises(RuntimeError, match="the ship choice failed"):
+            main(run)
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert state["step"] == 2 and "shipped" not in state
+    assert main([*run, "--resume"]) == 0
+    shipped = json.loads((out / "eval.json").read_text())["shipped"]
+    assert load_checkpoint(out / "checkpoint.pt")["shipped"]["name"] == shipped

@@ -104,8 +104,10 @@ class FocusPolicy:
         protocol: Refocus,
         previous: WorkingContext | None = None,
     ) -> tuple[Tensor, WorkingContext]:
-        """One refocus under generation's ``protocol``, the one both generation and the evaluation call: the
-        view's cut ``[1, 1, view_nodes]`` and the context ``[1, m]`` it gives (:func:`~mcfn.core.focus.view_context`).
+        """One refocus under generation's ``protocol``, the one the evaluation calls, and generation for truncation
+        (a scored policy generates through :class:`~mcfn.inference.choice.FocusChoice`, which
+        ``tests/test_choice.py`` holds to this cut in a stepped capacity): the view's cut ``[1, 1, view_nodes]``
+        and the context ``[1, m]`` it gives (:func:`~mcfn.core.focus.view_context`).
         Truncation keeps the newest tokens the budget holds; a scored policy scores the view once and settles a cut,
         cold from the coarsest one or warm from ``previous`` (the last refocus's context) as ``protocol`` says.
         ``tree [1, view_nodes, D]`` and ``window [1, T + 1]`` are the view's; nothing past its newest real token is

@@ -103,7 +103,8 @@ def focused_context(
     previous: WorkingContext | None = None,
 ) -> WorkingContext:
     """A working context ``[1, m]`` (valid entries only, ``m <= budget``) over the stream's history: ``policy``'s
-    refocus (:meth:`~mcfn.core.policy.FocusPolicy.refocus`, the one the evaluation calls) in the view of its
+    refocus (:meth:`~mcfn.core.policy.FocusPolicy.refocus`, the one the evaluation calls; generation calls this for
+    truncation, and :class:`~mcfn.inference.choice.FocusChoice` for a scored policy) in the view of its
     newest tokens, warm from ``previous`` (this function's last answer for a shorter history) where ``protocol``
     says. Positions and starts are absolute token positions."""
     view = stream_view(len(stream), system.layout, budget)

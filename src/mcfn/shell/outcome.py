@@ -1,4 +1,6 @@
-"""How a run ends: the held-out evaluation (MC runs), ``summary.json`` and the report.
+"""How a run ends: for an MC run, the LensNet stage and the ship choice on the system the trainer holds, the last
+checkpoint written once with them in it (the end reads no checkpoint), and the held-out evaluation; then
+``summary.json`` and the report.
 
 ``summary.json`` names what produced the run: the git commit of the code (``unknown`` outside a git
 checkout) and a hash of the resolved config, so two run directories can be told apart or matched.
@@ -12,13 +14,14 @@ import os
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from mcfn.checkpoint import run_checkpoint
+from mcfn.checkpoint import save_checkpoint
 from mcfn.core.policy import SHIPPED, FocusPolicy, renamed
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import held_out
@@ -31,8 +34,8 @@ from mcfn.shell.headline import summary_lines, trained_line
 from mcfn.shell.run_report import write_report
 from mcfn.shell.session import Progress, Session
 from mcfn.shell.tracking import read_metrics
-from mcfn.stage.rounds import run_stage
-from mcfn.stage.ship import ship, validation, write_choice, write_shipped
+from mcfn.stage.rounds import stage_rounds
+from mcfn.stage.ship import ship, shipped_record, validation, write_choice
 
 SUMMARY_NAME = "summary.json"
 LOD_MAPS_NAME = "lod_maps.txt"
@@ -83,23 +86,34 @@ def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, l
 
 
 def lens_stage(s: Session, say: Callable[[str], None]) -> tuple[dict[int, dict[str, Tensor]], dict | None]:
-    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the run's last checkpoint: each round's
-    LensNet (candidates of the ship choice) and its figures, or none and None without the stage."""
+    """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the trained system: each round's LensNet
+    (candidates of the ship choice) and its figures, or none and None without the stage."""
     if not (s.cfg.lens_stage.rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
         return {}, None
-    return run_stage(s.out_dir, s.device, say, s.corpus)
+    return stage_rounds(s.model, s.cfg, s.cfg.train.steps, s.corpus, s.out_dir, say)
 
 
-def ship_policy(s: Session, rounds: dict[int, dict[str, Tensor]], say: Callable[[str], None]) -> Shipped | None:
-    """The ship choice (:mod:`mcfn.stage.ship`) on validation windows, recorded in the run's checkpoint: the candidate
-    shipped and its policy, named ``shipped``. Made where the run ends with its final evaluation."""
-    if not evaluates_at_end(s):
-        return None
+def ship_policy(
+    s: Session, rounds: dict[int, dict[str, Tensor]], say: Callable[[str], None]
+) -> tuple[Shipped, dict[str, Any]]:
+    """The ship choice (:mod:`mcfn.stage.ship`) on validation windows, written to ``ship.json``: the candidate
+    shipped and its policy, named ``shipped``, and what the checkpoint records of it."""
     held = validation(s.corpus, s.cfg, s.device)
     shipped, verdict, report = ship(s.model, s.cfg, held, say, rounds)
-    write_shipped(run_checkpoint(s.out_dir), shipped, verdict)
     write_choice(s.out_dir, verdict, report)
-    return shipped.name, renamed(shipped.policy, SHIPPED)
+    return (shipped.name, renamed(shipped.policy, SHIPPED)), shipped_record(shipped, verdict)
+
+
+@contextmanager
+def written_at_exit(s: Session, trained: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The checkpoint, written once as the block exits, from ``trained`` (the trainer's state at its last step) with
+    what the block recorded in the dict it is given (the stage's figures, the choice): on an error too, with what
+    was done by then, so no trained step is lost."""
+    recorded: dict[str, Any] = {}
+    try:
+        yield recorded
+    finally:
+        save_checkpoint(s.ckpt_path, trained | {k: v for k, v in recorded.items() if v is not None})
 
 
 def summarise(s: Session, progress: Progress, t_start: float, final_eval: EvalReport | None) -> dict[str, Any]:
@@ -138,15 +152,22 @@ def headline_figures(report: EvalReport) -> dict[str, Any]:
             "lens_rank_corr": head.lens_rank_corr}  # fmt: skip
 
 
-def finish(s: Session, progress: Progress, t_start: float, say: Callable[[str], None]) -> dict[str, Any]:
-    """Evaluate (unless stopped early), write ``summary.json`` and the report; returns the summary."""
+def finish(
+    s: Session, progress: Progress, t_start: float, say: Callable[[str], None], trained: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Choose the shipped policy and write the checkpoint (``trained``: the trainer's state at its last step, left
+    for the end to write, where the run ends with the choice), evaluate (unless stopped early), write
+    ``summary.json`` and the report; returns the summary."""
     if not s.world.is_main:
         return {"steps": s.cfg.train.steps, "rank": s.world.rank, "stopped_at": progress.stopped_at}
-    stopped = progress.stopped_at is not None
-    rounds, stage = ({}, None) if stopped else lens_stage(s, say)
-    t_eval = time.perf_counter()
-    shipped = None if stopped else ship_policy(s, rounds, say)
-    evaluated = None if stopped else final_evaluation(s, shipped)
+    stage, shipped, t_eval = None, None, time.perf_counter()
+    if trained is not None:  # the run's end, on the system the trainer holds; the checkpoint is read nowhere
+        with written_at_exit(s, trained) as recorded:
+            rounds, stage = lens_stage(s, say)
+            recorded["lens_stage"] = stage
+            t_eval = time.perf_counter()
+            shipped, recorded["shipped"] = ship_policy(s, rounds, say)
+    evaluated = None if progress.stopped_at is not None else final_evaluation(s, shipped)
     final_eval, headline = evaluated or (None, [])
     if final_eval is not None:
         say(f"\n{write_eval_outputs(final_eval, s.out_dir)}")

@@ -11,10 +11,10 @@ from torch import Tensor, nn
 
 from mcfn.checkpoint import Checkpoint
 from mcfn.config import RunConfig
-from mcfn.core.model import GPT
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
-from mcfn.data.corpus import Corpus, prepare_corpus
+from mcfn.data.corpus import Corpus
+from mcfn.stage.candidates import read_run, run_system
 from mcfn.stage.ship import shipped_policy
 
 
@@ -36,13 +36,11 @@ class Trained:
 
 
 def load_trained(path: Path, device: torch.device) -> Trained:
-    """Load ``path`` (a run directory or its checkpoint file) onto ``device``, with its corpus and tokenizer."""
-    ckpt = Checkpoint.read(path)
-    corpus = prepare_corpus(ckpt.cfg.data, trained_on=(ckpt.corpus_key, f"checkpoint {ckpt.path}"))
-    cfg = ckpt.cfg
-    model = (MegaContext(cfg) if cfg.mc.enabled else GPT(cfg.model)).to(device)
-    model.load_state_dict(ckpt.state["model"])
-    model.eval()
+    """Load ``path`` (a run directory or its checkpoint file) onto ``device``, with its corpus and tokenizer, as
+    every reader of a trained run does (:func:`~mcfn.stage.candidates.read_run`,
+    :func:`~mcfn.stage.candidates.run_system`)."""
+    ckpt, corpus = read_run(path)
+    model, cfg = run_system(ckpt, device)
     token_bytes = corpus.tokenizer.token_bytes(cfg.model.vocab_size).to(device)
     shipped = shipped_policy(ckpt.state, model, cfg) if isinstance(model, MegaContext) else None
     # Keep the file's identity (path, config, step, corpus) for later checks, not its optimizer states.

@@ -13,6 +13,7 @@ from torch import Tensor
 from mcfn.checkpoint import Checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.lensnet import LensNet
+from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout
 from mcfn.core.system import MegaContext, lensnet_of
 from mcfn.data.corpus import Corpus, prepare_corpus
@@ -28,27 +29,29 @@ GATED_SCALE = 128.0
 GATED = "gated"  # the candidate's name
 
 
-def read_run(run_dir: Path, purpose: str, corpus: Corpus | None = None) -> tuple[Checkpoint, Corpus]:
-    """The run's checkpoint and corpus (``corpus``: the run's own, where a run ends with the stage), refused in one
-    line where the run has no LensNet (``purpose``: what the caller would do with it) or its config no longer
-    rebuilds the corpus it was trained on (:func:`~mcfn.data.corpus.prepare_corpus` checks, before building)."""
+def read_run(run_dir: Path, purpose: str = "", corpus: Corpus | None = None) -> tuple[Checkpoint, Corpus]:
+    """The saved run's checkpoint and corpus (``corpus``: the run's own, where already at hand), refused in one line
+    where the run has no LensNet and ``purpose`` says what the caller would do with one, or where its config no
+    longer rebuilds the corpus it was trained on (:func:`~mcfn.data.corpus.prepare_corpus` checks, before building).
+    With :func:`run_system`, how every reader of a trained run loads it."""
     ckpt = Checkpoint.read(run_dir)
-    if not ckpt.cfg.mc.enabled or not ckpt.cfg.mc.lens.enabled:
+    if purpose and not (ckpt.cfg.mc.enabled and ckpt.cfg.mc.lens.enabled):
         raise UserError(f"{ckpt.path} has no LensNet {purpose} (a plain or --set mc.lens.enabled=false run)")
     if corpus is None:
         corpus = prepare_corpus(ckpt.cfg.data, trained_on=(ckpt.corpus_key, f"checkpoint {ckpt.path}"))
     return ckpt, corpus
 
 
-def run_system(ckpt: Checkpoint, device: torch.device) -> tuple[MegaContext, RunConfig]:
-    """The run's system with its own LensNet (the original one, where an earlier stage replaced it) and config."""
+def run_system(ckpt: Checkpoint, device: torch.device) -> tuple[MegaContext | GPT, RunConfig]:
+    """The run's model in eval mode on ``device`` (the GPT of a ``--no-mc`` run) and its config; a MegaContext with
+    the run's own LensNet (the original one, where a stage of an earlier mcfn replaced it)."""
     original = ckpt.state.get("lens_original")
     cfg = config_from_saved(original["config"]) if original else ckpt.cfg
-    system = MegaContext(cfg).to(device)
-    system.load_state_dict(ckpt.state["model"])
+    model = (MegaContext(cfg) if cfg.mc.enabled else GPT(cfg.model)).to(device)
+    model.load_state_dict(ckpt.state["model"])
     if original:
-        system.lensnet.load_state_dict(original["lensnet"])
-    return system.eval(), cfg
+        model.lensnet.load_state_dict(original["lensnet"])
+    return model.eval(), cfg
 
 
 def loaded_lensnet(

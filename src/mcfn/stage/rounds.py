@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mcfn.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from mcfn.checkpoint import save_checkpoint
 from mcfn.config import LensStageConfig, RunConfig
 from mcfn.core.edits import edit_worth, ranking_loss
 from mcfn.core.focus import Refocus, block_scores
@@ -105,16 +105,19 @@ class Stage:
     """The stage on one run: the run's own system (fixed), the one it trains (starting from it), the sampler, the
     validation windows it measures on, and the traces so far."""
 
-    def __init__(self, ckpt: Checkpoint, corpus: Corpus, settings: LensStageConfig, device: torch.device):
-        self.ckpt, self.settings, self.device = ckpt, settings, device
-        self.own, self.cfg = run_system(ckpt, device)
+    def __init__(
+        self, own: MegaContext, cfg: RunConfig, step: int, corpus: Corpus, settings: LensStageConfig,
+        device: torch.device,
+    ):  # fmt: skip
+        self.settings, self.device, self.cfg = settings, device, cfg
+        self.own = own.eval()
         self.system = copy.deepcopy(self.own)  # rounds start from the run's own LensNet
-        self.protocol = Refocus(self.cfg.mc.refocus_every)  # as generation and the evaluation refocus
-        self.made_by = fingerprint(self.system, ckpt.step, ckpt.state["config"])
-        self.sampler = trace_sampler(self.cfg, corpus)
+        self.protocol = Refocus(cfg.mc.refocus_every)  # as generation and the evaluation refocus
+        self.made_by = fingerprint(self.system, step, cfg.to_dict())
+        self.sampler = trace_sampler(cfg, corpus)
         # Validation windows, as the final evaluation draws them, on which each round's policy is measured.
         purpose = "for the LensNet stage to measure its rounds on"
-        self.held = validation_windows(corpus, self.cfg, settings.held_out, device, purpose)
+        self.held = validation_windows(corpus, cfg, settings.held_out, device, purpose)
         self.traces: list[Traces] = []
 
     def measure(self, system: MegaContext | None = None) -> Judged:
@@ -154,19 +157,21 @@ def stage_settings(cfg: RunConfig, **overrides: int | None) -> LensStageConfig:
     return settings if settings.rounds else dataclasses.replace(settings, rounds=TRAIN_ROUNDS)
 
 
-def run_stage(
+def stage_rounds(
+    system: MegaContext,
+    cfg: RunConfig,
+    step: int,
+    corpus: Corpus,
     run_dir: Path,
-    device: torch.device,
     say: Callable[[str], None],
-    corpus: Corpus | None = None,
     **overrides: int | None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
-    """The stage on the run in ``run_dir`` (see the module docstring; ``corpus``: the run's, if already at hand), as
-    its ``[lens_stage]`` says with ``overrides`` on top (:func:`stage_settings`): each round's LensNet weights, the
-    candidates of the ship choice (:mod:`mcfn.stage.ship`), and the stage's figures, also saved in the checkpoint."""
-    ckpt, corpus = read_run(run_dir, "to train", corpus)
-    settings = stage_settings(ckpt.cfg, **overrides)
-    stage = Stage(ckpt, corpus, settings, device)
+    """The stage (see the module docstring) on ``system``, the run's own at ``step`` with its config and corpus, as
+    its ``[lens_stage]`` says with ``overrides`` on top (:func:`stage_settings`), its traces saved in ``run_dir``:
+    each round's LensNet weights, the candidates of the ship choice (:mod:`mcfn.stage.ship`), and the stage's
+    figures. ``system`` itself is not trained: the rounds train a copy."""
+    settings = stage_settings(cfg, **overrides)
+    stage = Stage(system, cfg, step, corpus, settings, next(system.parameters()).device)
     own = stage.measure(stage.own)
     say(f"[lens] the run's own LensNet: {judged_line(own)}")
     rounds, weights = [], {}
@@ -181,7 +186,20 @@ def run_stage(
         weights[r] = copy.deepcopy(stage.system.lensnet.state_dict())
     summary = {"fingerprint": stage.made_by, "settings": dataclasses.asdict(settings) | {"epochs": EPOCHS, "lr": LR},
                "run_policy": own.to_json(), "rounds": rounds}  # fmt: skip
-    state = load_checkpoint(ckpt.path)
-    state["lens_stage"] = summary
-    save_checkpoint(ckpt.path, state)
+    return weights, summary
+
+
+def run_stage(
+    run_dir: Path,
+    device: torch.device,
+    say: Callable[[str], None],
+    corpus: Corpus | None = None,
+    **overrides: int | None,
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, object]]:
+    """:func:`stage_rounds` on the saved run in ``run_dir`` (``train.lens``; ``corpus``: the run's, if at hand), its
+    figures recorded in the run's checkpoint."""
+    ckpt, corpus = read_run(run_dir, "to train", corpus)
+    system, cfg = run_system(ckpt, device)
+    weights, summary = stage_rounds(system, cfg, ckpt.step, corpus, run_dir, say, **overrides)
+    save_checkpoint(ckpt.path, ckpt.state | {"lens_stage": summary})
     return weights, summary

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mcfn.checkpoint import load_checkpoint, save_checkpoint
+from mcfn.checkpoint import save_checkpoint
 from mcfn.config import RunConfig
 from mcfn.core.cadence import CLOCK, COPY, rule_name
 from mcfn.core.policy import BRANCHES, LENS, MATCH, POLICIES, RECENCY, SHIPPED, FocusPolicy, lensnet_policy, renamed
@@ -237,11 +237,9 @@ def shipped_policy(state: dict[str, Any], system: MegaContext, cfg: RunConfig) -
     return record["name"], dataclasses.replace(policy, rule=record.get("rule"))  # shipped with its rule
 
 
-def write_shipped(path: Path, shipped: Candidate, verdict: Verdict) -> None:
-    """Record the shipped candidate (and the verdict that chose it) in the checkpoint file at ``path``."""
-    state = load_checkpoint(path)
-    state["shipped"] = shipped.record() | {"verdict": verdict.to_json()}
-    save_checkpoint(path, state)
+def shipped_record(shipped: Candidate, verdict: Verdict) -> dict[str, Any]:
+    """What a checkpoint's ``shipped`` holds: the candidate (:meth:`Candidate.record`) and the verdict that chose it."""
+    return shipped.record() | {"verdict": verdict.to_json()}
 
 
 def ship_run(
@@ -255,6 +253,6 @@ def ship_run(
     ckpt, corpus = read_run(run_dir, "to choose a policy among", corpus)
     system, cfg = run_system(ckpt, device)
     shipped, verdict, report = ship(system, cfg, validation(corpus, cfg, device), say, rounds)
-    write_shipped(ckpt.path, shipped, verdict)
+    save_checkpoint(ckpt.path, ckpt.state | {"shipped": shipped_record(shipped, verdict)})
     write_choice(run_dir, verdict, report)
     return verdict
