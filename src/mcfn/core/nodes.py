@@ -20,7 +20,8 @@ lives in :class:`NodeTable`, so they cannot drift apart (I6, I8): a collapse nee
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 from einops import rearrange
@@ -39,6 +40,15 @@ class Layout:
     W: int  # working-context capacity
     H: int  # supervised tail, LOD0 in every variant
     N: int  # compressed variants per sample
+    # Nodes per level (T / K^k) and where each level begins in the node numbering: computed once, since dynamo traces
+    # a property's Python at every read, and the choice's graph reads them thousands of times.
+    level_sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    level_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.T // self.K**k for k in range(self.L + 1))
+        object.__setattr__(self, "level_sizes", sizes)
+        object.__setattr__(self, "level_offsets", tuple(itertools.accumulate(sizes[:-1], initial=0)))
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> Layout:
@@ -55,17 +65,6 @@ class Layout:
     @property
     def V(self) -> int:  # variants per sample, the recency baseline first
         return self.N + 1
-
-    @property
-    def level_sizes(self) -> tuple[int, ...]:
-        return tuple(self.T // self.K**k for k in range(self.L + 1))
-
-    @property
-    def level_offsets(self) -> tuple[int, ...]:
-        offsets = [0]
-        for size in self.level_sizes[:-1]:
-            offsets.append(offsets[-1] + size)
-        return tuple(offsets)
 
     @property
     def n_nodes(self) -> int:
