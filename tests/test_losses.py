@@ -3,12 +3,13 @@ LOD metrics against a hand computation."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from builders import cases, contexts
 from hypothesis import given
 
 from mcfn.core.context import WorkingContext
-from mcfn.core.losses import tail_mask, tail_nll, variant_losses
+from mcfn.core.losses import loss_shares, tail_mask, tail_nll, variant_losses
 from mcfn.core.nodes import Layout
 
 
@@ -68,3 +69,22 @@ def test_one_entry_at_a_level_is_its_own_mean():
     nll = torch.where(lod == 1, 5.0, 1.0) * wc.valid
     out = variant_losses(nll, torch.zeros(2, 3), wc, layout).metrics
     assert float(out["mc/lod_loss/1"]) == 5.0 and float(out["mc/lod_delta/1"]) == 4.0
+
+
+def test_each_kinds_share_of_the_loss_is_its_nll_over_the_whole():
+    """``mc/loss_share/*`` against a loop over rows: the baseline (slot 0), the random slots and the allocator's (the
+    last ones); padding counts for nothing."""
+    layout = Layout(T=16, K=4, L=1, W=8, H=4, N=3)
+    rows, width = 2 * layout.V, 8
+    g = torch.Generator().manual_seed(0)
+    nll = torch.rand(rows, width, generator=g)
+    valid = torch.rand(rows, width, generator=g) < 0.7
+    shares = loss_shares(nll, valid, layout, allocated=1)
+    sums = [0.0] * 3
+    for r in range(rows):
+        slot = r % layout.V
+        kind = 0 if slot == 0 else (2 if slot == layout.V - 1 else 1)
+        sums[kind] += float((nll[r] * valid[r]).sum())
+    for kind, value in zip(("recency", "random", "allocator"), sums, strict=True):
+        assert float(shares[f"mc/loss_share/{kind}"]) == pytest.approx(value / sum(sums), rel=1e-5)
+    assert "mc/loss_share/allocator" not in loss_shares(nll, valid, layout, allocated=0)

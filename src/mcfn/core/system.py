@@ -28,7 +28,7 @@ from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import refocus, tail_horizon
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet, horizon_query
-from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
+from mcfn.core.losses import loss_shares, recency_tail_nll, tail_mask, tail_nll, variant_losses
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
@@ -157,7 +157,8 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
     """Per-entry NLL ``[B·V, W]``, tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
     nll = system.base.nll(hidden, wc.target)
     tails = tail_nll(nll, wc, system.layout)
-    return nll, tails, variant_losses(nll, tails, wc, system.layout)
+    shares = StepOutput({}, loss_shares(nll, wc.valid, system.layout, system.alloc_variants), {})
+    return nll, tails, variant_losses(nll, tails, wc, system.layout).merge(shares)
 
 
 @stage("teacher")
