@@ -119,7 +119,7 @@ def contexts_over(system, choice: FocusChoice, ids: torch.Tensor, prompt: int, r
     return out
 
 
-@pytest.mark.heavy(76)
+@pytest.mark.heavy(35)
 def test_the_choice_is_one_graph_per_capacity_over_200_refocuses_of_a_growing_history(fresh_dynamo):
     """From a 5-token prompt over 200 warm refocuses (800 tokens: through every capacity, past the origin's first
     move) the compiled choice is one graph per capacity and one for the cold start, at most 8 (dynamo's limit per

@@ -72,7 +72,7 @@ def test_one_entry_at_a_level_is_its_own_mean():
 
 
 def test_each_kinds_share_of_the_loss_is_its_nll_over_the_whole():
-    """``mc/loss_share/*`` against a loop over rows: the baseline (slot 0), the random slots and the allocator's (the
+    """``mc/loss_share/*`` against a loop over rows: the baseline (slot 0), the sampled slots and the allocator's (the
     last ones); padding counts for nothing."""
     layout = Layout(T=16, K=4, L=1, W=8, H=4, N=3)
     rows, width = 2 * layout.V, 8
@@ -85,6 +85,6 @@ def test_each_kinds_share_of_the_loss_is_its_nll_over_the_whole():
         slot = r % layout.V
         kind = 0 if slot == 0 else (2 if slot == layout.V - 1 else 1)
         sums[kind] += float((nll[r] * valid[r]).sum())
-    for kind, value in zip(("recency", "random", "allocator"), sums, strict=True):
+    for kind, value in zip(("baseline", "sampled", "allocator"), sums, strict=True):
         assert float(shares[f"mc/loss_share/{kind}"]) == pytest.approx(value / sum(sums), rel=1e-5)
     assert "mc/loss_share/allocator" not in loss_shares(nll, valid, layout, allocated=0)

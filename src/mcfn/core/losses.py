@@ -80,11 +80,12 @@ def variant_losses(
 def loss_shares(
     nll: Float[Tensor, "r w"], valid: Bool[Tensor, "r w"], layout: Layout, allocated: int
 ) -> dict[str, Tensor]:
-    """Each kind of variant's share of ``loss_lm`` (its summed NLL over the sum of all): the recency baseline (slot
-    0), the random compressed variants, and the allocator's (the last ``allocated`` slots) where there are any."""
+    """Each kind of variant's share of ``loss_lm`` (its summed NLL over the sum of all): the recency ``baseline`` (slot
+    0), the randomly ``sampled`` compressed variants, and the ``allocator``'s (the last ``allocated`` slots) where
+    there are any. (Named apart from the focus policies, whose names the registry alone spells.)"""
     per_slot = rearrange((nll * valid).sum(-1), "(b v) -> v b", v=layout.V).sum(-1)  # [V]
     total = per_slot.sum().clamp(min=torch.finfo(per_slot.dtype).tiny)
-    kinds = {"recency": per_slot[:1], "random": per_slot[1 : layout.V - allocated]}
+    kinds = {"baseline": per_slot[:1], "sampled": per_slot[1 : layout.V - allocated]}
     if allocated:
         kinds["allocator"] = per_slot[layout.V - allocated :]
     return {f"mc/loss_share/{kind}": part.sum() / total for kind, part in kinds.items()}

@@ -87,7 +87,7 @@ def lensnet_section(out_dir: Path, records: list[dict[str, Any]]) -> list[str]:
 def variants_section(records: list[dict[str, Any]]) -> list[str]:
     """The MC phase's working contexts a step and each kind's share of ``loss_lm`` (``mc/loss_share/*``), mean over
     its logged steps; nothing for a run without them."""
-    mc = [r for r in records if "mc/loss_share/recency" in r]
+    mc = [r for r in records if "mc/loss_share/baseline" in r]
     if not mc:
         return []
     kinds = sorted({k.removeprefix("mc/loss_share/") for r in mc for k in r if k.startswith("mc/loss_share/")})
