@@ -178,3 +178,17 @@ def test_the_stage_traces_corpus_text_and_tasks_half_and_half_whatever_the_runs_
         sampler = traces.trace_sampler(dataclasses.replace(cfg, data=data), corpus)
         share = float(traces.probe_rows(sampler, traces.FIRST_TRACE_BATCH, 400).float().mean())
         assert abs(share - expected) < 0.08, (mix, share)
+
+
+def test_a_run_with_the_stage_and_no_final_evaluation_records_the_stage_and_ships_nothing(tmp_path, profile):
+    """``lens_stage.rounds`` without ``train.final_eval_batches``: the run's end still runs the stage, and its last
+    checkpoint carries the stage's figures and no ship choice."""
+    from train.run import main as run_main
+
+    out = tmp_path / "run"
+    overrides = ["--set", "lens_stage.rounds=1", "--set", "lens_stage.windows=2", "--set", "lens_stage.held_out=2",
+                 "--set", "train.final_eval_batches=0"]  # fmt: skip
+    assert run_main(["--profile", str(profile), "--out", str(out), "--steps", "2", *overrides]) == 0
+    state = Checkpoint.read(out).state
+    assert state["step"] == 2 and [r["round"] for r in state["lens_stage"]["rounds"]] == [1]
+    assert "shipped" not in state and not (out / "ship.json").exists()

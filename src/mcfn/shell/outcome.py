@@ -63,6 +63,17 @@ def evaluates_at_end(s: Session) -> bool:
     return bool(s.cfg.train.final_eval_batches) and isinstance(s.model, MegaContext)
 
 
+def ends_with_stage(s: Session) -> bool:
+    """Whether the run ends with the LensNet stage: ``lens_stage.rounds`` on an MC run with LensNet."""
+    return bool(s.cfg.lens_stage.rounds) and isinstance(s.model, MegaContext) and s.model.lensnet is not None
+
+
+def records_at_end(s: Session) -> bool:
+    """Whether the run's end records something in the last checkpoint (the stage's figures, the ship choice), so
+    that the trainer leaves that checkpoint for the end to write."""
+    return evaluates_at_end(s) or ends_with_stage(s)
+
+
 def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, list[str]] | None:
     """An MC run's end-of-run table on the test split, which nothing else reads: brief (full, recency, match, lens and
     the ``shipped`` policy at the run's own W, under generation's protocol, on the corpus and the pass key), on
@@ -88,7 +99,7 @@ def final_evaluation(s: Session, shipped: Shipped | None) -> tuple[EvalReport, l
 def lens_stage(s: Session, say: Callable[[str], None]) -> tuple[dict[int, dict[str, Tensor]], dict | None]:
     """``lens_stage.rounds`` rounds of the counterfactual LensNet stage on the trained system: each round's LensNet
     (candidates of the ship choice) and its figures, or none and None without the stage."""
-    if not (s.cfg.lens_stage.rounds and isinstance(s.model, MegaContext) and s.model.lensnet is not None):
+    if not ends_with_stage(s):
         return {}, None
     return stage_rounds(s.model, s.cfg, s.cfg.train.steps, s.corpus, s.out_dir, say)
 
@@ -166,7 +177,8 @@ def finish(
             rounds, stage = lens_stage(s, say)
             recorded["lens_stage"] = stage
             t_eval = time.perf_counter()
-            shipped, recorded["shipped"] = ship_policy(s, rounds, say)
+            if evaluates_at_end(s):
+                shipped, recorded["shipped"] = ship_policy(s, rounds, say)
     evaluated = None if progress.stopped_at is not None else final_evaluation(s, shipped)
     final_eval, headline = evaluated or (None, [])
     if final_eval is not None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -130,12 +131,15 @@ def open_session(cfg: RunConfig, out_dir: Path, resume: bool, device: torch.devi
     return session
 
 
+def session_state(session: Session, step: int) -> dict[str, Any]:
+    """What a checkpoint of the session as it is before step ``step`` holds (:func:`~mcfn.checkpoint.run_state`)."""
+    return run_state(step, session.model, session.optimizers, session.cfg, session.corpus.key)
+
+
 def save_state(session: Session, step: int) -> None:
     """Checkpoint the session as it is before step ``step`` (rank 0 only)."""
-    if not session.world.is_main:
-        return
-    cfg, corpus_key = session.cfg, session.corpus.key
-    save_checkpoint(session.ckpt_path, run_state(step, session.model, session.optimizers, cfg, corpus_key))
+    if session.world.is_main:
+        save_checkpoint(session.ckpt_path, session_state(session, step))
 
 
 @dataclass

@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mcfn.checkpoint import run_state
 from mcfn.config import RunConfig
 from mcfn.core.flops import peak_flops, step_flops
 from mcfn.core.outputs import StepOutput
@@ -43,8 +42,8 @@ from mcfn.shell.distributed import average_gradients, init_world, shutdown
 from mcfn.shell.memory import SNAPSHOT_STEPS, MemoryHistory, check_memory_snapshot
 from mcfn.shell.microbatch import check_micro_batch, fitting_micro_batch, out_of_memory_message
 from mcfn.shell.optim import clip_gradients, current_lrs, lr_multiplier, set_lr_multiplier, skip_if_non_finite
-from mcfn.shell.outcome import LOD_MAPS_NAME, evaluates_at_end, finish
-from mcfn.shell.session import Progress, Session, open_session, save_state
+from mcfn.shell.outcome import LOD_MAPS_NAME, finish, records_at_end
+from mcfn.shell.session import Progress, Session, open_session, save_state, session_state
 from mcfn.shell.stopping import StopRequest
 from mcfn.shell.tasks import MCTask
 
@@ -114,8 +113,8 @@ class Trainer:
         self.history = MemoryHistory(s.out_dir / memory_snapshot if snapshot else None, SNAPSHOT_STEPS)
         self.compile_cache = open_compile_cache(s)
         self.unread_flags: list[tuple[int, Tensor]] = []  # (step, its update was skipped): read at logged steps
-        # The state after the last step, where the run ends with the ship choice: the run's end writes the checkpoint
-        # once, with the choice in it (mcfn.shell.outcome.finish), from this.
+        # The state after the last step, where the run's end records something (the stage, the ship choice): the end
+        # writes the checkpoint once, with them in it (mcfn.shell.outcome.finish), from this.
         self.trained: dict[str, Any] | None = None
 
     def train(self) -> Progress:
@@ -130,8 +129,8 @@ class Trainer:
                 if validating and s.world.is_main:
                     record.update(self.validate(step))
                 saved = validating and step > s.start_step
-                if last and evaluates_at_end(s) and s.world.is_main:  # the run's end writes it, with the choice
-                    self.trained = run_state(step, s.model, s.optimizers, s.cfg, s.corpus.key)
+                if last and records_at_end(s) and s.world.is_main:  # the run's end writes it, with what it records
+                    self.trained = session_state(s, step)
                 elif saved:
                     save_state(s, step)
                 if self.stop_after and step == self.stop_after and not last:  # --stop-after: checkpoint, leave
