@@ -51,6 +51,7 @@ def make_system(
     gist: dict | None = None,
     refocus_every: int = 16,
     key_smear: bool = False,
+    voted_share: float = 0.0,
 ) -> MegaContext:
     cfg = build_config(
         {
@@ -63,6 +64,7 @@ def make_system(
                 "budget": W,
                 "tail": H,
                 "variants": N,
+                "voted_share": voted_share,
                 "refocus_every": refocus_every,
                 "gist": gist or {},
                 "lens": lens or {},

@@ -81,6 +81,16 @@ def test_megacontext_run_logs_its_metrics(tmp_path, profile):
     for name in ("loss.png", "timings.png", "lensnet.png", "eval_sweep.png"):
         assert f"]({name})" in report and (out / name).stat().st_size > 1000, name
     assert "| 16 |" in report and "step 9:" in report  # the evaluation table and the last step's LOD maps
+    # Each kind of variant's share of loss_lm (recency, random, allocator) sums to 1, and the report gives its mean.
+    shares = [step[f"mc/loss_share/{kind}"] for kind in ("recency", "random", "allocator")]
+    assert all(0 < s < 1 for s in shares) and sum(shares) == pytest.approx(1.0, abs=1e-5)
+    means = [sum(r[f"mc/loss_share/{kind}"] for r in records if "mc/loss_share/recency" in r) / 10
+             for kind in ("allocator", "random", "recency")]  # fmt: skip
+    assert (
+        "12 working contexts a step; each kind's share of `loss_lm`, mean over the phase: "
+        + ", ".join(f"{kind} {mean:.3f}" for kind, mean in zip(("allocator", "random", "recency"), means, strict=True))
+        in report
+    )
 
 
 @pytest.mark.heavy(25)

@@ -180,6 +180,9 @@ class MCConfig:
     budget: int = 256  # W: working-context capacity in entries
     tail: int = 64  # H: the last H tokens, LOD0 in every variant and scored in every variant
     variants: int = 2  # N: compressed variants per sample (V = 1 + N with the recency baseline)
+    # Priority sampling: the share of the random compressed variants that expand first the blocks match's copy votes
+    # fall on, where detail is likely to move the tail's loss (0: every random variant uniform, as before).
+    voted_share: float = 0.0
     # R: tokens read between two refocuses. Generation refocuses every R tokens within W - R entries, and the
     # evaluation scores what generation computes: every condition that chooses a cut refocuses every R tail tokens.
     refocus_every: int = 16
@@ -200,6 +203,7 @@ class MCConfig:
             "must be a positive multiple of mc.block_size",
         )
         _require(self.variants >= 1, "mc.variants", "must be >= 1")
+        _require(0 <= self.voted_share <= 1, "mc.voted_share", "must be in [0, 1]")
         # Its upper bound (mcfn.geometry.most_refocus_every) binds only where a cut is refocused: generation
         # and the evaluation.
         _require(self.refocus_every >= 1, "mc.refocus_every", "must be >= 1")

@@ -74,3 +74,17 @@ def variant_losses(
         # How much worse an entry at LODk predicts its next token than a token entry does, on average.
         out[f"mc/lod_delta/{k}"] = loss_k - lod0_loss
     return StepOutput({"loss_lm": _masked_mean(nll, valid)}, out, {})
+
+
+@typechecked
+def loss_shares(
+    nll: Float[Tensor, "r w"], valid: Bool[Tensor, "r w"], layout: Layout, allocated: int
+) -> dict[str, Tensor]:
+    """Each kind of variant's share of ``loss_lm`` (its summed NLL over the sum of all): the recency baseline (slot
+    0), the random compressed variants, and the allocator's (the last ``allocated`` slots) where there are any."""
+    per_slot = rearrange((nll * valid).sum(-1), "(b v) -> v b", v=layout.V).sum(-1)  # [V]
+    total = per_slot.sum().clamp(min=torch.finfo(per_slot.dtype).tiny)
+    kinds = {"recency": per_slot[:1], "random": per_slot[1 : layout.V - allocated]}
+    if allocated:
+        kinds["allocator"] = per_slot[layout.V - allocated :]
+    return {f"mc/loss_share/{kind}": part.sum() / total for kind, part in kinds.items()}

@@ -28,7 +28,8 @@ from mcfn.core.context import WorkingContext, assemble, seen_until
 from mcfn.core.focus import refocus, tail_horizon
 from mcfn.core.gistnet import GistNet
 from mcfn.core.lensnet import LensNet, horizon_query
-from mcfn.core.losses import recency_tail_nll, tail_mask, tail_nll, variant_losses
+from mcfn.core.losses import loss_shares, recency_tail_nll, tail_mask, tail_nll, variant_losses
+from mcfn.core.match import match_votes
 from mcfn.core.model import GPT
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.outputs import StepOutput
@@ -38,7 +39,7 @@ from mcfn.core.step import byte_sums
 from mcfn.core.teacher import teacher_losses
 from mcfn.core.timing_hook import stage
 from mcfn.core.tree import Tree, build_tree, gradient_blocks, sparse_gradient_bites, with_sparse_gradient
-from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants
+from mcfn.core.variants import VariantNoise, coarsest_cut, sample_variants, voted_first, voted_nodes
 from mcfn.core.weights import LossWeights
 from mcfn.typecheck import typechecked
 
@@ -68,6 +69,7 @@ class MegaContext(nn.Module):
         self.lensnet = lensnet_of(cfg, self.layout) if mc.lens.enabled else None
         self.alloc_variants = mc.alloc_variants
         self.alloc_noise = mc.alloc.noise
+        self.voted_share = mc.voted_share  # of the random variants, those that expand match's blocks first
         self.use_teacher = mc.teacher.enabled
         self.teacher_window = mc.teacher.window  # tokens each token of the teacher's reads; 0: all before it
         # What of the teacher's attention LensNet is fitted to (None: no attention target).
@@ -99,6 +101,17 @@ def allocator_cuts(
     explore = noise.explore[:, -A:]
     scorer = system.lensnet.scorer(system.layout, window, system.base)
     return refocus(scorer, tree, window, start, system.nodes, explore, horizon=horizon, noise=system.alloc_noise)
+
+
+def prioritized(system: MegaContext, window: Int[Tensor, "b t1"], noise: VariantNoise) -> VariantNoise:
+    """The random variants' noise, ``mc.voted_share`` of them expanding first the blocks ``match`` votes on: the text
+    a copy in the tail would read, from the history up to the tail (I11), over the tail's ``H`` predictions
+    (:func:`~mcfn.core.variants.voted_first`); the noise as drawn where the share is 0."""
+    if not system.voted_share:  # a config constant: static under compile
+        return noise
+    layout, B = system.layout, window.size(0)
+    votes = match_votes(window[:, : layout.T], tail_horizon(layout, B, window.device), layout.K, layout.H)
+    return voted_first(noise, voted_nodes(votes, layout), system.voted_share)
 
 
 # The stages of the step, in order. Each is a pure function of the system and tensors.
@@ -133,8 +146,9 @@ def history_tree(system: MegaContext, tokens: Int[Tensor, "b t"]) -> Tree:
 def variants_stage(
     system: MegaContext, tree: Tree, window: Int[Tensor, "b t1"], noise: VariantNoise
 ) -> Bool[Tensor, "b v nodes"]:
-    """The baseline and the random compressed cuts, the last ``alloc_variants`` of them replaced by the allocator's."""
-    shown = sample_variants(noise, system.nodes)
+    """The baseline and the random compressed cuts (with priority sampling where ``mc.voted_share`` > 0), the last
+    ``alloc_variants`` of them replaced by the allocator's."""
+    shown = sample_variants(prioritized(system, window, noise), system.nodes)
     if not system.alloc_variants:
         return shown
     keep = system.layout.V - system.alloc_variants
@@ -157,7 +171,8 @@ def loss_stage(system: MegaContext, hidden: Tensor, wc: WorkingContext) -> tuple
     """Per-entry NLL ``[B·V, W]``, tail NLL per variant ``[B, V]``, and ``loss_lm`` with the variant metrics."""
     nll = system.base.nll(hidden, wc.target)
     tails = tail_nll(nll, wc, system.layout)
-    return nll, tails, variant_losses(nll, tails, wc, system.layout)
+    shares = StepOutput({}, loss_shares(nll, wc.valid, system.layout, system.alloc_variants), {})
+    return nll, tails, variant_losses(nll, tails, wc, system.layout).merge(shares)
 
 
 @stage("teacher")

@@ -19,7 +19,8 @@ with no host sync. A cut is a set of *expanded* nodes; a node is shown when its 
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool
+from einops import rearrange
+from jaxtyping import Bool, Float
 from tensordict import TensorClass
 from torch import Tensor
 
@@ -36,6 +37,9 @@ class VariantNoise(TensorClass):
     share: Tensor
     explore: Tensor  # [B, N, I, n_nodes]: standard normal exploration noise for I allocator iterations
     leave_out: Tensor  # [B, N]: where between none and the most a variant may leave out its left-out count lies
+    # [B, N]: a random variant whose draw lies below mc.voted_share expands the blocks match votes on first
+    # (:func:`voted_first`); drawn last, so that the other draws stay those of the runs before
+    prefer: Tensor
 
 
 def draw_variant_noise(
@@ -51,7 +55,28 @@ def draw_variant_noise(
     share = torch.rand(*shape, layout.L, generator=generator, device=device)
     explore = torch.randn(*shape, alloc_iterations, layout.n_nodes, generator=generator, device=device)
     leave_out = torch.rand(*shape, generator=generator, device=device)
-    return VariantNoise(priority=priority, share=share, explore=explore, leave_out=leave_out, batch_size=list(shape))
+    prefer = torch.rand(*shape, generator=generator, device=device)
+    return VariantNoise(priority=priority, share=share, explore=explore, leave_out=leave_out, prefer=prefer,
+                        batch_size=list(shape))  # fmt: skip
+
+
+@typechecked
+def voted_nodes(votes: Float[Tensor, "b blocks"], layout: Layout) -> Bool[Tensor, "b nodes"]:
+    """The nodes whose span holds a block that ``votes`` (``[B, T/K]``, one per LOD1 block: ``match``'s copy votes)
+    is positive on: the block's tokens, the block, and every gist above it."""
+    levels = [votes > 0]
+    for _ in range(2, layout.L + 1):
+        levels.append(rearrange(levels[-1], "b (n k) -> b n k", k=layout.K).any(-1))
+    return torch.cat([levels[0].repeat_interleave(layout.K, dim=-1), *levels], dim=-1)
+
+
+@typechecked
+def voted_first(noise: VariantNoise, voted: Bool[Tensor, "b nodes"], share: float) -> VariantNoise:
+    """Priority sampling: the noise with the priority of every voted node raised above every other's, in the
+    variants whose ``prefer`` draw lies below ``share``; such a variant expands the text a copy would read first,
+    at every level, and leaves it out last. The others, and the order among voted nodes, stay random: they explore."""
+    preferred = rearrange(noise.prefer < share, "b n -> b n 1") & rearrange(voted, "b nodes -> b 1 nodes")
+    return noise.replace(priority=noise.priority + preferred.float())
 
 
 def top_by_priority(candidates: Tensor, priority: Tensor, count: Tensor) -> Tensor:

@@ -84,6 +84,20 @@ def lensnet_section(out_dir: Path, records: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def variants_section(records: list[dict[str, Any]]) -> list[str]:
+    """The MC phase's working contexts a step and each kind's share of ``loss_lm`` (``mc/loss_share/*``), mean over
+    its logged steps; nothing for a run without them."""
+    mc = [r for r in records if "mc/loss_share/recency" in r]
+    if not mc:
+        return []
+    kinds = sorted({k.removeprefix("mc/loss_share/") for r in mc for k in r if k.startswith("mc/loss_share/")})
+    shares = ", ".join(f"{kind} {sum(r[f'mc/loss_share/{kind}'] for r in mc) / len(mc):.3f}" for kind in kinds)
+    contexts = mc[-1].get("train/variants_per_step")
+    per_step = "" if contexts is None else f"{contexts:.0f} working contexts a step; "
+    return ["", "## Variants", "", f"MC phase ({len(mc)} logged steps): {per_step}each kind's share of `loss_lm`, "
+            f"mean over the phase: {shares}."]  # fmt: skip
+
+
 def write_report(
     out_dir: Path,
     records: list[dict[str, Any]],
@@ -116,6 +130,7 @@ def write_report(
         "",
         "![phase timings](timings.png)",
     ]
+    sections += variants_section(records)
     sections += lensnet_section(out_dir, records)
     if eval_report is not None:
         sections += ["", "## Evaluation", "", format_eval_table(eval_report), f"![budget sweep]({EVAL_PNG})"]
