@@ -19,6 +19,7 @@ STREAMS = {
     "lens_stage": 8,  # the LensNet stage: its initialisation (index 0) and each round's epoch order (index r)
     "lens_traces": 9,  # the LensNet stage: each round's random candidate cuts
     "label_halves": 10,  # the labels' reliability: which predictions each half of a chunk takes
+    "needle": 11,  # the needle grid: each length's haystacks and keys (index: the length)
 }
 
 

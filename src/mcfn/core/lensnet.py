@@ -5,9 +5,11 @@
 
 A small **bidirectional** transformer (the GPT's block without the causal mask), so that old entries
 see the recent text they are judged against. It reads a context only up to the horizon (I11): the tail
-it is scored on stays unseen. Padding is masked out of attention. Entries carry
-their (damped) rotary position, and three features added to the input: a learned embedding of the
-LOD, and the log-span and distance back from the newest entry (both scaled to about [0, 1]). The inputs are the
+it is scored on stays unseen. Padding is masked out of attention. Units are
+rotated at their place in the row (:mod:`mcfn.core.positions`, damped by their span), and three features are added
+to the input: a learned embedding of the LOD, and the log-span and distance back from the newest entry (both scaled
+to [0, 1]; the distance in units of the training ``T``, every unit farther back than ``T`` at 1, so that no history
+is longer than those LensNet trained on). The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With
 ``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its votes plus its recency prior) plus
 what the transformer adds: all of it (``"sum"``, its head starting at zero, so that a new LensNet cuts as ``match``
@@ -49,6 +51,7 @@ from mcfn.core.context import Scorer, WorkingContext, read_end
 from mcfn.core.match import NGRAM
 from mcfn.core.model import GPT, ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
+from mcfn.core.positions import laid_positions
 from mcfn.core.units import block_units, pool_blocks, unit_capacity, unit_votes
 from mcfn.typecheck import typechecked
 
@@ -235,7 +238,7 @@ class LensNet(nn.Module):
         # Distance back from the last entry read (the newest token before the horizon, I11), in units of the
         # training T: in training that is the tail's first token; while streaming, the newest real token.
         now = read_end(wc)[:, None]
-        back = (now - end).float() / T  # in [0, 1): the match's recency prior is its negative
+        back = ((now - end).float() / T).clamp(max=1.0)  # the match's recency prior is its negative
         features = [torch.log2(wc.span.float()) / max(1.0, math.log2(self.layout.K) * L), back]
         if self.match_prior and tokens is None:
             raise ValueError("LensNet's match prior needs the window's tokens")
@@ -252,7 +255,8 @@ class LensNet(nn.Module):
         )
         if self.indexer:
             x = x + self.query_in(rms_norm(query))[:, None]
-        cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
+        places = laid_positions(0, wc.emb.size(1), wc.emb.device)
+        cos, sin = rotary_tables(places, wc.span.float(), self.head_dim, ROPE_BASE)
         attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
         for block in self.blocks:
             x = block(x, cos, sin, attend)

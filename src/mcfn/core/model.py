@@ -4,11 +4,13 @@ Pre-norm blocks with RMSNorm without weights, rotary attention with QK-norm and 
 through torch's fused scaled-dot-product attention, a ReLU² MLP, untied embedding and head, a logit soft-cap,
 no biases and zero-initialised output projections (each block starts as the identity).
 
-Every entry has a position and a span. A token at ``t`` has position ``t`` and span 1 and gets exactly the
-standard rotary embedding. A gist covering ``[s, s + K^k)`` sits at the centre of its span and its rotary
-phases are damped by the span: the average of ``exp(i·θ·p)`` over the ``span`` positions it covers, in the
-Gaussian approximation, is ``exp(i·θ·c) · exp(-θ²σ²/2)`` with ``σ² = (span² − 1)/12`` (the variance of a
-uniform pick among ``span`` consecutive positions), which is exactly 1 for a token.
+Every entry has a text position (the centre of its span in the history) and a span, and is rotated at its place in
+the sequence read (:mod:`mcfn.core.positions`: the ``i``-th entry at ``i``, so a plain window's token at ``t`` gets
+exactly the standard rotary embedding, and no working context reads a distance longer than itself). A gist's rotary
+phases are damped by its span: the average of ``exp(i·θ·p)`` over ``span`` consecutive positions, in the Gaussian
+approximation, is ``exp(i·θ·c) · exp(-θ²σ²/2)`` with ``σ² = (span² − 1)/12`` (the variance of a uniform pick among
+``span`` consecutive positions), which is exactly 1 for a token. The text positions say which entries are adjacent
+in the text, where the key smear applies (I13).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from mcfn.config import ModelConfig
+from mcfn.core.positions import laid_positions
 from mcfn.typecheck import typechecked
 
 SOFTCAP = 15.0  # logits are squashed to (-15, 15): tanh soft-capping, as in nanochat
@@ -243,12 +246,16 @@ class GPT(nn.Module):
         attend: LayerAttention = causal_attention,
         before: Entry | None = None,
         record_keys: RecordKeys | None = None,
+        first: Int[Tensor, ""] | int = 0,
     ) -> Float[Tensor, "b n d"]:
-        """Final hidden states (normed) over entries at the given positions and spans. The one block loop:
-        training, prefill, the token step and the attention read-out differ only in ``attend``. With the key
-        smear, a chunk read after cached entries names the newest of them in ``before``, and ``record_keys`` receives
-        the chunk's raw keys, so that a cache computes what one forward over everything computes."""
-        cos, sin = rotary_tables(positions, spans, self.cfg.head_dim, ROPE_BASE)
+        """Final hidden states (normed) over entries with the given text positions and spans, read after ``first``
+        entries (a KV cache's slots before them; 0: the sequence starts here), each rotated at its place
+        (:func:`~mcfn.core.positions.laid_positions`). The one block loop: training, prefill, the token step and the
+        attention read-out differ only in ``attend``. With the key smear, a chunk read after cached entries names the
+        newest of them in ``before``, and ``record_keys`` receives the chunk's raw keys, so that a cache computes what
+        one forward over everything computes."""
+        places = laid_positions(first, emb.size(1), emb.device)
+        cos, sin = rotary_tables(places, spans, self.cfg.head_dim, ROPE_BASE)
         adjacent = follows_its_token(positions, spans, before) if self.cfg.key_smear else None
         x = rms_norm(emb)
         for layer, block in enumerate(self.blocks):

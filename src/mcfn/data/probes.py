@@ -67,10 +67,23 @@ def _place(row: list[int], ending: list[int], flags: list[bool], answer: list[bo
             answer[start + i - 1] = True  # token at window index j is the target of position j - 1
 
 
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"  # the answer follows: " " and the key
+
+
+def passkey_key(rng: random.Random) -> str:
+    """A fresh five-digit pass key."""
+    return str(rng.randint(10_000, 99_999))
+
+
+def passkey_fact(key: str) -> str:
+    """The sentence that states the pass key, written into the haystack."""
+    return f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+
+
 def _passkey(rng: random.Random, row: list[int], tok: Tokenizer, tail: int) -> tuple[list[bool], float]:
-    key = str(rng.randint(10_000, 99_999))
-    fact = tok.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
-    question = [("\nWhat is the pass key? The pass key is", False), (f" {key}", True)]
+    key = passkey_key(rng)
+    fact = tok.encode(passkey_fact(key))
+    question = [(PASSKEY_QUESTION, False), (f" {key}", True)]
     ending, flags = _ending(tok, question, len(row), tail)
     room = len(row) - len(ending) - len(fact) - tail  # the fact ends before the scored tail
     if room < 0:

@@ -44,16 +44,25 @@ def plot_depth_heatmap(task: str, depth_accuracy: DepthAccuracy, path: Path) -> 
     budgets = list(depth_accuracy.by_budget)
     grid = [[float("nan") if v is None else v for v in depth_accuracy.by_budget[w]] for w in budgets]
     bins = len(grid[0])
-    fig, ax = plt.subplots(figsize=(6, 0.6 * len(budgets) + 1.8), dpi=120)
+    columns = [f"{j / bins:.1f}-{(j + 1) / bins:.1f}" for j in range(bins)]
+    title = f"{task}: answer accuracy ({depth_accuracy.condition})"
+    plot_accuracy_grid(grid, [f"W={w}" for w in budgets], columns, "depth of the fact (fraction of T)", title, path)
+
+
+def plot_accuracy_grid(
+    grid: list[list[float]], rows: list[str], columns: list[str], xlabel: str, title: str, path: Path
+) -> None:
+    """Accuracies ``grid[row][column]`` in [0, 1] (NaN: not measured) as a red-to-green heatmap, each cell written."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(columns) + 2), 0.6 * len(rows) + 1.8), dpi=120)
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
             if value == value:
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(bins), [f"{j / bins:.1f}-{(j + 1) / bins:.1f}" for j in range(bins)])
-    ax.set_yticks(range(len(budgets)), [f"W={w}" for w in budgets])
-    ax.set_xlabel("depth of the fact (fraction of T)")
-    ax.set_title(f"{task}: answer accuracy ({depth_accuracy.condition})")
+    ax.set_xticks(range(len(columns)), columns)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
     fig.colorbar(image, ax=ax, fraction=0.04)
     fig.tight_layout()
     fig.savefig(path)

@@ -127,7 +127,9 @@ def write_and_attend(
         write(cache.raw_k, layer, raw)
 
     before = newest_kept(cache, start)
-    hidden = model.hidden(emb, positions, spans, write_and_read, before, keep_raw if before is not None else None)
+    hidden = model.hidden(
+        emb, positions, spans, write_and_read, before, keep_raw if before is not None else None, start
+    )
     if cache.position is not None and cache.span is not None:
         cache.position.index_copy_(1, slots, positions)
         cache.span.index_copy_(1, slots, spans)

@@ -142,3 +142,13 @@ def write_report(
     path = out_dir / REPORT_NAME
     path.write_text("\n".join(sections) + "\n")
     return path
+
+
+NEEDLE_HEADING = "## Needle grid"
+
+
+def with_needle_section(report: str, grid: str) -> str:
+    """``report.md``'s text with its needle-grid section (``train.needle``'s table) put last, in place of any earlier
+    one: the grid runs after the run's end and may run again."""
+    kept = report.split(f"\n{NEEDLE_HEADING}\n")[0].rstrip("\n")
+    return f"{kept}\n\n{NEEDLE_HEADING}\n\n{grid.rstrip()}\n"
