@@ -137,9 +137,14 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, text_dir, profile, capsys):
     assert "fewer than data.seq_len" in one_line_error(
         ["--profile", str(profile), "--out", out, "--no-mc", "--set", "data.seq_len=100000"], capsys
     )
-    assert "unknown key train.nope" in one_line_error(
-        ["--profile", str(profile), "--out", out, "--set", "train.nope=1"], capsys
+    from_flag = one_line_error(["--profile", str(profile), "--out", out, "--set", "train.nope=1"], capsys)
+    assert "unknown key train.nope in the command line (--set)" in from_flag and str(profile) not in from_flag
+    assert "unknown section [nonsense] in the command line" in one_line_error(
+        ["--profile", str(profile), "--out", out, "--set", "nonsense.key=1"], capsys
     )
+    in_file = tmp_path / "typo.toml"
+    in_file.write_text(f'extends = "{profile}"\n[mc]\nnonsense = 1\n')
+    assert f"unknown key mc.nonsense in {in_file}" in one_line_error(["--profile", str(in_file), "--out", out], capsys)
     assert "no profile" in one_line_error(["--profile", "missing-profile", "--out", out], capsys)
     assert "no checkpoint" in one_line_error(["--profile", str(profile), "--out", out, "--resume"], capsys)
     assert not (tmp_path / "run").exists()  # nothing was written for any of these

@@ -44,7 +44,15 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
     return value
 
 
-def _build_table(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
+COMMAND_LINE = "the command line (--set)"
+
+
+def _where(full: str, source: str, overridden: frozenset[str]) -> str:
+    """Where a setting came from: the command line where an override set it (or a key under it), else ``source``."""
+    return COMMAND_LINE if any(o == full or o.startswith(f"{full}.") for o in overridden) else source
+
+
+def _build_table(cls: type, values: dict[str, Any], prefix: str, source: str, overridden: frozenset[str]) -> Any:
     """One config dataclass from a TOML table, its nested tables (``[mc.lens]``) built the same way."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     types = typing.get_type_hints(cls)
@@ -53,25 +61,29 @@ def _build_table(cls: type, values: dict[str, Any], prefix: str, source: str) ->
         full = f"{prefix}.{key}"
         nested = dataclasses.is_dataclass(types.get(key))
         if key not in fields or fields[key].metadata.get("derived"):
-            raise UserError(f"unknown key {full} in {source}")
+            raise UserError(f"unknown key {full} in {_where(full, source, overridden)}")
         if nested:
             if not isinstance(value, dict):
-                raise UserError(f"{full} in {source} must be a table ([{full}])")
-            kwargs[key] = _build_table(types[key], value, full, source)
+                raise UserError(f"{full} in {_where(full, source, overridden)} must be a table ([{full}])")
+            kwargs[key] = _build_table(types[key], value, full, source, overridden)
         else:
             kwargs[key] = _coerce(full, value, types[key])
     return cls(**kwargs)
 
 
-def build_config(sections: dict[str, dict[str, Any]], source: str = "config") -> RunConfig:
-    """Build a RunConfig from nested ``{section: {key: value}}``, rejecting anything unknown."""
+def build_config(
+    sections: dict[str, dict[str, Any]], source: str = "config", overridden: frozenset[str] = frozenset()
+) -> RunConfig:
+    """Build a RunConfig from nested ``{section: {key: value}}``, rejecting anything unknown; an error names where the
+    setting came from: ``source``, or the command line for the dotted keys in ``overridden``."""
     built: dict[str, Any] = {}
     for section, values in sections.items():
+        where = _where(section, source, overridden)
         if section not in _SECTION_TYPES:
-            raise UserError(f"unknown section [{section}] in {source} (known: {', '.join(_SECTION_TYPES)})")
+            raise UserError(f"unknown section [{section}] in {where} (known: {', '.join(_SECTION_TYPES)})")
         if not isinstance(values, dict):
-            raise UserError(f"[{section}] in {source} must be a table")
-        built[section] = _build_table(_SECTION_TYPES[section], values, section, source)
+            raise UserError(f"[{section}] in {where} must be a table")
+        built[section] = _build_table(_SECTION_TYPES[section], values, section, source, overridden)
     return RunConfig(**built)
 
 
@@ -265,4 +277,5 @@ def resolve(profile: str, overrides: list[tuple[str, str, Any]]) -> RunConfig:
             if not isinstance(table, dict):
                 raise UserError(f"override {section}.{key}: {section}.{part} is not a table")
         table[last] = value
-    return build_config(sections, source=str(profile_path(profile)))
+    overridden = frozenset(f"{section}.{key}" for section, key, _ in overrides)
+    return build_config(sections, source=str(profile_path(profile)), overridden=overridden)

@@ -103,6 +103,12 @@ class RefocusWatch:
             hidden += not (shown or old)
         return hidden / len(earlier)
 
+    def copy_sources(self) -> list[int]:
+        """Where a copy that the newest tokens make would read next: ``p + 1`` for each earlier occurrence ``p`` of the
+        newest n-gram (its newest :data:`LOOKUPS`), oldest first; none before the first whole n-gram."""
+        gram = self._gram(len(self.tokens) - 1)
+        return [] if gram is None else [p + 1 for p in self.positions[gram][:-1][-LOOKUPS:]]
+
     def due(self, token: int) -> bool:
         """Read a new token; whether a refocus is due before the next prediction."""
         gram = self._append(token)

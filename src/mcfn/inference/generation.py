@@ -46,7 +46,10 @@ from mcfn.errors import UserError
 from mcfn.inference.contexts import FullContexts, GenerationStats, MCContexts, settled
 from mcfn.inference.decode import REFILL_CHUNK
 
-__all__ = ["GenerationStats", "Sampling", "decode", "decode_mc", "generate_full", "generate_mc", "teacher_forced_mc"]
+__all__ = [
+    "GenerationStats", "Sampling", "decode", "decode_mc", "generate_full", "generate_mc", "mc_contexts",
+    "teacher_forced_mc",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class Sampling:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: the whole vocabulary
     seed: int = 0
+    top_p: float = 1.0  # nucleus: the likeliest tokens whose probabilities first reach top_p (1: all)
 
 
 def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator) -> Tensor:
@@ -64,18 +68,25 @@ def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator) -
     if sampling.top_k:
         kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
         scaled = torch.where(scaled < kth, float("-inf"), scaled)
-    return torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator)
+    probs = torch.softmax(scaled, -1)
+    if sampling.top_p < 1.0:
+        ordered, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(ordered, 0) - ordered  # the mass of the likelier tokens: the first always stays
+        kept = torch.zeros_like(probs).scatter(0, order, (before < sampling.top_p).float())
+        probs = probs * kept
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 def decode(
     contexts: MCContexts | FullContexts,
     prompt: Tensor,
     max_new_tokens: int,
-    choose: Callable[[Tensor, int], Tensor],
+    choose: Callable[[Tensor, int], Tensor | None],
 ) -> tuple[Tensor, GenerationStats]:
-    """The one decode loop: ``max_new_tokens`` tokens after ``prompt [n]``, each token ``[1]`` given by ``choose(logits
-    [vocab], i)``, its context from ``contexts`` (MegaContext's, refreshed whenever its refocus rule says a refocus
-    is due, or full context's, read once). Returns the new tokens ``[max_new_tokens]`` and the stats."""
+    """The one decode loop: at most ``max_new_tokens`` tokens after ``prompt [n]``, each token ``[1]`` given by
+    ``choose(logits [vocab], i)`` (None: stop before it, as a stop sequence or a gone client does), its context from
+    ``contexts`` (MegaContext's, refreshed whenever its refocus rule says a refocus is due, or full context's, read
+    once). Returns the new tokens ``[k]`` and the stats."""
     stats, device = contexts.stats, prompt.device
     stats.prompt_tokens = prompt.numel()
     t0 = settled(device)
@@ -83,17 +94,22 @@ def decode(
     stats.prefill_s = settled(device) - t0
     t0 = settled(device)
     produced: list[Tensor] = []
-    while len(produced) < max_new_tokens:
+    stopped = False
+    while len(produced) < max_new_tokens and not stopped:
         logits = contexts.refresh()
         decoded: list[Tensor] = []
         while True:
             token = choose(logits, len(produced) + len(decoded))
+            if token is None:
+                stopped = True
+                break
             decoded.append(token)
             # The last token's logits are never read, nor those of one after which the context refocuses.
             if len(produced) + len(decoded) == max_new_tokens or contexts.due(token):
                 break
             logits = contexts.step(token, prompt.numel() + len(produced) + len(decoded) - 1)
-        contexts.absorb(torch.cat(decoded))
+        if decoded:
+            contexts.absorb(torch.cat(decoded))
         produced += decoded
     stats.decode_s, stats.compile_s = settled(device) - t0, contexts.compile_s
     stats.new_tokens = len(produced)
@@ -161,7 +177,7 @@ def decode_mc(
     max_new_tokens: int,
     refocus: Refocus,
     policy: FocusPolicy,
-    choose: Callable[[Tensor, int], Tensor],
+    choose: Callable[[Tensor, int], Tensor | None],
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
@@ -170,12 +186,26 @@ def decode_mc(
     """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]`` with ``policy``'s contexts (:func:`decode`
     with :class:`~mcfn.inference.contexts.MCContexts`); ``choose(logits [vocab], i)`` gives the ``i``-th new token
     ``[1]``."""
+    contexts = mc_contexts(system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus, refill_chunk)
+    return decode(contexts, prompt, max_new_tokens, choose)
+
+
+def mc_contexts(
+    system: MegaContext,
+    policy: FocusPolicy,
+    refocus: Refocus,
+    device: torch.device,
+    compile_fn: Callable[[Callable], Callable] | None = None,
+    use_cache: bool = True,
+    on_refocus: Callable[[int, str], None] | None = None,
+    refill_chunk: int = REFILL_CHUNK,
+) -> MCContexts:
+    """MegaContext's contexts for one decode with ``policy``, refused with a user's error where it cannot refocus."""
     if not policy.refocuses:
         raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy")
     if not policy.available(system):
         raise UserError(f"the {policy.name} policy needs the run's LensNet, and this run has none (mc.lens.enabled)")
-    contexts = MCContexts(system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus, refill_chunk)
-    return decode(contexts, prompt, max_new_tokens, choose)
+    return MCContexts(system, policy, refocus, device, compile_fn, use_cache, on_refocus, refill_chunk)
 
 
 @torch.no_grad()
