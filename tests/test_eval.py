@@ -368,3 +368,16 @@ def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():
             preds.append(predict_budget(batch, W, generator))
     assert not torch.allclose(preds[0].nll, preds[1].nll), "the rewritten tail is scored differently"
     torch.testing.assert_close(preds[0].preference, preds[1].preference)
+
+
+@pytest.mark.parametrize("R", [3, 8])
+def test_refocuses_per_token_are_the_refocuses_over_the_predictions_served(R):
+    """On the clock every refocusing condition refocuses once a chunk of R of the H scored predictions: ceil(H / R)
+    refocuses for H predictions a window, whatever the windows; eval.json says the same."""
+    system = decisive(make_system(T, K, L, W, H, N=2, seed=1))
+    windows = [torch.randint(0, VOCAB, (3, T + 1), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    settings = EvalSettings(budgets=(W,), random_contexts=2, refocus=2, tasks=("corpus",), refocus_every=R, brief=True)
+    result = evaluate(system, HeldOut(windows, torch.randint(1, 4, (VOCAB,))), settings)
+    row = corpus_result(result).sweep[0]
+    assert row.refocus_rate and set(row.refocus_rate.values()) == {math.ceil(H / R) / H}
+    assert row.to_json()["refocuses_per_token"] == row.refocus_rate

@@ -55,6 +55,20 @@ def test_the_rule_refuses_a_lost_pass_key_then_takes_the_lowest_bpb_a_tie_going_
     assert choose(NAMES, cheap, passkey).shipped == "gated"
 
 
+def test_a_rule_over_the_refocus_cap_is_refused_saying_how_often_it_refocuses():
+    """A candidate under a rule of its own that refocuses more than the cap times a token is refused first, with its
+    rate and the cap, however low its bpb; the run's own clock (not capped) is never refused for its rate."""
+    names = ["recency", "match", "lens", "gated"]
+    corpus = dataclasses.replace(
+        row({"recency": 1.20, "match": 1.17, "lens": 1.25, "gated": 1.10}, se=0.01),
+        refocus_rate={"recency": 0.0625, "match": 0.25, "lens": 0.0625, "gated": 0.25},
+    )
+    verdict = choose(names, corpus, None, cap=0.1, capped=frozenset({"gated"}))
+    assert verdict.refused == {"gated": "refocuses 0.250 times a token, over the cap of 0.100"}
+    assert verdict.shipped == "match"  # over the cap too, but on the run's own clock, which its profile chose
+    assert choose(names, corpus, None, cap=0.3, capped=frozenset({"gated"})).shipped == "gated"
+
+
 def test_the_paired_error_is_paired_window_by_window():
     """Two policies whose nats differ by exactly 0.1 bit a byte on every window, while the windows themselves differ
     widely: the paired error is 0, where an unpaired one (the error of each mean) would be large."""
