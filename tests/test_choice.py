@@ -27,7 +27,7 @@ from mcfn.core.allocator import allocate, shrink
 from mcfn.core.focus import Refocus, focus_scores, shrink_to_budget
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import BRANCHES, LENS, MATCH
-from mcfn.core.stream_view import stream_view
+from mcfn.core.stream_view import stream_view, view_blocks
 from mcfn.core.variants import draw_variant_noise, sample_variants
 from mcfn.geometry import most_refocus_every
 from mcfn.inference.choice import (
@@ -160,7 +160,7 @@ def test_the_capacities_step_up_to_the_longest_view():
     layout = system_for(MATCH).layout
     longest = longest_view(layout, BUDGET)
     capacities = set()
-    for n in range(1, 4000):
+    for n in range(1, longest + 4 * layout.top_span):
         view = stream_view(n, layout, BUDGET)
         capacity = capacity_of(view, layout, BUDGET)
         assert view.layout.T <= capacity < 2 * view.layout.T and capacity <= longest, n
@@ -183,32 +183,33 @@ def streams(draw) -> tuple[Layout, int, int]:
 
 @given(streams())
 def test_property_the_views_origin_is_the_one_a_block_by_block_scan_finds(case):
-    """:func:`stream_view` jumps to its origin (each top-level block dropped takes one gist off the cover): the
-    origin and the layout are the ones that dropping blocks one at a time while the cover is over budget finds."""
+    """:func:`stream_view` jumps to its origin: the origin and the layout are the ones that dropping top-level blocks
+    one at a time finds while the view holds more than :func:`view_blocks` of them (and whole blocks precede the
+    tail), and past the coarsest cover's reach the budget is the view's still."""
     layout, budget, n = case
+    most = view_blocks(layout, budget)
+    n += max(0, most - 20) * layout.top_span  # histories from 20 blocks before the origin's first move to 20 after
     top, tail_start = layout.top_span, max(0, (n - layout.H) // layout.K * layout.K)
 
     def fitted(origin: int):
         real = n - origin
         T = -(-real // top) * top
-        view = dataclasses.replace(layout, T=T, H=T - (tail_start - origin), W=min(budget + T - real, T), N=0)
-        return view, view.coarsest_cover - (T - real)
+        return dataclasses.replace(layout, T=T, H=T - (tail_start - origin), W=min(budget + T - real, T), N=0)
 
     origin = 0
-    view, cover = fitted(origin)
-    while cover > budget and origin + top <= tail_start:
+    while -(-(n - origin) // top) > most and origin + top <= tail_start:
         origin += top
-        view, cover = fitted(origin)
     got = stream_view(n, layout, budget)
-    assert (got.origin, got.layout, got.real) == (origin, view, n - origin)
+    assert (got.origin, got.layout, got.real) == (origin, fitted(origin), n - origin)
 
 
 @given(streams())
 def test_property_the_longest_view_is_the_longest_a_scan_over_every_history_finds(case):
-    """:func:`longest_view`'s closed form against the views of every history up to well past the origin's first
-    move (where they start to repeat every ``K^L`` tokens, shifted)."""
+    """:func:`longest_view`'s closed form against the views of the histories around the origin's first move (before
+    it the views grow with the history, after it they repeat every ``K^L`` tokens, shifted)."""
     layout, budget, _ = case
-    scan = range(1, (budget + 4) * layout.top_span + 2 * layout.H)
+    most, top = view_blocks(layout, budget), layout.top_span
+    scan = range(max(1, (most - 2) * top), (most + 4) * top + 2 * layout.H)
     assert longest_view(layout, budget) == max(stream_view(n, layout, budget).layout.T for n in scan)
 
 

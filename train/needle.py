@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
     compile_fn = decoding_compiler(cfg.train.compile_mode) if args.compile else None
     assert trained.shipped is not None, "a MegaContext run ships a policy"
     shipped, shipped_policy = trained.shipped
-    wanted = [(f"shipped ({shipped})", shipped_policy), ("full", FULL)]
+    wanted = [(f"shipped ({shipped})", shipped_policy), (FULL.name, FULL)]
     if args.contexts:
         wanted = [(name, POLICIES[name]) for name in args.contexts]
 

@@ -33,6 +33,7 @@ from mcfn.core.context import Scorer, WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.stream_view import StreamView
 from mcfn.core.tree import Tree
+from mcfn.core.variants import top_by_priority
 from mcfn.typecheck import typechecked
 
 REFOCUS_STEPS = 4  # allocator steps of a cold refocus, from the coarsest cut: L + 2 settle every case tried (I12)
@@ -183,20 +184,42 @@ def shrink_to_budget(
     """A carried cut ``[1, 1, n_nodes]`` (over budget by the new tokens) brought within budget by
     :func:`~mcfn.core.allocator.shrink` with the view's ``scores``, and whether it got there. ``L + SHRINKS``
     calls, a fixed count (a call within budget changes nothing): a call short of complete groups collapses all it
-    has, which can complete groups one level up for the next, so past ``L`` calls nothing is left to collapse."""
+    has, which can complete groups one level up for the next, so past ``L`` calls nothing is left to collapse; where
+    that is still over (a long history's carry), the lowest-scoring top-level gists are left out
+    (:func:`left_out_to_budget`)."""
     shown = cut[0]
     for _ in range(nodes.layout.L + SHRINKS):
         shown = shrink(shown, scores, nodes)
+    shown = left_out_to_budget(shown, scores, nodes)  # a long history's carry: collapsing alone may not fit it
     return shown[None], shown.sum() <= nodes.budget
+
+
+@typechecked
+def coarsest_within_budget(scores: Float[Tensor, "1 nodes"], nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"]:
+    """The coarsest cut, and where a long history's coarsest cover is over budget, with its lowest-scoring top-level
+    gists left out (ties: the oldest first) until it fits: which far text a refocus can read is the scores' choice,
+    not the history's length (a view that started later instead could never read a pass key 8k tokens back)."""
+    return left_out_to_budget(nodes.coarsest[None], scores, nodes)[None]
+
+
+@typechecked
+def left_out_to_budget(
+    shown: Bool[Tensor, "1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
+) -> Bool[Tensor, "1 nodes"]:
+    """``shown`` with as many of its shown top-level gists left out as it is over budget, the lowest-scoring first
+    (ties: the oldest); unchanged within budget."""
+    excess = (shown.sum(-1) - nodes.budget).clamp(min=0)
+    return shown & ~top_by_priority(shown & nodes.droppable, -scores, excess)
 
 
 @typechecked
 def start_cut(
     previous: WorkingContext | None, origin: int | Tensor, scores: Float[Tensor, "1 nodes"], nodes: NodeTable
 ) -> Bool[Tensor, "1 1 nodes"]:
-    """Where a refocus's allocator starts: the coarsest cut (cold, ``previous`` None), or ``previous`` carried over
-    and shrunk within budget (warm), the coarsest cut again where it cannot be (a choice by value, not by branch)."""
-    coarsest = nodes.coarsest[None, None]
+    """Where a refocus's allocator starts: the coarsest cut within budget (cold, ``previous`` None), or ``previous``
+    carried over and shrunk within budget (warm), the coarsest again where it cannot be (a choice by value, not by
+    branch)."""
+    coarsest = coarsest_within_budget(scores, nodes)
     if previous is None:
         return coarsest
     carried, can_carry = carried_cut(previous, origin, nodes)

@@ -1,8 +1,9 @@
 """Where a refocus's static layout lies over a growing history (:func:`stream_view`): the last ``H`` to ``H + K - 1``
 tokens are the LOD0 tail, the length is rounded up to a multiple of ``K^L`` with *phantom* tokens after the newest
 one, and the budget is ``W - R`` (:func:`refocus_budget`: room for the ``R`` tokens decoded before the next
-refocus) raised by the phantoms' count so that they cost nothing. Past about ``budget·K^L`` tokens the view starts
-later, whole top-level blocks at a time."""
+refocus) raised by the phantoms' count so that they cost nothing. Past about ``budget·K^L`` tokens even the coarsest
+cover is over that budget, and a refocus leaves out the top-level gists its scores rank lowest; past
+:data:`VIEW_BLOCKS` top-level blocks the view starts later, whole blocks at a time."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ class StreamView:
     real: int
 
 
+# The most top-level blocks a refocus reads (32,768 tokens at K^L = 64, the default profile's): a cold refocus scores
+# every block of its view, so its cost grows with the view up to this.
+VIEW_BLOCKS = 512
+
+
 def refocus_budget(layout: Layout, refocus_every: int) -> int:
     """The budget of each refocus's cut, ``W - R``: the ``R`` tokens read before the next refocus join it as tokens.
     It must hold the tail of the view and a few gists; a ``UserError`` names the valid range of ``R`` otherwise."""
@@ -40,10 +46,17 @@ def refocus_budget(layout: Layout, refocus_every: int) -> int:
     return layout.W - refocus_every
 
 
+def view_blocks(layout: Layout, budget: int) -> int:
+    """The most top-level blocks a view holds: :data:`VIEW_BLOCKS`, or where more, those the budget's coarsest cover
+    reaches (its tail and one gist a block before it: a large ``W`` reads at least what it could cover)."""
+    return max(VIEW_BLOCKS, budget - layout.H + -(-layout.H // layout.top_span))
+
+
 def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
-    """The layout over a history of ``n`` tokens, or over its most recent part that ``budget`` entries can
-    cover: past about ``budget·K^L`` tokens even the coarsest cover is too big, and the oldest top-level
-    gists are dropped, ``K^L`` tokens at a time."""
+    """The layout over a history of ``n`` tokens, or over its newest :func:`view_blocks` top-level blocks, the
+    oldest dropped ``K^L`` tokens at a time past that. Its budget holds the coarsest cover of about ``budget·K^L``
+    tokens; past that a refocus leaves out the top-level gists its scores rank lowest
+    (:func:`mcfn.core.focus.coarsest_within_budget`)."""
     K, top = layout.K, layout.top_span
     tail_start = max(0, (n - layout.H) // K * K)
 
@@ -57,8 +70,8 @@ def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
 
     # Each top-level block dropped from the front takes exactly one gist off the cover (the rest of the cover is
     # unchanged): the origin is as many blocks in as the cover is over, as long as whole blocks precede the tail.
-    cover = fitted(0)[1]
-    origin = top * min(max(0, cover - budget), tail_start // top)
+    blocks = -(-n // top)
+    origin = top * min(max(0, blocks - view_blocks(layout, budget)), tail_start // top)
     return StreamView(fitted(origin)[0], origin, n - origin)
 
 

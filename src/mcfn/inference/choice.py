@@ -34,7 +34,7 @@ from mcfn.core.context import WorkingContext
 from mcfn.core.focus import Refocus, chosen_context, chosen_cut, valid_prefix
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import FocusPolicy
-from mcfn.core.stream_view import StreamView, stream_view
+from mcfn.core.stream_view import StreamView, stream_view, view_blocks
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
 from mcfn.inference.streaming import StreamingTree, view_tree
@@ -42,13 +42,9 @@ from mcfn.typecheck import typechecked
 
 
 def longest_view(layout: Layout, budget: int) -> int:
-    """The longest ``T`` of a view of ``layout`` within ``budget`` over any history (:func:`stream_view`). A view's
-    cover is its tail's ``h`` real tokens (``H <= h < H + K``) and the gists of the ``x`` tokens before them, one per
-    top-level block and the digits of the rest, and its origin drops as many top-level blocks as the cover is over
-    ``budget``: so it reads ``top·budget - (top - 1)·h + rest - top·digits(rest)`` tokens, ``top = K^L``, at most
-    ``top·budget - (top - 1)·H`` (the rest 0), rounded up to whole top-level blocks. A test holds it to a scan."""
-    top = layout.top_span
-    return top * (budget - layout.H + -(-layout.H // top))
+    """The longest ``T`` of a view of ``layout`` within ``budget`` over any history (:func:`stream_view`): its
+    :func:`~mcfn.core.stream_view.view_blocks` whole top-level blocks. A test holds it to a scan."""
+    return layout.top_span * view_blocks(layout, budget)
 
 
 def capacity_of(view: StreamView, layout: Layout, budget: int) -> int:

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from mcfn.core.policy import FULL, POLICIES, FocusPolicy, policies
+from mcfn.core.policy import POLICIES, FocusPolicy, policies
 from mcfn.inference.generation import Sampling
 from mcfn.serve.protocol import CompletionRequest, ProtocolError, chunk, completion, completion_id, usage
 from mcfn.serve.worker import DecodeWorker, Event, Job
@@ -70,7 +70,7 @@ def job_of(served: Served, body: CompletionRequest, emit: Callable[[Event], None
     if len(ids) > served.max_prompt_tokens:
         raise ProtocolError(413, f"prompt: {len(ids)} tokens, over this server's {served.max_prompt_tokens}", "prompt")
     sampling = Sampling(body.temperature, 0, body.seed if body.seed is not None else 0, body.top_p)
-    label = worker.policy_label(name, policy) if policy is not FULL else "full"
+    label = worker.policy_label(name, policy)
     return Job(ids, body.max_tokens, sampling, stops, policy, label, emit)
 
 
