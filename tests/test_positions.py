@@ -47,8 +47,8 @@ def rotated_positions(run) -> list[float]:
 @settings(max_examples=12, deadline=None)
 @given(history=st.integers(min_value=1, max_value=40 * T), seed=st.integers(0, 2**16))
 def test_property_generation_reads_every_entry_within_its_working_context(history, seed):
-    """I14: whatever the history's length (up to 40 training windows), every entry the base model reads while generating
-    lies at a position below ``W``: the context (within ``W - R``) and the tokens decoded after it."""
+    """I14: whatever the history's length (up to 40 training windows), every entry the base model reads while
+    generating lies at a position below ``W``: the context (within ``W - R``) and the tokens decoded after it."""
     system = smeared_system()
     prompt = torch.randint(0, VOCAB, (history,), generator=torch.Generator().manual_seed(seed))
     seen = rotated_positions(lambda: generate_mc(system, prompt, 2 * REFOCUS + 1, REFOCUS, policy=MATCH))
@@ -58,9 +58,9 @@ def test_property_generation_reads_every_entry_within_its_working_context(histor
 @settings(max_examples=20, deadline=None)
 @given(gap=st.integers(min_value=1, max_value=100_000), cut=st.integers(min_value=2, max_value=20))
 def test_property_a_gap_in_the_history_changes_no_reading(gap, cut):
-    """I14: a working context whose entries before ``cut`` lie ``gap`` tokens farther back (a longer history between them
-    and the rest) reads exactly as before: positions come from the entries' order, not their distance. The gap falls
-    after a gist, where the key smear (I13) already reads no text adjacency."""
+    """I14: a working context whose entries before ``cut`` lie ``gap`` tokens farther back (a longer history between
+    them and the rest) reads exactly as before: positions come from the entries' order, not their distance. The gap
+    falls after a gist, where the key smear (I13) already reads no text adjacency."""
     base = smeared_system().base
     n = 24
     emb = base.embed(torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(gap)))
