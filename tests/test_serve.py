@@ -169,6 +169,25 @@ def test_the_stream_carries_each_refocus_layout_and_the_figures(server):
     assert figures[0]["refocuses_per_token"] == pytest.approx(len(refocuses) / 12)
 
 
+@pytest.mark.heavy(20)
+def test_a_copy_names_where_it_reads_from(server):
+    """A prompt that ends by starting to repeat an earlier, distinct stretch: the first decoded token's event names
+    that stretch's continuation in the prompt as the copy's source (the refocus watch's index, not the model)."""
+    tok = server[1].worker.tok
+    stretch = "quiet harbour lanterns drift past"
+    prompt = f"{stretch} over the water. " + "the old town by the sea " * 6 + stretch.rsplit(" ", 2)[0]
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body, timeout=60) as response:
+        copies = [
+            json.loads(line[len("data: ") :])["mcfn"]["copy"]
+            for line in response.iter_lines()
+            if line.startswith("data: ") and '"copy"' in line
+        ]
+    n = 1 + len(tok.encode(prompt))
+    first_stretch = 1 + len(tok.encode(stretch))  # BOS, then the stretch
+    assert copies and copies[0] and all(0 < p < first_stretch <= n for p in copies[0])
+
+
 def chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

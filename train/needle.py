@@ -83,7 +83,10 @@ def run(args: argparse.Namespace) -> None:
         wanted = [(name, POLICIES[name]) for name in args.contexts]
 
     def label(name, policy):
-        return name if policy is FULL else f"{name} @ {rule_name(*resolved_rule(policy.rule, cfg.mc.refocus_every))}"
+        """The policy and the rule it decodes under (a shipped candidate's name says its own already)."""
+        if policy is FULL or policy.rule is not None:
+            return name
+        return f"{name}@{rule_name(*resolved_rule(policy.rule, cfg.mc.refocus_every))}"
 
     def decoder(policy):
         if policy is FULL:

@@ -129,13 +129,13 @@ class DecodeWorker:
         prompt = torch.tensor(job.prompt, dtype=torch.int64, device=self.device)
         generator = torch.Generator(device=self.device).manual_seed(job.sampling.seed)
         text = TextStream(self.tok, job.stops)
-        watch = getattr(contexts, "watch", None)
 
         def choose(logits: torch.Tensor, i: int) -> torch.Tensor | None:
             if job.cancelled.is_set() or text.stopped:
                 return None
             token = pick_token(logits, job.sampling, generator)
             piece = text.add(int(token))
+            watch = getattr(contexts, "watch", None)  # MegaContext's refocus watch, set once the prompt is read
             sources = [] if watch is None else watch.copy_sources()
             copy = sources if 0 < len(sources) <= COPY_SOURCES else []
             if text.stopped:
@@ -164,4 +164,5 @@ class DecodeWorker:
                                 "cancelled": job.cancelled.is_set()}))  # fmt: skip
 
     def policy_label(self, name: str, policy: FocusPolicy) -> str:
-        return name if policy is FULL else f"{name}, refocus {rule_name(*self.rule(policy))}"
+        """The policy and the rule it decodes under (a shipped candidate's name says its own already)."""
+        return name if policy is FULL or policy.rule is not None else f"{name}@{rule_name(*self.rule(policy))}"

@@ -26,6 +26,7 @@ function draw() {
   const rowHeight = shown.length ? Math.max(3, Math.min(24, Math.floor(240 / shown.length))) : 24;
   canvas.width = Math.max(300, Math.min(4000, width));
   canvas.height = Math.max(24, rowHeight * shown.length);
+  canvas.style.height = `${Math.min(260, Math.max(40, 28 * shown.length))}px`;  // rows stay legible when few
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
   const cell = canvas.width / width;
@@ -35,7 +36,8 @@ function draw() {
       ctx.fillRect(b * cell, y * rowHeight, Math.ceil(cell), rowHeight - 1);
     }
     ctx.fillStyle = COPY_COLOUR;
-    for (const b of row.copies) ctx.fillRect(b * cell, y * rowHeight, Math.max(2, Math.ceil(cell)), rowHeight - 1);
+    const mark = Math.max(Math.ceil(cell), canvas.width / 200);  // a copy's source stays visible at any history
+    for (const b of row.copies) ctx.fillRect(b * cell - mark / 2, y * rowHeight, mark, rowHeight - 1);
   });
 }
 
