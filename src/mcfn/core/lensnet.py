@@ -5,11 +5,13 @@
 
 A small **bidirectional** transformer (the GPT's block without the causal mask), so that old entries
 see the recent text they are judged against. It reads a context only up to the horizon (I11): the tail
-it is scored on stays unseen. Padding is masked out of attention. Units are
-rotated at their place in the row (:mod:`mcfn.core.positions`, damped by their span), and three features are added
-to the input: a learned embedding of the LOD, and the log-span and distance back from the newest entry (both scaled
-to [0, 1]; the distance in units of the training ``T``, every unit farther back than ``T`` at 1, so that no history
-is longer than those LensNet trained on). The inputs are the
+it is scored on stays unseen. Padding is masked out of attention. Units carry
+their (damped) rotary text position, and three features are added to the input: a learned embedding of the LOD, and
+the log-span and distance back from the newest entry (both scaled to [0, 1]; the distance in units of the training
+``T``, every unit farther back than ``T`` at 1, so that no history is longer than those LensNet trained on). Units
+keep their text positions, not the base model's position rule (:mod:`mcfn.core.positions`): rotated at their place
+in the row, LensNet's gated and branch candidates lost the pass key on validation (0.86 and 0.68 against 0.95 and
+0.90, LABLOG, thirty-seventh session), and at text positions it still picks a key 32k tokens back. The inputs are the
 entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With
 ``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its votes plus its recency prior) plus
 what the transformer adds: all of it (``"sum"``, its head starting at zero, so that a new LensNet cuts as ``match``
@@ -51,7 +53,6 @@ from mcfn.core.context import Scorer, WorkingContext, read_end
 from mcfn.core.match import NGRAM
 from mcfn.core.model import GPT, ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
-from mcfn.core.positions import laid_positions
 from mcfn.core.units import block_units, pool_blocks, unit_capacity, unit_votes
 from mcfn.typecheck import typechecked
 
@@ -255,8 +256,7 @@ class LensNet(nn.Module):
         )
         if self.indexer:
             x = x + self.query_in(rms_norm(query))[:, None]
-        places = laid_positions(0, wc.emb.size(1), wc.emb.device)
-        cos, sin = rotary_tables(places, wc.span.float(), self.head_dim, ROPE_BASE)
+        cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
         attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
         for block in self.blocks:
             x = block(x, cos, sin, attend)
