@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     import torch
 
-    from mcfn.core.cadence import resolved_rule, rule_name
+    from mcfn.core.cadence import decode_label, resolved_rule
     from mcfn.core.policy import FULL, POLICIES
     from mcfn.core.system import MegaContext
     from mcfn.data.corpus import held_out
@@ -82,12 +82,6 @@ def run(args: argparse.Namespace) -> None:
     if args.contexts:
         wanted = [(name, POLICIES[name]) for name in args.contexts]
 
-    def label(name, policy):
-        """The policy and the rule it decodes under (a shipped candidate's name says its own already)."""
-        if policy is FULL or policy.rule is not None:
-            return name
-        return f"{name}@{rule_name(*resolved_rule(policy.rule, cfg.mc.refocus_every))}"
-
     def decoder(policy):
         if policy is FULL:
             return lambda prompt, n: generate_full(system.base, prompt, n, compile_fn=compile_fn)[0]
@@ -101,7 +95,10 @@ def run(args: argparse.Namespace) -> None:
         print(f"[needle] {line} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
     with torch.no_grad():
-        decoders = {label(name, policy): decoder(policy) for name, policy in wanted}
+        decoders = {
+            decode_label(name, policy.rule, cfg.mc.refocus_every, policy is FULL): decoder(policy)
+            for name, policy in wanted
+        }
         tok = trained.corpus.tokenizer
         cells = needle_grid(decoders, split, tok, args.lengths, args.depths, args.prompts, args.seed, device, progress)
     out = args.out or (args.ckpt if args.ckpt.is_dir() else args.ckpt.parent)

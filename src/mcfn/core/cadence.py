@@ -42,6 +42,12 @@ def rule_name(on: str, every: int) -> str:
     return str(every) if on == CLOCK else f"{on}{every}"
 
 
+def decode_label(name: str, rule: str | None, run_every: int, reads_whole: bool = False) -> str:
+    """A decoding policy as reports name it: ``name@rule`` under the run's clock ``run_every``; as it is where its name
+    says its own rule already (a shipped candidate's, ``rule`` set) or it reads the whole text (``reads_whole``)."""
+    return name if reads_whole or rule is not None else f"{name}@{rule_name(CLOCK, run_every)}"
+
+
 def parse_rule(text: str) -> tuple[str, int]:
     """``rule_name``'s inverse: ``"16"`` → (clock, 16), ``"copy16"`` → (copy, 16); ``ValueError`` otherwise."""
     for on in RULES[1:]:

@@ -60,19 +60,13 @@ def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
     K, top = layout.K, layout.top_span
     tail_start = max(0, (n - layout.H) // K * K)
 
-    def fitted(origin: int) -> tuple[Layout, int]:
-        real = n - origin
-        T = -(-real // top) * top
-        H = T - (tail_start - origin)
-        phantoms = T - real
-        view = dataclasses.replace(layout, T=T, H=H, W=min(budget + phantoms, T), N=0)
-        return view, view.coarsest_cover - phantoms
-
-    # Each top-level block dropped from the front takes exactly one gist off the cover (the rest of the cover is
-    # unchanged): the origin is as many blocks in as the cover is over, as long as whole blocks precede the tail.
-    blocks = -(-n // top)
-    origin = top * min(max(0, blocks - view_blocks(layout, budget)), tail_start // top)
-    return StreamView(fitted(origin)[0], origin, n - origin)
+    # The origin keeps the newest view_blocks() top-level blocks, as long as whole blocks precede the tail.
+    origin = top * min(max(0, -(-n // top) - view_blocks(layout, budget)), tail_start // top)
+    real = n - origin
+    T = -(-real // top) * top
+    phantoms = T - real  # they cost nothing: the budget is raised by their count
+    view = dataclasses.replace(layout, T=T, H=T - (tail_start - origin), W=min(budget + phantoms, T), N=0)
+    return StreamView(view, origin, real)
 
 
 def view_node_ids(view: StreamView, layout: Layout, device: torch.device) -> Int[Tensor, " view_nodes"]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mcfn.core.cadence import resolved_rule, rule_name
+from mcfn.core.cadence import decode_label, resolved_rule
 from mcfn.core.focus import REFOCUS_STEPS, WARM_STEPS, Refocus
 from mcfn.core.policy import FULL, FocusPolicy
 from mcfn.core.system import MegaContext
@@ -165,4 +165,4 @@ class DecodeWorker:
 
     def policy_label(self, name: str, policy: FocusPolicy) -> str:
         """The policy and the rule it decodes under (a shipped candidate's name says its own already)."""
-        return name if policy is FULL or policy.rule is not None else f"{name}@{rule_name(*self.rule(policy))}"
+        return decode_label(name, policy.rule, self.refocus_every, policy is FULL)
