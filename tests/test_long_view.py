@@ -11,7 +11,7 @@ from builders import VOCAB, adversarial, adversarial_scores, check_cut, decisive
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcfn.core.focus import coarsest_within_budget
+from mcfn.core.allocator import coarsest_within_budget
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.policy import MATCH
 from mcfn.core.stream_view import stream_view, view_blocks

@@ -113,6 +113,24 @@ def shrink(
     return collapsed(shown, top_by_priority(candidates, -nodes.group_reduce(node_scores, "mean"), count), nodes)
 
 
+@typechecked
+def coarsest_within_budget(scores: Float[Tensor, "1 nodes"], nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"]:
+    """The coarsest cut, and where a long history's coarsest cover is over budget, with its lowest-scoring top-level
+    gists left out (ties: the oldest first) until it fits: which far text a refocus can read is the scores' choice,
+    not the history's length (a view that started later instead could never read a pass key 8k tokens back)."""
+    return left_out_to_budget(nodes.coarsest[None], scores, nodes)[None]
+
+
+@typechecked
+def left_out_to_budget(
+    shown: Bool[Tensor, "1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
+) -> Bool[Tensor, "1 nodes"]:
+    """``shown`` with as many of its shown top-level gists left out as it is over budget, the lowest-scoring first
+    (ties: the oldest); unchanged within budget."""
+    excess = (shown.sum(-1) - nodes.budget).clamp(min=0)
+    return shown & ~top_by_priority(shown & nodes.droppable, -scores, excess)
+
+
 def collapsed(shown: Tensor, parents: Tensor, nodes: NodeTable) -> Tensor:
     """``shown [r, nodes]`` with each chosen parent (a complete group's) in place of its ``K`` children."""
     return (shown & ~nodes.children_of(parents)) | parents

@@ -27,13 +27,12 @@ from einops import rearrange, repeat
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from mcfn.core.allocator import allocate, node_scores_of, shrink
+from mcfn.core.allocator import allocate, coarsest_within_budget, left_out_to_budget, node_scores_of, shrink
 from mcfn.core.cadence import CLOCK, COPY_THRESHOLD, RefocusWatch, rule_name
 from mcfn.core.context import Scorer, WorkingContext, assemble, seen_until
 from mcfn.core.nodes import Layout, NodeTable
 from mcfn.core.stream_view import StreamView
 from mcfn.core.tree import Tree
-from mcfn.core.variants import top_by_priority
 from mcfn.typecheck import typechecked
 
 REFOCUS_STEPS = 4  # allocator steps of a cold refocus, from the coarsest cut: L + 2 settle every case tried (I12)
@@ -192,24 +191,6 @@ def shrink_to_budget(
         shown = shrink(shown, scores, nodes)
     shown = left_out_to_budget(shown, scores, nodes)  # a long history's carry: collapsing alone may not fit it
     return shown[None], shown.sum() <= nodes.budget
-
-
-@typechecked
-def coarsest_within_budget(scores: Float[Tensor, "1 nodes"], nodes: NodeTable) -> Bool[Tensor, "1 1 nodes"]:
-    """The coarsest cut, and where a long history's coarsest cover is over budget, with its lowest-scoring top-level
-    gists left out (ties: the oldest first) until it fits: which far text a refocus can read is the scores' choice,
-    not the history's length (a view that started later instead could never read a pass key 8k tokens back)."""
-    return left_out_to_budget(nodes.coarsest[None], scores, nodes)[None]
-
-
-@typechecked
-def left_out_to_budget(
-    shown: Bool[Tensor, "1 nodes"], scores: Float[Tensor, "1 nodes"], nodes: NodeTable
-) -> Bool[Tensor, "1 nodes"]:
-    """``shown`` with as many of its shown top-level gists left out as it is over budget, the lowest-scoring first
-    (ties: the oldest); unchanged within budget."""
-    excess = (shown.sum(-1) - nodes.budget).clamp(min=0)
-    return shown & ~top_by_priority(shown & nodes.droppable, -scores, excess)
 
 
 @typechecked

@@ -56,7 +56,7 @@ def stream_view(n: int, layout: Layout, budget: int) -> StreamView:
     """The layout over a history of ``n`` tokens, or over its newest :func:`view_blocks` top-level blocks, the
     oldest dropped ``K^L`` tokens at a time past that. Its budget holds the coarsest cover of about ``budget·K^L``
     tokens; past that a refocus leaves out the top-level gists its scores rank lowest
-    (:func:`mcfn.core.focus.coarsest_within_budget`)."""
+    (:func:`mcfn.core.allocator.coarsest_within_budget`)."""
     K, top = layout.K, layout.top_span
     tail_start = max(0, (n - layout.H) // K * K)
 
