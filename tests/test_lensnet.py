@@ -4,10 +4,13 @@ at most T/K of them, and every entry's score is its unit's."""
 from __future__ import annotations
 
 import torch
-from builders import awake, cases, contexts, padded_contexts
+import torch.nn.functional as F
+from builders import awake, cases, contexts, make_system, padded_contexts
 from hypothesis import given
+from hypothesis import strategies as st
 
-from mcfn.core.units import block_units, pool_blocks
+from mcfn.core.context import WorkingContext
+from mcfn.core.units import block_units, newest_read, pool_blocks
 
 
 def block_contexts(shape: dict, batch: int, seed: int):
@@ -110,3 +113,51 @@ def test_property_I3_lensnets_padding_units_change_no_valid_units_score(case):
     with torch.no_grad():
         clean, dirty = system.lensnet.score(pooled), system.lensnet.score(noisy)
     torch.testing.assert_close(clean[pooled.valid], dirty[pooled.valid])
+
+
+@given(
+    st.integers(1, 3), st.integers(1, 3), st.integers(2, 24), st.integers(1, 24), st.integers(0, 2**16),
+)  # fmt: skip
+def test_property_lensnets_units_read_themselves_and_the_newest_units(rows, heads, units, newest, seed):
+    """Each valid unit's attention is SDPA's over itself and its row's ``newest`` newest valid units, written as an
+    explicit mask; a row of at most ``newest`` valid units reads all of them, as the bidirectional read does. Fails
+    with the own unit read twice, or the newest counted from the padded end of the row."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(rows, heads, units, 4, generator=g) for _ in range(3))
+    n = torch.randint(1, units + 1, (rows, 1), generator=g)
+    valid = torch.arange(units)[None] < n
+    out = newest_read(q, k, v, valid, newest)
+    read = (valid & (torch.arange(units)[None] >= n - newest))[:, None, :] | torch.eye(units, dtype=torch.bool)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=read[:, None])
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None])
+    for row in range(rows):
+        m = int(n[row])
+        torch.testing.assert_close(out[row, :, :m], expected[row, :, :m])
+        if m <= newest:
+            torch.testing.assert_close(out[row, :, :m], whole[row, :, :m])
+
+
+def test_a_long_views_units_read_the_newest_so_an_old_units_neighbours_change_nothing():
+    """Past the training context's ``T/K`` units (a long view's row), an old unit's score reads only itself and the
+    newest units: changing the other old units leaves it as it was, and changing a newest unit changes it."""
+    shape = {"T": 32, "K": 4, "L": 2, "W": 16, "H": 8, "N": 1}
+    system = awake(make_system(**shape, seed=0))
+    newest = shape["T"] // shape["K"]
+    units = 3 * newest  # a view three times the training window
+    g = torch.Generator().manual_seed(1)
+    start = torch.arange(units)[None] * shape["K"]
+    row = WorkingContext(
+        emb=torch.randn(1, units, system.base.lm_head.in_features, generator=g), position=(start + 1.5).float(),
+        start=start, span=torch.full_like(start, shape["K"]), lod=torch.zeros_like(start), node=torch.zeros_like(start),
+        target=torch.full_like(start, -1), valid=torch.ones(1, units, dtype=torch.bool), batch_size=[1, units],
+    )  # fmt: skip
+    others, recent = row.clone(), row.clone()
+    others.emb = others.emb.clone()
+    others.emb[:, 1 : units - newest] = torch.randn(1, units - newest - 1, others.emb.size(-1), generator=g)
+    recent.emb = recent.emb.clone()
+    recent.emb[:, -1] += 1.0
+    with torch.no_grad():
+        lens = system.lensnet
+        base, with_others, with_recent = lens.score(row), lens.score(others), lens.score(recent)
+    torch.testing.assert_close(base[:, 0], with_others[:, 0])
+    assert not torch.allclose(base[:, 0], with_recent[:, 0])

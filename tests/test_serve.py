@@ -33,6 +33,7 @@ def server(decoding_run):
     run, _ = decoding_run
     args = argparse.Namespace(ckpt=run, max_tokens=64, max_prompt_tokens=2000, device="cpu", compile=False)
     served = served_run(args)
+    served.worker.start()
     port = free_port()
     config = uvicorn.Config(build_app(served), host="127.0.0.1", port=port, log_level="warning")
     uv = uvicorn.Server(config)
@@ -186,6 +187,84 @@ def test_a_copy_names_where_it_reads_from(server):
     n = 1 + len(tok.encode(prompt))
     first_stretch = 1 + len(tok.encode(stretch))  # BOS, then the stretch
     assert copies and copies[0] and all(0 < p < first_stretch <= n for p in copies[0])
+
+
+@pytest.mark.heavy(25)
+def test_train_serve_answers_stops_on_ctrl_c_and_says_when_its_port_is_taken(decoding_run, server):
+    """``python -m train.serve`` as a user runs it (decoding on its main thread, HTTP on another): it answers a
+    completion and exits 0 on Ctrl-C; started on a port already served, it exits 2 saying it could not serve."""
+    import signal
+    import subprocess
+    import sys
+
+    run, _ = decoding_run
+    port = free_port()
+    command = [sys.executable, "-m", "train.serve", "--ckpt", str(run), "--threads", "1"]
+    serving = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert answer["usage"]["completion_tokens"] == 3
+        serving.send_signal(signal.SIGINT)
+        assert serving.wait(timeout=30) == 0, serving.stderr.read()
+    finally:
+        serving.kill()
+    taken = int(server[0].rsplit(":", 1)[1])
+    refused = subprocess.run([*command, "--port", str(taken)], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and f"could not serve on 127.0.0.1:{taken}" in refused.stderr
+
+
+class Immediate:
+    """An event loop stand-in that runs what it is handed at once, on the caller's thread."""
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+
+def test_the_relay_holds_text_for_at_most_its_interval_and_sends_other_events_at_once():
+    """Text decoded within RELAY_S of the last batch waits; the first piece, a piece after the interval, a refocus
+    and the end each send everything held, in order. Fails with every event sent alone, or held ones dropped."""
+    import asyncio
+
+    from mcfn.serve.app import RELAY_S, Relay
+    from mcfn.serve.worker import Event
+
+    events: asyncio.Queue = asyncio.Queue()
+    now = [0.0]
+    relay = Relay(Immediate(), events, clock=lambda: now[0])
+
+    def text(i: int) -> Event:
+        return Event("text", {"text": str(i)})
+
+    def sent() -> list[str]:
+        out = []
+        while not events.empty():
+            e = events.get_nowait()
+            out.append(e.data.get("text", e.kind))
+        return out
+
+    relay(text(0))
+    assert sent() == ["0"], "the first piece goes at once"
+    now[0] += RELAY_S / 4
+    relay(text(1))
+    relay(text(2))
+    assert sent() == [], "pieces within the interval wait"
+    relay(Event("refocus", {}))
+    assert sent() == ["1", "2", "refocus"]
+    now[0] += RELAY_S
+    relay(text(3))
+    assert sent() == ["3"], "a piece after the interval goes with what is held"
+    now[0] += RELAY_S / 2
+    relay(text(4))
+    relay(Event("done", {}))
+    assert sent() == ["4", "done"]
 
 
 def chromium() -> str | None:

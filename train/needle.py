@@ -16,6 +16,8 @@ from pathlib import Path
 
 from mcfn.errors import UserError, exit_code
 
+SHIPPED = "shipped"  # --context's name for the policy and rule the run ships
+
 
 def number_list(text: str, kind: type) -> tuple:
     try:
@@ -44,8 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--context",
         action="append",
         dest="contexts",
-        choices=[policy.name for policy in policies() if policy.generates],
-        help="a policy to grid (repeatable); default: the one the run ships, with its rule, and full",
+        choices=[SHIPPED, *(policy.name for policy in policies() if policy.generates)],
+        help=f"a policy to grid (repeatable; {SHIPPED}: the run's, with its rule); default: {SHIPPED} and full",
     )
     p.add_argument("--out", type=Path, help="where the outputs go (default: the run directory)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -78,9 +80,8 @@ def run(args: argparse.Namespace) -> None:
     compile_fn = decoding_compiler(cfg.train.compile_mode) if args.compile else None
     assert trained.shipped is not None, "a MegaContext run ships a policy"
     shipped, shipped_policy = trained.shipped
-    wanted = [(f"shipped ({shipped})", shipped_policy), (FULL.name, FULL)]
-    if args.contexts:
-        wanted = [(name, POLICIES[name]) for name in args.contexts]
+    named = {SHIPPED: (f"shipped ({shipped})", shipped_policy)}
+    wanted = [named.get(name) or (name, POLICIES[name]) for name in args.contexts or (SHIPPED, FULL.name)]
 
     def decoder(policy):
         if policy is FULL:

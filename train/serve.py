@@ -24,6 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=131_072, help="longer prompts are refused (413)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--compile", action="store_true", help="compile the decoder's graphs, as train.generate --compile")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads the decoder uses (default: torch's count less one, left to HTTP and its clients)",
+    )
     return p.parse_args(argv)
 
 
@@ -49,16 +55,40 @@ def served_run(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> None:
+    import threading
+
+    import torch
     import uvicorn
 
     from mcfn.serve.app import build_app
 
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads must be >= 1")
+    # Set before the model loads, so that its one OpenMP team has this size. A core is left to the HTTP side and its
+    # clients: while the decode runs, its OpenMP helper spins a whole core (LABLOG, thirty-eighth session).
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))
     served = served_run(args)
+    config = uvicorn.Config(build_app(served), host=args.host, port=args.port, log_level="warning")
+    http = uvicorn.Server(config)
+
+    def answer_http() -> None:
+        try:
+            http.run()
+        finally:  # the server stopped (or never bound its port): so does the decoder
+            served.worker.stop()
+
     print(f"[serve] {served.model_name} on http://{args.host}:{args.port} (page at /, API at /v1)", file=sys.stderr)
+    listener = threading.Thread(target=answer_http, name="mcfn-http", daemon=True)
+    listener.start()
     try:
-        uvicorn.run(build_app(served), host=args.host, port=args.port, log_level="warning")
+        served.worker.serve()  # decoding on the thread that loaded the model (DecodeWorker says why)
+    except KeyboardInterrupt:  # Ctrl-C: stop serving
+        pass
     finally:
-        served.worker.close()
+        http.should_exit = True
+        listener.join(timeout=10)
+    if not http.started:
+        raise UserError(f"could not serve on {args.host}:{args.port} (uvicorn's message is above)")
 
 
 def main(argv: list[str] | None = None) -> int:

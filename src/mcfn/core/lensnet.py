@@ -3,22 +3,22 @@
 ``> 0``: expanding this entry into its ``K`` children would lower the loss on what comes next.
 ``< 0``: this entry and its siblings can be collapsed into their parent at little cost.
 
-A small **bidirectional** transformer (the GPT's block without the causal mask), so that old entries
-see the recent text they are judged against. It reads a context only up to the horizon (I11): the tail
-it is scored on stays unseen. Padding is masked out of attention. Units carry
-their (damped) rotary text position, and three features are added to the input: a learned embedding of the LOD, and
-the log-span and distance back from the newest entry (both scaled to [0, 1]; the distance in units of the training
-``T``, every unit farther back than ``T`` at 1, so that no history is longer than those LensNet trained on). Units
-keep their text positions, not the base model's position rule (:mod:`mcfn.core.positions`): rotated at their place
-in the row, LensNet's gated and branch candidates lost the pass key on validation (0.86 and 0.68 against 0.95 and
-0.90, LABLOG, thirty-seventh session), and at text positions it still picks a key 32k tokens back. The inputs are the
-entries' embeddings, detached: the policy learns to read the tree, not to reshape it. With
-``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its votes plus its recency prior) plus
-what the transformer adds: all of it (``"sum"``, its head starting at zero, so that a new LensNet cuts as ``match``
-does), or only where it stands out from the rest of its row (``"gated"``, :func:`standing_out`), so that a LensNet
-trained without the prior keeps ``match``'s cut on text and overrides it where it is sure, as at a pass key. (A
-prior bounded to ``(-1, 2)``, every voted block above every unvoted one, cut worse than truncation on text: LABLOG,
-issue 53.)
+A small **bidirectional** transformer (the GPT's block without the causal mask), so that old entries see the recent text
+they are judged against. It reads a context only up to the horizon (I11): the tail it is scored on stays unseen. Padding
+is masked out of attention, and each unit reads itself and the newest ``T/K`` units (all of a training context's;
+:func:`~mcfn.core.units.newest_read`), so a 32k view costs 65 keys a unit. Units carry their (damped) rotary text
+position, and three features are added to the input: a learned embedding of the LOD, and the log-span and distance back
+from the newest entry (both scaled to [0, 1]; the distance in units of the training ``T``, every unit farther back than
+``T`` at 1, so that no history is longer than those LensNet trained on). Units keep their text positions, not the base
+model's position rule (:mod:`mcfn.core.positions`): rotated at their place in the row, LensNet's gated and branch
+candidates lost the pass key on validation (0.86 and 0.68 against 0.95 and 0.90, LABLOG, thirty-seventh session), and at
+text positions it still picks a key 32k tokens back. The inputs are the entries' embeddings, detached: the policy learns
+to read the tree, not to reshape it. With ``mc.lens.match_prior`` the score is the match's own (:func:`match_prior`: its
+votes plus its recency prior) plus what the transformer adds: all of it (``"sum"``, its head starting at zero, so that a
+new LensNet cuts as ``match`` does), or only where it stands out from the rest of its row (``"gated"``,
+:func:`standing_out`), so that a LensNet trained without the prior keeps ``match``'s cut on text and overrides it where
+it is sure, as at a pass key. (A prior bounded to ``(-1, 2)``, every voted block above every unvoted one, cut worse than
+truncation on text: LABLOG, issue 53.)
 
 With ``mc.lens.indexer`` LensNet is a **query-aware indexer** over ``match`` (DeepSeek-V3.2's lightning indexer,
 Landmark and InfLLM's per-block keys read by the current query): its query is the base model's own hidden states
@@ -51,9 +51,9 @@ from torch import Tensor, nn
 
 from mcfn.core.context import Scorer, WorkingContext, read_end
 from mcfn.core.match import NGRAM
-from mcfn.core.model import GPT, ROPE_BASE, Block, bidirectional, rms_norm, rotary_tables
+from mcfn.core.model import GPT, ROPE_BASE, Block, rms_norm, rotary_tables
 from mcfn.core.nodes import Layout
-from mcfn.core.units import block_units, pool_blocks, unit_capacity, unit_votes
+from mcfn.core.units import block_units, newest_read, pool_blocks, unit_capacity, unit_votes
 from mcfn.typecheck import typechecked
 
 QUERY_TOKENS = 32  # the newest tokens before the horizon whose base-model states are the indexer's query
@@ -257,7 +257,7 @@ class LensNet(nn.Module):
         if self.indexer:
             x = x + self.query_in(rms_norm(query))[:, None]
         cos, sin = rotary_tables(wc.position, wc.span.float(), self.head_dim, ROPE_BASE)
-        attend = partial(bidirectional, mask=rearrange(wc.valid, "r w -> r 1 1 w"))  # valid keys only
+        attend = partial(newest_read, valid=wc.valid, newest=self.layout.T // self.layout.K)
         for block in self.blocks:
             x = block(x, cos, sin, attend)
         x = rms_norm(x)

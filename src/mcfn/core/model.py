@@ -66,7 +66,8 @@ def apply_rotary(
 
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 """How a block turns its rotated queries, keys and values ``[b, h, n, e]`` into its heads' outputs ``[b, h, n, e]``:
-the one strategy every transformer here takes (the GPT causally, GistNet and LensNet :func:`bidirectional`)."""
+the one strategy every transformer here takes (the GPT causally, GistNet :func:`bidirectional`, LensNet
+:func:`~mcfn.core.units.newest_read`)."""
 
 LayerAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 """The GPT's :data:`Attend` given the layer's index: causal SDPA in training; a KV cache's append, a fixed-shape
@@ -80,7 +81,7 @@ def causal_attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def bidirectional(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """Every entry attends to every entry, or with ``mask`` (``[b, 1, 1, n]``, True = read) to the valid ones:
-    GistNet over a block's children, LensNet over a working context's units."""
+    GistNet over a block's children (LensNet's units read :func:`mcfn.core.units.newest_read`)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 

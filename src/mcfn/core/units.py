@@ -1,13 +1,14 @@
 """LensNet's units: what its transformer reads instead of entries. Each gist is a unit, and so is each K-aligned block
 of shown tokens (their embeddings averaged), whose score every token of the block shares; a cut over ``T`` tokens
-has at most ``T/K`` of them whatever the budget (I1, I8). ``match``'s votes summed per unit feed the indexer."""
+has at most ``T/K`` of them whatever the budget (I1, I8). ``match``'s votes summed per unit feed the indexer. A unit
+reads itself and the newest ``T/K`` units (:func:`newest_read`): all of a training context's."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import repeat
-from jaxtyping import Float, Int, Shaped
+from einops import rearrange, repeat
+from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
 from mcfn.core.context import WorkingContext
@@ -73,3 +74,28 @@ def unit_votes(
     first = (wc.start // K).clamp(max=votes.size(1))
     last = ((wc.start + wc.span) // K).clamp(max=votes.size(1))
     return (running.gather(1, last) - running.gather(1, first)).clamp(min=0) * wc.valid
+
+
+@typechecked
+def newest_read(
+    q: Float[Tensor, "r h u e"], k: Float[Tensor, "r h u e"], v: Float[Tensor, "r h u e"], valid: Bool[Tensor, "r u"],
+    newest: int,
+) -> Float[Tensor, "r h u e"]:  # fmt: skip
+    """LensNet's attention: each unit reads itself and the ``newest`` valid units of its row (valid units are a
+    prefix), the recent text it is judged against. A row of at most ``newest`` units, as every training context is
+    (``T/K``), reads all of them, exactly the bidirectional read; a long view's 4,096 units read 65 keys each instead
+    of 4,096, which took 70 % of a refocus at 32k (LABLOG, thirty-eighth session)."""
+    units = q.size(2)
+    if units <= newest:  # a static shape: the whole row, as in training
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=rearrange(valid, "r u -> r 1 1 u"))
+    first = valid.sum(-1, keepdim=True) - newest  # [r, 1]: the oldest of the newest, negative in a short row
+    slot = first + torch.arange(newest, device=q.device)  # [r, m]
+    index = repeat(slot.clamp(min=0), "r m -> r h m e", h=q.size(1), e=q.size(3))
+    k_new, v_new = k.gather(2, index), v.gather(2, index)
+    own = torch.arange(units, device=q.device)[None, :, None] == slot[:, None, :]  # [r, u, m]: itself, read once
+    read = (slot >= 0)[:, None, :] & ~own
+    scale = q.size(-1) ** -0.5
+    scores = torch.einsum("rhue,rhme->rhum", q, k_new) * scale
+    scores = scores.masked_fill(~read[:, None], float("-inf"))
+    weights = torch.cat((scores, (q * k).sum(-1, keepdim=True) * scale), -1).softmax(-1)
+    return torch.einsum("rhum,rhme->rhue", weights[..., :-1], v_new) + weights[..., -1:] * v

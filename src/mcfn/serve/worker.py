@@ -79,23 +79,39 @@ class TextStream:
 
 
 class DecodeWorker:
-    """The run's model behind a queue. ``submit`` returns at once; the job's events arrive on the worker thread."""
+    """The run's model behind a queue. ``submit`` returns at once; the job's events arrive on the thread that runs
+    :meth:`serve`: ``train.serve``'s main thread, where the model was loaded, or a thread of the worker's own
+    (:meth:`start`, for a server embedded in another program). Decoding where the model was loaded keeps the process
+    at one OpenMP team: a second thread's team puts more threads than cores under libgomp, whose helpers then stop
+    spinning between the decode's small operations (LABLOG, thirty-eighth session: streamed at 0.71–0.75 of
+    ``train.generate``'s tokens/s on 2 cores from a thread of its own, 0.83–0.97 from the main thread)."""
 
     def __init__(self, system: MegaContext, tok: Tokenizer, device: torch.device, refocus_every: int, compile_fn=None):
         self.system, self.tok, self.device = system, tok, device
         self.refocus_every, self.compile_fn = refocus_every, compile_fn
         self.jobs: queue.Queue[Job | None] = queue.Queue()
-        self.thread = threading.Thread(target=self.serve, name="mcfn-decode", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
 
     def submit(self, job: Job) -> None:
         self.jobs.put(job)
 
-    def close(self) -> None:
+    def start(self) -> DecodeWorker:
+        """Serve on a thread of the worker's own."""
+        self.thread = threading.Thread(target=self.serve, name="mcfn-decode", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End :meth:`serve` once the jobs queued before have been served."""
         self.jobs.put(None)
-        self.thread.join(timeout=30)
+
+    def close(self) -> None:
+        self.stop()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
 
     def serve(self) -> None:
+        """Decode the queued jobs in arrival order on the calling thread, until :meth:`stop`."""
         while (job := self.jobs.get()) is not None:
             if job.cancelled.is_set():
                 continue
