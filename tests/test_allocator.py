@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch._dynamo
@@ -9,6 +11,7 @@ from builders import adversarial, adversarial_scores, cases, check_cut, expanded
 from einops import rearrange
 from hypothesis import given
 
+from mcfn.core import allocator
 from mcfn.core.allocator import allocate, node_scores_of, shrink
 from mcfn.core.nodes import NodeTable
 from mcfn.core.variants import (
@@ -50,19 +53,25 @@ def check_actions(before: torch.Tensor, after: torch.Tensor, table, K: int) -> N
     assert torch.equal(before & ~after, explained), "a node disappeared without a legal action"
 
 
+def starting_cuts(system, batch: int, seed: int) -> torch.Tensor:
+    """Legal cuts to start from, ``[batch * V, n_nodes]``: the coarsest cut ``batch`` times, then ``batch`` samples'
+    ``V - 1`` compressed variants."""
+    layout = system.layout
+    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    return torch.cat(
+        [
+            coarsest_cut(layout, torch.device("cpu"))[None].expand(batch, -1),
+            rearrange(sample_variants(noise, system.nodes)[:, 1:], "b v n -> (b v) n"),
+        ]
+    )
+
+
 @given(cases, adversarial)
 def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, kind):
     shape, batch, seed = case
     system = make_system(**shape, seed=seed)
     layout, table = system.layout, system.nodes
-    noise = draw_variant_noise(layout, batch, torch.Generator().manual_seed(seed), torch.device("cpu"))
-    start = torch.cat(
-        [
-            coarsest_cut(layout, torch.device("cpu"))[None].expand(batch, -1),
-            rearrange(sample_variants(noise, NodeTable.of(layout))[:, 1:], "b v n -> (b v) n"),
-        ]
-    )
-    cut = start
+    cut = starting_cuts(system, batch, seed)
     for it in range(layout.L + 1):
         before = cut
         cut = allocate(cut, adversarial_scores(kind, cut.shape, seed + it), table)
@@ -74,6 +83,25 @@ def test_property_I8_allocator_keeps_every_invariant_and_fills_the_budget(case, 
     gists_left = (cut & (table.lod > 0)).sum(-1)
     assert ((free < layout.K - 1) | (gists_left == 0)).all()
     assert ((free == 0) | (table.left_out(cut).sum(-1) == 0)).all()
+
+
+@given(cases, adversarial)
+def test_property_the_allocator_ranking_gists_alone_chooses_as_ranking_every_node(case, kind):
+    """The allocator sorts only the gists' slots (every set it ranks is gists): its cuts, from variants and the
+    coarsest cut, and :func:`shrink`'s to a smaller budget, are the cuts of the same rules ranking all the nodes,
+    ties ("equal" scores) included. Fails if a candidate set held a token, or a slice lost a level."""
+    shape, batch, seed = case
+    system = make_system(**shape, seed=seed)
+    layout, table = system.layout, system.nodes
+    cut = starting_cuts(system, batch, seed)
+    small = table.with_sizes(W=layout.coarsest_cover)
+    for it in range(layout.L + 1):
+        scores = adversarial_scores(kind, cut.shape, seed + it)
+        with mock.patch.object(allocator, "gists", lambda x, nodes: x):
+            every_node = allocate(cut, scores, table), shrink(cut, scores, small)
+        assert torch.equal(allocate(cut, scores, table), every_node[0])
+        assert torch.equal(shrink(cut, scores, small), every_node[1])
+        cut = every_node[0]
 
 
 @given(cases)

@@ -199,8 +199,14 @@ def test_train_serve_answers_stops_on_ctrl_c_and_says_when_its_port_is_taken(dec
 
     run, _ = decoding_run
     port = free_port()
-    command = [sys.executable, "-m", "train.serve", "--ckpt", str(run), "--threads", "1"]
-    serving = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-X", "faulthandler", "-m", "train.serve", "--ckpt", str(run), "--threads", "1"]
+    # Ctrl-C reaches the server as it would from a terminal: a shell's background job (this suite run with `&`) has
+    # SIGINT ignored, and a child inherits that; a Python handler in the parent is reset to the default at exec.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        serving = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -213,7 +219,12 @@ def test_train_serve_answers_stops_on_ctrl_c_and_says_when_its_port_is_taken(dec
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
         assert answer["usage"]["completion_tokens"] == 3
         serving.send_signal(signal.SIGINT)
-        assert serving.wait(timeout=30) == 0, serving.stderr.read()
+        try:
+            code = serving.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread's stack on SIGABRT
+            serving.send_signal(signal.SIGABRT)
+            pytest.fail(f"train.serve still ran 30 s after Ctrl-C:\n{serving.communicate(timeout=30)[1]}")
+        assert code == 0, serving.stderr.read()
     finally:
         serving.kill()
     taken = int(server[0].rsplit(":", 1)[1])
