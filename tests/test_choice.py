@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from builders import (
     VOCAB,
     adversarial,
@@ -38,7 +39,7 @@ from mcfn.inference.choice import (
     longest_view,
     view_where,
 )
-from mcfn.inference.streaming import StreamingTree, focused_context, view_tree
+from mcfn.inference.streaming import LaidView, StreamingTree, focused_context, view_tree
 
 T, K, L, W, H = 64, 4, 2, 32, 8
 R = 4
@@ -81,6 +82,40 @@ def test_the_choice_in_a_stepped_capacity_makes_the_evaluations_cut(policy, warm
             assert same_context(stepped(stream), previous) and same_context(own(stream), previous), (n, i)
             stream.append(ids[n + i * R : n + (i + 1) * R])
         assert any(T != len(stream) for T, _, _ in stepped.shapes), "the case needs capacities past the view"
+
+
+def laid_from_scratch(stream, view, layout):
+    """The view's tree and window laid whole, level by level: the reference :class:`LaidView` must equal."""
+    parts = []
+    for k, (level, size) in enumerate(zip(stream.levels, layout.level_sizes, strict=True)):
+        rows = level.rows[view.origin // layout.K**k :][:size]
+        parts.append(F.pad(rows, (0, 0, 0, size - rows.size(0))))
+    window = stream.tokens.rows[view.origin :]
+    return torch.cat(parts)[None], F.pad(window, (0, layout.T + 1 - window.numel()))[None]
+
+
+@given(st.sampled_from([0, 64]), st.lists(st.integers(1, 40), min_size=1, max_size=40), st.booleans())
+def test_property_a_laid_view_written_as_rows_arrive_is_the_view_laid_whole(short_of_longest, chunks, stepped):
+    """A stream grown by any chunks, from empty or from ``short_of_longest`` tokens before its longest view (where
+    the origin starts to move), its view laid in the view's own layout or in its stepped capacity after each: the
+    buffers written row by row as they arrive equal the tree and window laid whole, phantoms and incomplete gists
+    zero. Fails if a level's rows were written once and never again (a gist completed later stays zero), or a new
+    origin kept the old rows (both watched failing)."""
+    system = make_system(T, K, L, W, H, N=2, seed=3)
+    stream, laid = StreamingTree(system, torch.device("cpu")), None
+    prefix = longest_view(system.layout, BUDGET) - short_of_longest if short_of_longest else 0
+    ids = torch.randint(0, VOCAB, (prefix + sum(chunks),), generator=torch.Generator().manual_seed(len(chunks)))
+    stream.append(ids[:prefix])
+    at = prefix
+    for size in chunks:
+        stream.append(ids[at : at + size])
+        at += size
+        view = stream_view(len(stream), system.layout, BUDGET)
+        layout = capacity_layout(capacity_of(view, system.layout, BUDGET), system.layout, BUDGET) if stepped else None
+        laid = laid or LaidView(stream)
+        tree, window = laid(view, layout)
+        emb, want_window = laid_from_scratch(stream, view, layout or view.layout)
+        assert torch.equal(tree.emb, emb) and torch.equal(window, want_window)
 
 
 @pytest.mark.parametrize("policy", [MATCH, LENS], ids=lambda p: p.name)

@@ -37,7 +37,7 @@ from mcfn.core.policy import FocusPolicy
 from mcfn.core.stream_view import StreamView, stream_view, view_blocks
 from mcfn.core.system import MegaContext
 from mcfn.core.tree import Tree
-from mcfn.inference.streaming import StreamingTree, view_tree
+from mcfn.inference.streaming import LaidView, StreamingTree
 from mcfn.typecheck import typechecked
 
 
@@ -120,6 +120,7 @@ class FocusChoice:
         self.choose = choose if compile_fn is None else compile_fn(choose)
         self.stepped = compile_fn is not None
         self.answer: WorkingContext | None = None  # [1, budget]: the last refocus's context, padded
+        self.laid: LaidView | None = None  # the stream's view, its rows written as they arrive
         self.shapes: set[tuple[int, int, bool]] = set()  # (capacity, steps, warm): the graphs called
         self.compile_s = 0.0  # the calls that compiled a graph, their compilation included
 
@@ -131,7 +132,9 @@ class FocusChoice:
         view = stream_view(len(stream), layout, self.budget)
         T = capacity_of(view, layout, self.budget) if self.stepped else view.layout.T
         capacity = capacity_layout(T, layout, self.budget)
-        tree, window = view_tree(stream, view, capacity)
+        if self.laid is None or self.laid.stream is not stream:
+            self.laid = LaidView(stream)
+        tree, window = self.laid(view, capacity)
         # From numpy, the view's numbers become a tensor without an operator (a refocus's count is its operators).
         where = torch.from_numpy(numpy.array(view_where(view), dtype=numpy.int64)).to(window.device)
         previous = self.protocol.carried(self.answer)
