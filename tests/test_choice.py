@@ -102,7 +102,8 @@ def test_property_a_laid_view_written_as_rows_arrive_is_the_view_laid_whole(shor
     zero. Fails if a level's rows were written once and never again (a gist completed later stays zero), or a new
     origin kept the old rows (both watched failing)."""
     system = make_system(T, K, L, W, H, N=2, seed=3)
-    stream, laid = StreamingTree(system, torch.device("cpu")), None
+    stream = StreamingTree(system, torch.device("cpu"))
+    laid = LaidView(stream)
     prefix = longest_view(system.layout, BUDGET) - short_of_longest if short_of_longest else 0
     ids = torch.randint(0, VOCAB, (prefix + sum(chunks),), generator=torch.Generator().manual_seed(len(chunks)))
     stream.append(ids[:prefix])
@@ -112,7 +113,6 @@ def test_property_a_laid_view_written_as_rows_arrive_is_the_view_laid_whole(shor
         at += size
         view = stream_view(len(stream), system.layout, BUDGET)
         layout = capacity_layout(capacity_of(view, system.layout, BUDGET), system.layout, BUDGET) if stepped else None
-        laid = laid or LaidView(stream)
         tree, window = laid(view, layout)
         emb, want_window = laid_from_scratch(stream, view, layout or view.layout)
         assert torch.equal(tree.emb, emb) and torch.equal(window, want_window)

@@ -88,8 +88,8 @@ def view_tree(stream: StreamingTree, view: StreamView, capacity: Layout | None =
 class LaidView:
     """:func:`view_tree` of one stream, kept from one refocus to the next: while the layout's length and the view's
     origin stay, each row is written once, when it arrives (the stream only appends), instead of the whole tree
-    copied at every refocus, 6 of a warm refocus's 28 ms at 32k (LABLOG, fortieth session). The tensors it returns
-    are its buffers, written in place at the next call."""
+    copied at every refocus (at 32k: 1.9 ms a refocus laid whole, 0.05 ms written as rows arrive; LABLOG, fortieth
+    session). The tensors it returns are its buffers, written in place at the next call."""
 
     def __init__(self, stream: StreamingTree):
         self.stream = stream
