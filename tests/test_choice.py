@@ -34,8 +34,10 @@ from mcfn.geometry import most_refocus_every
 from mcfn.inference.choice import (
     FocusChoice,
     block_view_width,
+    capacities,
     capacity_layout,
     capacity_of,
+    choice_graphs,
     longest_view,
     view_where,
 )
@@ -194,14 +196,30 @@ def test_the_capacities_step_up_to_the_longest_view():
     top-level blocks but the longest view, which is reached (at a history past the origin's first move)."""
     layout = system_for(MATCH).layout
     longest = longest_view(layout, BUDGET)
-    capacities = set()
+    seen = set()
     for n in range(1, longest + 4 * layout.top_span):
         view = stream_view(n, layout, BUDGET)
         capacity = capacity_of(view, layout, BUDGET)
         assert view.layout.T <= capacity < 2 * view.layout.T and capacity <= longest, n
-        capacities.add(capacity)
+        seen.add(capacity)
     top = layout.top_span
-    assert capacities == {top * 2**j for j in range(longest.bit_length()) if top * 2**j < longest} | {longest}
+    assert seen == {top * 2**j for j in range(longest.bit_length()) if top * 2**j < longest} | {longest}
+    assert sorted(seen) == capacities(layout, BUDGET)
+
+
+@pytest.mark.heavy(10)
+def test_a_compiled_choice_holds_dynamos_recompile_limit_at_its_graphs(fresh_dynamo, monkeypatch):
+    """With dynamo's recompile limit at 2, a compiled choice from a 5-token prompt through its first capacity's
+    cold and warm refocuses into the next capacity (three graphs) runs: its calls hold the limit at the graphs its
+    stream can need (:func:`choice_graphs`). Without that the third graph raises, as dynamo's default 8 stopped a
+    stream grown to 32k tokens at the default layout (20 graphs)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    system, protocol = system_for(MATCH), Refocus(R)
+    assert choice_graphs(system.layout, BUDGET) > 2
+    with one_graph("eager", functions=3) as compile_fn:
+        compiled = FocusChoice(system, MATCH, protocol, BUDGET, compile_fn)
+        contexts_over(system, compiled, history(5, 4), 5, 4)
+    assert len({T for T, _, _ in compiled.shapes}) == 2
 
 
 @st.composite

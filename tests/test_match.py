@@ -64,6 +64,44 @@ def test_property_match_votes_read_nothing_after_the_horizon(seed: int, horizon:
     torch.testing.assert_close(before, match_votes(rewritten, at, block=4, reach=reach, queries=queries))
 
 
+def votes_by_scatter(tokens, horizon, block, reach, n, queries, lookahead):
+    """The votes as the module docstring tells them, pair by pair: every (query, earlier match) pair's share
+    scattered on the first position its copy reads, then summed over the next ``reach``: the reference
+    :func:`match_votes`, which reads every pair at a fixed offset instead, must equal."""
+    B, T = tokens.shape
+    keys, position = ngram_keys(tokens, n), torch.arange(T)
+    query = horizon[:, None] + lookahead - torch.arange(queries)  # [B, Q]
+    match = (keys[:, None, :] == keys.gather(1, query.clamp(min=0))[:, :, None]) & (position < query[:, :, None])
+    match &= (query >= n - 1)[:, :, None] & (position <= horizon[:, None, None])
+    share = match.float() / match.sum(-1, keepdim=True).clamp(min=1)
+    first = position + (horizon[:, None] - query)[:, :, None]  # [B, Q, T]
+    inside = (first <= horizon[:, None, None]) & (first >= 0)
+    starts = torch.zeros(B, T + 1).scatter_add_(1, torch.where(inside, first, T).flatten(1), share.flatten(1))
+    read = (position[None, :, None] - torch.arange(reach)).clamp(min=-1)  # [1, T, reach]: q, q - 1, ...
+    votes = torch.where(
+        read >= 0, starts[:, None, :T].expand(B, T, T).gather(2, read.clamp(min=0).expand(B, T, reach)), 0
+    )
+    votes = votes.sum(-1) * (position <= horizon[:, None])
+    return votes[:, : T // block * block].view(B, T // block, block).sum(-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**16), st.integers(8, 70), st.sampled_from([2, 4, 8]), st.integers(1, 12), st.integers(2, 4),
+    st.integers(1, 12), st.integers(0, 4),
+)  # fmt: skip
+def test_property_match_votes_are_every_pairs_share_scattered(seed, length, block, reach, n, queries, lookahead):
+    """:func:`match_votes` equals :func:`votes_by_scatter` on random text of three ids (many matches) at any
+    horizon, n-gram length, query count, reach and draft lookahead. Fails if a query's copy read from one position
+    too early or late, or a match on the draft counted."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 3, (2, length), generator=g)
+    horizon = torch.randint(0, length - lookahead, (2,), generator=g)
+    got = match_votes(tokens, horizon, block, reach, n, queries, lookahead)
+    want = votes_by_scatter(tokens, horizon, block, reach, n, queries, lookahead)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_new_lensnet_with_the_match_prior_scores_as_match_does_and_learns_from_there():
     """``mc.lens.match_prior``: before it learns, LensNet's block-view scores are ``match``'s own (its votes and its
     recency prior) on every gist, so it cuts as ``match`` does; without the prior they are not, and the prior's

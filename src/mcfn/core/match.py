@@ -56,27 +56,32 @@ def match_votes(
     follows it (the evaluation's ``draft_match``, :mod:`mcfn.evaluation.oracle`); the votes stay on text up to it."""
     B, T = tokens.shape
     device = tokens.device
-    keys = ngram_keys(tokens, n)
-    position = torch.arange(T, device=device)
+    position = torch.arange(T, device=device)[None, :, None]  # [1, T, 1]
     query = horizon[:, None] + lookahead - torch.arange(queries, device=device)  # [B, Q], newest first
-    ok = query >= n - 1
-    query_key = keys.gather(1, query.clamp(min=0))
-    earlier = position[None, None, :] < query[:, :, None]  # p < j
+    ahead = torch.arange(queries, device=device) - lookahead  # [Q]: h - j, how far past its match a copy reads first
+    # past[:, x, i]: the token ``left - i`` places before x (after it, past ``left``); a strided view, no copy. Every
+    # comparison below reads it at a fixed offset, so the compiled kernel's loads are contiguous (a scatter of every
+    # (query, position) pair and the n-gram keys recomputed for each took 5-7 ms at 32k; this 1.8: LABLOG, forty-first
+    # session). The padding is never read where a mask holds.
+    left, right = max(0, queries - 1 - lookahead) + n - 1, lookahead
+    past = F.pad(tokens, (left, right)).unfold(1, left + right + 1, 1)  # [B, T, left + right + 1]
+    said = [tokens.gather(1, (query - back).clamp(min=0))[:, None, :] for back in range(n)]  # [B, 1, Q] each
+    q = query[:, None, :]
+    # Each earlier position p whose n-gram is query j's, at p (to count them) ...
+    match = (q >= n - 1) & (position >= n - 1) & (position < q)  # [B, T, Q]
+    # ... and at the first position its copy reads, x = p + ahead[j] (the n-gram read ahead[j] places back).
+    start = (q >= n - 1) & (position >= n - 1 + ahead) & (position < q + ahead)
     if lookahead:  # a Python constant: the default graph is unchanged
-        earlier = earlier & (position <= horizon[:, None])[:, None]  # a match on text, never on the draft
-    match = (keys[:, None, :] == query_key[:, :, None]) & earlier & ok[:, :, None]  # [B, Q, T]
-    weight = match.float() / match.sum(-1, keepdim=True).clamp(min=1)
-    # The first position each match's copy reads, p + (h - j); its votes run over the next ``reach`` positions.
-    first = position[None, None, :] + (horizon[:, None] - query)[:, :, None]
-    inside = first <= horizon[:, None, None]
-    if lookahead:  # a draft's query reads before its match: a copy's start can fall before the first token
-        inside = inside & (first >= 0)
-    starts = torch.zeros(B, T + reach + 1, device=device).scatter_add_(
-        1, torch.where(inside, first, T + reach).flatten(1), (weight * inside).flatten(1)
-    )
-    running = starts.cumsum(-1)
-    votes = running[:, :T] - F.pad(running, (reach, 0))[:, :T]  # the starts in (q - reach, q]
-    votes = votes * (position[None] <= horizon[:, None])
+        match = match & (position <= horizon[:, None, None])  # a match on text, never on the draft
+        start = start & (position <= horizon[:, None, None] + ahead)
+    for back in range(n):
+        match = match & (past[:, :, left - back : left - back + 1] == said[back])
+        first = left - back + lookahead - (queries - 1)  # the column of query Q - 1's read; query 0's is the last
+        start = start & (past[:, :, first : first + queries].flip(-1) == said[back])
+    weight = 1.0 / match.sum(1, keepdim=True).clamp(min=1)  # [B, 1, Q]: each match votes 1 / its query's matches
+    now = position[:, :, 0] <= horizon[:, None]  # [B, T]
+    running = ((start * weight).sum(-1) * now).cumsum(-1)  # the copies starting at or before each position
+    votes = (running - F.pad(running, (reach, 0))[:, :T]) * now  # the starts in (q - reach, q]
     return votes[:, : T // block * block].view(B, T // block, block).sum(-1)
 
 

@@ -89,29 +89,63 @@ class LaidView:
     """:func:`view_tree` of one stream, kept from one refocus to the next: while the layout's length and the view's
     origin stay, each row is written once, when it arrives (the stream only appends), instead of the whole tree
     copied at every refocus (at 32k: 1.9 ms a refocus laid whole, 0.05 ms written as rows arrive; LABLOG, fortieth
-    session). The tensors it returns are its buffers, written in place at the next call."""
+    session). Where the origin moves on at the same length, the rows kept are copied down into a second pair of
+    buffers kept for it (:meth:`_moved_on`). The tensors it returns are its buffers, written in place at later
+    calls."""
 
     def __init__(self, stream: StreamingTree):
         self.stream = stream
         self.laid_for: tuple[int, int] | None = None  # (T, origin) of the buffers
         self.emb, self.window = torch.empty(0), torch.empty(0, dtype=torch.int64)
+        self.spare = (self.emb, self.window)  # the other pair of the same shape, once the origin has moved on
         self.written: list[int] = []  # per level, then the tokens: the rows written, from the view's first
 
     def __call__(self, view: StreamView, capacity: Layout | None = None) -> tuple[Tree, Tensor]:
         stream, layout, origin = self.stream, view.layout if capacity is None else capacity, view.origin
-        if self.laid_for != (layout.T, origin):
+        if self.laid_for is not None and self.laid_for[0] == layout.T and origin > self.laid_for[1]:
+            self._moved_on(layout, origin)
+        elif self.laid_for != (layout.T, origin):
             self.laid_for, self.written = (layout.T, origin), [0] * (layout.L + 2)
             self.emb = stream.levels[0].data.new_zeros(1, layout.n_nodes, stream.levels[0].data.size(1))
             self.window = stream.tokens.data.new_zeros(1, layout.T + 1)
-        levels = zip(stream.levels, layout.level_offsets, layout.level_sizes, strict=True)
-        parts = [(rows, origin // layout.K**k, self.emb[0, at : at + n]) for k, (rows, at, n) in enumerate(levels)]
-        parts.append((stream.tokens, origin, self.window[0]))  # (source, its first row in the view, where it goes)
-        for k, (rows, first, target) in enumerate(parts):
+            self.spare = (torch.empty(0), torch.empty(0, dtype=torch.int64))
+        sources = [*stream.levels, stream.tokens]
+        places = zip(sources, self._firsts(layout, origin), self._targets(layout), strict=True)
+        for k, (rows, first, target) in enumerate(places):
             end = min(rows.length - first, target.size(0))  # the rows of the view there are now
             if end > self.written[k]:
                 target[self.written[k] : end] = rows.data[first + self.written[k] : first + end]
                 self.written[k] = end
         return Tree(emb=self.emb, batch_size=[1]), self.window
+
+    def _moved_on(self, layout: Layout, origin: int) -> None:
+        """The buffers for ``origin``, later than the laid one at the same length: each part's rows that stay in the
+        view copied down from the current pair into the spare one (allocated at the first move, then reused), the
+        rest zeroed, and the pairs swapped. Laying them afresh instead (new zeroed pages, every row written again)
+        cost 26 ms at 32k whenever the origin moved: once every ``K^L`` tokens decoded there (LABLOG, forty-first
+        session)."""
+        if self.spare[0].shape != self.emb.shape:
+            self.spare = (torch.empty_like(self.emb), torch.empty_like(self.window))
+        old, new = self._targets(layout), self._targets(layout, *self.spare)
+        was = self._firsts(layout, self.laid_for[1])
+        moves = zip(self._firsts(layout, origin), was, old, new, strict=True)
+        for k, (first, before, source, target) in enumerate(moves):
+            kept = max(0, self.written[k] - (first - before))
+            target[:kept] = source[first - before : first - before + kept]
+            target[kept:] = 0
+            self.written[k] = kept
+        self.spare, (self.emb, self.window) = (self.emb, self.window), self.spare
+        self.laid_for = (layout.T, origin)
+
+    def _firsts(self, layout: Layout, origin: int) -> list[int]:
+        """Each level's first row in the view from ``origin``, then the first token's."""
+        return [origin // layout.K**k for k in range(layout.L + 1)] + [origin]
+
+    def _targets(self, layout: Layout, emb: Tensor | None = None, window: Tensor | None = None) -> list[Tensor]:
+        """Where each level's rows go in ``emb`` (by default the current buffer), then the tokens in ``window``."""
+        emb, window = self.emb if emb is None else emb, self.window if window is None else window
+        levels = zip(layout.level_offsets, layout.level_sizes, strict=True)
+        return [emb[0, at : at + n] for at, n in levels] + [window[0]]
 
 
 @torch.no_grad()
