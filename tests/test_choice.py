@@ -208,15 +208,14 @@ def test_the_capacities_step_up_to_the_longest_view():
 
 
 @pytest.mark.heavy(10)
-def test_a_compiled_choice_holds_dynamos_recompile_limit_at_its_graphs(fresh_dynamo, monkeypatch):
+def test_a_compiled_choice_holds_dynamos_recompile_limit_at_its_graphs(fresh_dynamo):
     """With dynamo's recompile limit at 2, a compiled choice from a 5-token prompt through its first capacity's
     cold and warm refocuses into the next capacity (three graphs) runs: its calls hold the limit at the graphs its
     stream can need (:func:`choice_graphs`). Without that the third graph raises, as dynamo's default 8 stopped a
     stream grown to 32k tokens at the default layout (20 graphs)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     system, protocol = system_for(MATCH), Refocus(R)
     assert choice_graphs(system.layout, BUDGET) > 2
-    with one_graph("eager", functions=3) as compile_fn:
+    with torch._dynamo.config.patch(recompile_limit=2), one_graph("eager", functions=3) as compile_fn:
         compiled = FocusChoice(system, MATCH, protocol, BUDGET, compile_fn)
         contexts_over(system, compiled, history(5, 4), 5, 4)
     assert len({T for T, _, _ in compiled.shapes}) == 2
