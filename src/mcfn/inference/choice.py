@@ -18,7 +18,7 @@ blocks, plus one, capacities over its whole life, ten at the default layout, and
 the first few thousand tokens) or eagerly on the view's own length; a test holds both to
 :func:`~mcfn.core.focus.focus_cut`'s cut, the evaluation's. Its compiled calls run under a recompile limit that
 holds every graph its streams can need (:func:`choice_graphs`): dynamo's default of 8 a function stopped a stream
-grown from a short prompt to 32k tokens at its eighth shape (LABLOG, forty-first session).
+grown from a short prompt to 32k tokens at its ninth shape (LABLOG, forty-first session).
 """
 
 from __future__ import annotations
@@ -123,12 +123,8 @@ GRAPHS: dict[tuple, int] = {}
 
 
 def graphs_allowed() -> contextlib.AbstractContextManager:
-    """Dynamo's recompile limit raised to the graphs of every kind of compiled choice made (:data:`GRAPHS`), where
-    dynamo exposes it (the decode bench's test met a context where it hid it)."""
-    limit = getattr(torch._dynamo.config, "recompile_limit", None)
-    if limit is None:
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(recompile_limit=max(limit, sum(GRAPHS.values())))
+    """Dynamo's recompile limit raised to the graphs of every kind of compiled choice made (:data:`GRAPHS`)."""
+    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, sum(GRAPHS.values())))
 
 
 class FocusChoice:
