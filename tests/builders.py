@@ -14,8 +14,9 @@ import torch
 from einops import rearrange
 from hypothesis import strategies as st
 
-from mcfn.config import MCConfig
+from mcfn.config import MCConfig, ModelConfig
 from mcfn.core.context import WorkingContext, assemble
+from mcfn.core.model import GPT
 from mcfn.core.nodes import NodeTable
 from mcfn.core.outputs import StepOutput
 from mcfn.core.preferences import lod_map
@@ -27,6 +28,7 @@ from mcfn.profile import build_config
 from train.run import main
 
 VOCAB = 128
+DIM = 32  # smeared_model's width
 
 
 STEP_WEIGHTS = LossWeights.of(MCConfig(), torch.device("cpu"))
@@ -293,3 +295,22 @@ def write_profile(path: Path, sections: dict) -> Path:
     path.write_text("\n".join(lines) + "\n")
     tomllib.loads(path.read_text())
     return path
+
+
+def smeared_model(seed: int, n_layer: int = 2) -> GPT:
+    """A GPT with the key smear whose heads smear by different amounts and whose blocks act (output projections
+    start at zero)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(n_layer=n_layer, n_head=2, n_embd=DIM, vocab_size=VOCAB, key_smear=True))
+    with torch.no_grad():
+        for block in model.blocks:
+            torch.nn.init.normal_(block.attn.key_mix, std=1.0)
+            torch.nn.init.normal_(block.attn.c_proj.weight, std=0.3)
+            torch.nn.init.normal_(block.mlp.c_proj.weight, std=0.3)
+    return model.eval()
+
+
+def as_entries(starts: list[int], spans: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (the span's centre) and spans ``[1, n]``, as a working context carries them."""
+    start, span = torch.tensor([starts], dtype=torch.float32), torch.tensor([spans], dtype=torch.float32)
+    return start + (span - 1) / 2, span

@@ -54,9 +54,9 @@ def test_the_token_step_matches_the_full_forward():
 @pytest.mark.heavy(12)
 def test_the_compiled_refill_in_chunks_writes_what_eager_extending_writes(fresh_dynamo, kept, n):
     """A refocus's refill compiled in fixed chunks of REFILL_CHUNK entries, after ``kept`` cached entries, in a
-    cache of exactly the context's length (the last chunk ends at the context's end, recomputing entries before it),
-    or of one chunk where the context is shorter (padded): the same last hidden state and the same cache slots as
-    extending eagerly, and stale slots past the kept prefix (a longer earlier context) never read."""
+    cache of exactly the context's length or of one chunk where the context is shorter (the last chunk padded with
+    its last entry again, so nothing is written past the context): the same last hidden state and the same cache
+    slots as extending eagerly, and stale slots past the kept prefix (a longer earlier context) never read."""
     base = decisive_system().base
     emb = torch.randn(1, n, base.cfg.n_embd, generator=torch.Generator().manual_seed(1))
     pos = torch.arange(n, dtype=torch.float32)[None] * 2.0
@@ -69,18 +69,19 @@ def test_the_compiled_refill_in_chunks_writes_what_eager_extending_writes(fresh_
         decoder.cache.tensors.k.normal_()  # stale slots: a refill must never read past what it wrote
         decoder.cache.tensors.v.normal_()
         extend(base, decoder.cache, emb[:, :kept], pos[:, :kept], span[:, :kept])
-        got = decoder.refill(emb, pos, span, kept)
+        got = decoder.refill(emb, pos, span, torch.arange(kept, n))
     torch.testing.assert_close(got, want[:, -1:], atol=1e-4, rtol=1e-4)
     for got_slots, want_slots in zip(decoder.cache.tensors[:2], eager.tensors[:2], strict=True):  # keys, values
         torch.testing.assert_close(got_slots[:, :, :, :n], want_slots[:, :, :, :n])
     assert decoder.cache.length == n
 
 
-def test_a_refill_chunk_must_fit_its_cache_and_keep_an_entry_to_run():
+def test_a_refill_chunk_must_fit_its_cache_and_a_refill_runs_the_last_entry():
     base = decisive_system().base
     with pytest.raises(ValueError, match="does not fit a cache of 8"):
         Decoder(base, KVCache(base, 8, torch.device("cpu")), refill_chunk=9)
     decoder = Decoder(base, KVCache(base, 8, torch.device("cpu")), refill_chunk=8)
     emb, ones = torch.zeros(1, 4, base.cfg.n_embd), torch.ones(1, 4)
-    with pytest.raises(ValueError, match="4 entries; 4 asked"):
-        decoder.refill(emb, ones, ones, keep=4)
+    for slots in ([], [0, 2]):  # nothing to run; not the last entry
+        with pytest.raises(ValueError, match="runs the context's last entry 3 at least"):
+            decoder.refill(emb, ones, ones, torch.tensor(slots, dtype=torch.int64))

@@ -41,13 +41,13 @@ def decisive_system(key_smear: bool = False):
 
 @pytest.mark.heavy(69)
 def test_compiled_decoding_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
-    """``--compile``: the token step and the refill compiled by inductor once each, for every token and refocus
-    (every refocus's cache has one capacity), the refocus's choice once cold and once warm (the history stays within
-    one capacity), and the token step for full decoding's own cache; the same greedy tokens as eager."""
+    """``--compile``: the token step, the refill and the cache's move compiled by inductor once each, for every token
+    and refocus (every refocus's cache has one capacity), the refocus's choice once cold and once warm (the history
+    stays within one capacity), and the token step for full decoding's own cache; the same greedy tokens as eager."""
     system = decisive_system()
     prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
     eager, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS)
-    with one_graph("inductor", functions=4) as compile_fn:
+    with one_graph("inductor", functions=5) as compile_fn:
         compiled, _ = generate_mc(system, prompt, REFOCUS + 1, REFOCUS, compile_fn=compile_fn)
         compile_fn.forbid_recompiles()
         compiled_more, _ = generate_mc(system, prompt, 3 * REFOCUS, REFOCUS, compile_fn=compile_fn)
@@ -373,7 +373,7 @@ def test_the_kv_cache_after_refocuses_that_change_a_level_but_keep_a_start(monke
 
     monkeypatch.setattr(contexts, "shared_prefix", watched)
     refocus = Refocus(REFOCUS, steps=4, warm_steps=1)
-    cached, stats = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=True)
+    cached, stats = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=True, reuse=contexts.PREFIX)
     recomputed, _ = teacher_forced_mc(system, prompt, continuation, refocus, use_cache=False)
     torch.testing.assert_close(cached, recomputed, atol=1e-4, rtol=1e-4)
     assert len(stats.layouts) == 50 // REFOCUS + 1 and stats.reused_entries > 0

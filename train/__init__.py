@@ -19,3 +19,16 @@ def add_rule_flags(group: argparse._ActionsContainer) -> None:
         help="clock: a refocus every --refocus-every tokens; copy: also when a copy starts (mcfn.core.cadence); "
         "default: the rule the run ships with its policy",
     )
+
+
+def add_reuse_flag(group: argparse._ActionsContainer) -> None:
+    """What a refocus keeps of the KV cache (``train.generate``, ``train.needle``):
+    :func:`mcfn.inference.contexts.kept_slots`."""
+    group.add_argument(
+        "--reuse",
+        choices=("moved", "prefix"),
+        default="moved",
+        help="moved (default): a refocus keeps every cached entry the new context still holds, its keys rotated to its "
+        "new place, and runs only the new ones; prefix: it keeps the entries up to the first that changed and runs the "
+        "rest, exactly what the evaluation scores (train.reuse measures the difference)",
+    )

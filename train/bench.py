@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     decode.add_argument("--new-tokens", type=int, default=256)
     decode.add_argument("--repeats", type=int, default=3, help="runs of each mode per length (medians reported)")
     add_rule_flags(decode)
+    decode.add_argument(
+        "--refill-chunk", type=int, help="entries a compiled refill runs at once (MC modes; default: generation's)"
+    )
     decode.add_argument("--modes", default="mc,mc_cold,recency,full", help="which decoding modes to time")
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
@@ -200,7 +203,7 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     from mcfn.bench.operators import counted_kernels
     from mcfn.core.cadence import resolved_rule, rule_name
     from mcfn.core.system import MegaContext
-    from mcfn.inference.decode import decoding_compiler
+    from mcfn.inference.decode import REFILL_CHUNK, decoding_compiler
     from mcfn.shell.devices import resolve_device
     from mcfn.shell.restore import load_trained
 
@@ -228,7 +231,8 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     with counted_kernels():  # the graphs compiled record their kernels, which the operator count reads
         say = lambda line: print(f"[decode] {line}", file=sys.stderr)  # noqa: E731
         rows = run_decode_benchmark(trained.model, ids, lengths, args.new_tokens, args.repeats, refocus_every,
-                                    compile_fn, progress=say, modes=modes, policy=policy, on=on)  # fmt: skip
+                                    compile_fn, progress=say, modes=modes, policy=policy, on=on,
+                                    refill_chunk=args.refill_chunk or REFILL_CHUNK)  # fmt: skip
     print(
         f"compiled {not args.eager}, {args.new_tokens} new tokens, greedy, MC with the shipped {shipped} refocusing "
         f"{rule_name(on, refocus_every)}, median of {args.repeats}"

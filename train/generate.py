@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from mcfn.errors import UserError, exit_code
-from train import add_rule_flags
+from train import add_reuse_flag, add_rule_flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "report.md names it)",
     )
     add_rule_flags(p)
+    add_reuse_flag(p)
     p.add_argument(
         "--refocus-steps",
         type=int,
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> None:
         name += f", refocus {rule_name(on, every)}"
         out, stats = generate_mc(
             model, prompt, args.max_new_tokens, every, args.refocus_steps, sampling, warm_steps=args.warm_steps,
-            on_refocus=partial(show_layout, args), compile_fn=compile_fn, policy=policy, on=on,
+            on_refocus=partial(show_layout, args), compile_fn=compile_fn, policy=policy, on=on, reuse=args.reuse,
         )  # fmt: skip
     else:
         base = model.base if isinstance(model, MegaContext) else model

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from mcfn.errors import UserError, exit_code
+from train import add_reuse_flag
 
 SHIPPED = "shipped"  # --context's name for the policy and rule the run ships
 
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="where the outputs go (default: the run directory)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--compile", action="store_true", help="compile the decoder's graphs, as train.generate --compile")
+    add_reuse_flag(p)
     return p.parse_args(argv)
 
 
@@ -87,7 +89,9 @@ def run(args: argparse.Namespace) -> None:
         if policy is FULL:
             return lambda prompt, n: generate_full(system.base, prompt, n, compile_fn=compile_fn)[0]
         on, every = resolved_rule(policy.rule, cfg.mc.refocus_every)
-        return lambda prompt, n: generate_mc(system, prompt, n, every, compile_fn=compile_fn, policy=policy, on=on)[0]
+        return lambda prompt, n: generate_mc(
+            system, prompt, n, every, compile_fn=compile_fn, policy=policy, on=on, reuse=args.reuse
+        )[0]
 
     split_name, split = held_out(trained.corpus, args.split)
     t0 = time.perf_counter()

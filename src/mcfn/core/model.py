@@ -85,44 +85,45 @@ def bidirectional(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-class Entry(NamedTuple):
-    """The entry just before a chunk of entries given to :meth:`GPT.hidden` (a KV cache's newest kept one): its
-    position and span ``[b, 1]``, and each layer's raw rotated key ``[n_layer, b, h, 1, e]``, which the chunk's first
-    entry smears into its own (I13)."""
+class Preceding(NamedTuple):
+    """What comes before each of a chunk's entries in the sequence read, which the key smear reads (I13): its text
+    position and span ``[#b, n]`` (span 0: nothing, as before a sequence's first entry), and ``keys(layer, k)``: given
+    the chunk's raw rotated keys ``[b, h, n, e]`` at a layer, the raw rotated keys of those entries ``[b, h, n, e]``
+    (:func:`in_sequence` within the chunk; a KV cache records the chunk's keys and reads its slots before each)."""
 
     position: Tensor
     span: Tensor
-    keys: Tensor
+    keys: Callable[[int, Tensor], Tensor]
+
+
+def shifted_keys(layer: int, k: Tensor) -> Tensor:
+    """Each entry's previous entry's keys within ``k [b, h, n, e]`` (zeros before the first)."""
+    return torch.cat([torch.zeros_like(k[:, :, :1]), k[:, :, :-1]], 2)
+
+
+def in_sequence(positions: Tensor, spans: Tensor) -> Preceding:
+    """What precedes each entry of a sequence read whole: the entry before it, nothing before the first."""
+    position = torch.cat([positions[:, :1], positions[:, :-1]], 1)
+    span = torch.cat([torch.zeros_like(spans[:, :1]), spans[:, :-1]], 1)
+    return Preceding(position, span, shifted_keys)
 
 
 @typechecked
 def follows_its_token(
-    positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], before: Entry | None
+    positions: Float[Tensor, "#b n"], spans: Float[Tensor, "#b n"], preceding: Preceding
 ) -> Bool[Tensor, "#b n"]:
     """True where an entry and the entry before it are both raw tokens (span 1) adjacent in the text: the only
     entries whose keys the smear mixes (I13). A gist, a token after a gist and a token after left-out text get
-    nothing. ``before`` is the entry ahead of the first (None: nothing precedes it)."""
-    if before is None:  # a span of 0 before the first entry: never a token
-        first_pos, first_span = positions[:, :1], torch.zeros_like(spans[:, :1])
-    else:
-        first_pos, first_span = before.position.expand(positions.size(0), 1), before.span.expand(spans.size(0), 1)
-    prev_pos = torch.cat([first_pos, positions[:, :-1]], 1)
-    prev_span = torch.cat([first_span, spans[:, :-1]], 1)
-    return (spans == 1) & (prev_span == 1) & (positions - prev_pos == 1)
+    nothing, nor does a sequence's first entry (``preceding``'s span 0)."""
+    return (spans == 1) & (preceding.span == 1) & (positions - preceding.position == 1)
 
 
 class KeySmear(NamedTuple):
-    """What one block's key smear reads: where it applies ``[#b, n]``, this layer's raw key of the entry before the
-    first ``[b, h, 1, e]`` (None: nothing precedes it), and where to hand the block's raw keys (a KV cache keeps
-    them for the next chunk; None: nowhere)."""
+    """What one block's key smear reads: where it applies ``[#b, n]``, and the raw keys of the entries before the
+    block's own ``[b, h, n, e]`` given them (:attr:`Preceding.keys` at the block's layer)."""
 
     adjacent: Tensor
-    previous: Tensor | None
-    record: Callable[[Tensor], None] | None
-
-
-RecordKeys = Callable[[int, Tensor], None]
-"""Receives each layer's index and raw rotated keys ``[b, h, n, e]`` (before the smear): what a KV cache keeps."""
+    previous: Callable[[Tensor], Tensor]
 
 
 class SelfAttention(nn.Module):
@@ -153,17 +154,16 @@ class SelfAttention(nn.Module):
         q = apply_rotary(rms_norm(q), cos, sin) * self.gain[:, None, None].to(q.dtype)
         return q, apply_rotary(rms_norm(k), cos, sin), v
 
-    def smear_keys(self, k: Tensor, smear: KeySmear) -> Tensor:
-        """Rotated keys ``[b, h, n, e]`` with each head's previous-token key mixed in where ``smear.adjacent`` (I13).
-        The previous token's key is rotated at its own position, so the mix is causal and exact under a cache.
-        This is the induction-heads study's smeared key: a head can then match "the token before this key" against
-        its query in one layer, which an induction head otherwise needs a previous-token head below it for."""
+    def smear_keys(self, k: Tensor, previous: Tensor, adjacent: Tensor) -> Tensor:
+        """Rotated keys ``[b, h, n, e]`` with each head's previous-token key (``previous``, same shape) mixed in where
+        ``adjacent`` ``[#b, n]`` (I13). The previous token's key is rotated at its own position, so the mix is causal
+        and exact under a cache. This is the induction-heads study's smeared key: a head can then match "the token
+        before this key" against its query in one layer, which an induction head otherwise needs a previous-token
+        head below it for."""
         assert self.key_mix is not None, "a block without the key smear was given one"
-        first = torch.zeros_like(k[:, :, :1]) if smear.previous is None else smear.previous.to(k.dtype)
-        previous = torch.cat([first.expand_as(k[:, :, :1]), k[:, :, :-1]], 2)
         # Indexing, not einops (a Parameter through einops is a recompile guard, as for the gain).
         w = torch.sigmoid(self.key_mix)[:, None, None].to(k.dtype)
-        return torch.where(smear.adjacent[:, None, :, None], (1 - w) * k + w * previous, k)
+        return torch.where(adjacent[:, None, :, None], (1 - w) * k + w * previous.to(k.dtype), k)
 
     def project(self, y: Tensor) -> Tensor:
         return self.c_proj(rearrange(y, "b h n e -> b n (h e)"))
@@ -190,9 +190,7 @@ class Block(nn.Module):
         ``model.key_smear``) mixes the previous token's key into each key first."""
         q, k, v = self.attn.qkv(rms_norm(x), cos, sin)
         if smear is not None:
-            if smear.record is not None:
-                smear.record(k)
-            k = self.attn.smear_keys(k, smear)
+            k = self.attn.smear_keys(k, smear.previous(k), smear.adjacent)
         x = x + self.attn.project(attend(q, k, v))
         return x + self.mlp(rms_norm(x))
 
@@ -245,25 +243,24 @@ class GPT(nn.Module):
         positions: Float[Tensor, "#b n"],
         spans: Float[Tensor, "#b n"],
         attend: LayerAttention = causal_attention,
-        before: Entry | None = None,
-        record_keys: RecordKeys | None = None,
-        first: Int[Tensor, ""] | int = 0,
+        preceding: Preceding | None = None,
+        at: Int[Tensor, ""] | Int[Tensor, " n"] | int = 0,
     ) -> Float[Tensor, "b n d"]:
-        """Final hidden states (normed) over entries with the given text positions and spans, read after ``first``
-        entries (a KV cache's slots before them; 0: the sequence starts here), each rotated at its place
-        (:func:`~mcfn.core.positions.laid_positions`). The one block loop: training, prefill, the token step and the
-        attention read-out differ only in ``attend``. With the key smear, a chunk read after cached entries names the
-        newest of them in ``before``, and ``record_keys`` receives the chunk's raw keys, so that a cache computes what
-        one forward over everything computes."""
-        places = laid_positions(first, emb.size(1), emb.device)
+        """Final hidden states (normed) over entries with the given text positions and spans, each rotated at its
+        place in the sequence read (:func:`~mcfn.core.positions.laid_positions`): after ``at`` entries (a KV cache's
+        slots before them; 0: the sequence starts here), or at the places ``at [n]``. The one block loop: training,
+        prefill, the token step, a refill and the attention read-out differ only in ``attend``. With the key smear,
+        ``preceding`` says what comes before each entry (default: the entry before it, :func:`in_sequence`), so that
+        a cache computes what one forward over everything computes."""
+        places = laid_positions(at, emb.size(1), emb.device)
         cos, sin = rotary_tables(places, spans, self.cfg.head_dim, ROPE_BASE)
-        adjacent = follows_its_token(positions, spans, before) if self.cfg.key_smear else None
+        adjacent = None
+        if self.cfg.key_smear:
+            preceding = in_sequence(positions, spans) if preceding is None else preceding
+            adjacent = follows_its_token(positions, spans, preceding)
         x = rms_norm(emb)
         for layer, block in enumerate(self.blocks):
-            smear = None
-            if adjacent is not None:
-                previous = None if before is None else before.keys[layer]
-                smear = KeySmear(adjacent, previous, None if record_keys is None else partial(record_keys, layer))
+            smear = None if adjacent is None else KeySmear(adjacent, partial(preceding.keys, layer))
             x = block(x, cos, sin, attend=partial(attend, layer), smear=smear)
         return rms_norm(x)
 

@@ -29,7 +29,12 @@ from mcfn.typecheck import typechecked
 
 
 @typechecked
-def laid_positions(first: Int[Tensor, ""] | int, n: int, device: torch.device) -> Float[Tensor, "1 n"]:
+def laid_positions(
+    first: Int[Tensor, ""] | Int[Tensor, " n"] | int, n: int, device: torch.device
+) -> Float[Tensor, "1 n"]:
     """The rotary positions ``[1, n]`` of ``n`` entries read after the ``first`` entries of their sequence (a KV
-    cache's slots before them; 0 for a whole working context or window): ``first, first + 1, ...``."""
+    cache's slots before them; 0 for a whole working context or window): ``first, first + 1, ...``; or, given their
+    places ``first [n]`` (a KV cache's slots of a refill that skips the slots it reuses), those."""
+    if isinstance(first, Tensor) and first.dim() == 1:
+        return first.float()[None]
     return (first + torch.arange(n, device=device)).float()[None]

@@ -22,6 +22,11 @@ Every condition that chooses a cut chooses it per chunk, in the view that genera
 
 Nothing that chooses a chunk's cut reads anything after its horizon (I11, per chunk), but ``oracle_attn`` and
 ``oracle_match``. ``full`` is unchanged.
+
+Each chunk's context is read in one forward, as generation reads it with its cache refilled in full
+(``--reuse prefix``); generation's default keeps the cached entries a refocus still shows at their new slots, whose
+upper layers read the context they were written in: :mod:`mcfn.evaluation.reuse` (``train.reuse``) measures the
+difference on text.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
   latest every ``R``) the focus policy's refocus (a scored policy's as one fixed-shape graph,
   :class:`~mcfn.inference.choice.FocusChoice`, which makes the evaluation's cut; truncation's by
   :func:`~mcfn.inference.streaming.focused_context`) rebuilds the working context within ``W - R`` entries, and the
-  cache keeps the entries before the first one the refocus changed (a cached entry's keys and values depend only on
-  the entries before it): only the rest runs through the model again (:func:`refill`). Decoded tokens join the tree
+  cache keeps what :func:`kept_slots` says (by default every entry the new context still holds, moved to its new slot):
+  only the rest runs through the model again (:func:`refill`). Decoded tokens join the tree
   at the next refocus.
 * :class:`FullContexts`: every token at LOD0 with a KV cache over the whole text, read once (the prompt, in chunks of
   :data:`PREFILL_CHUNK`): per-token cost grows with the text's length.
@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from jaxtyping import Float, Int
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from mcfn.core.cadence import RefocusWatch
@@ -36,6 +37,8 @@ from mcfn.inference.streaming import StreamingTree, focused_context
 from mcfn.typecheck import typechecked
 
 PREFILL_CHUNK = 1024  # full context reads long prompts in chunks, so attention never builds an n × n mask
+PREFIX, MOVED = "prefix", "moved"  # what a refocus keeps of the cache (kept_slots)
+REUSE = (PREFIX, MOVED)
 
 
 @dataclass
@@ -48,9 +51,7 @@ class GenerationStats:
     focus_s: float = 0.0  # of refocus_s: choosing the cut (scoring and the allocator; mc)
     compile_s: float = 0.0  # of decode_s: the compiled graphs' first calls (compilation and capture included)
     reused_entries: int = 0  # context entries whose cached keys and values a refocus kept (mc)
-    # Context entries from the first one a refocus changed, which it runs through the model (mc); a compiled
-    # refill's last chunk may run a few kept ones again, counted as kept.
-    recomputed_entries: int = 0
+    recomputed_entries: int = 0  # context entries a refocus ran through the model (mc)
     layouts: list[str] = field(default_factory=list)  # the LOD layout at each refocus (mc)
 
     @property
@@ -98,18 +99,52 @@ def shared_prefix(cached: Int[Tensor, "n 2"], entries: Int[Tensor, "m 2"]) -> in
 
 
 @typechecked
+def after_its_token(entries: Int[Tensor, "m 2"]) -> Bool[Tensor, " m"]:
+    """Where an entry ``(start, LOD)`` is a raw token right after the raw token before it in the text: the entries
+    whose keys the smear mixes (I13, :func:`mcfn.core.model.follows_its_token`)."""
+    start, token = entries[:, 0], entries[:, 1] == 0
+    follows = F.pad((start[1:] == start[:-1] + 1) & token[:-1], (1, 0))
+    return token & follows
+
+
+@typechecked
+def kept_slots(cached: Int[Tensor, "n 2"], entries: Int[Tensor, "m 2"], reuse: str) -> Int[Tensor, " m"]:
+    """For each entry of a new context, the cache slot whose keys and values it keeps (-1: it runs through the
+    model). ``prefix``: the entries up to the first that differs, where keys and values are exact (each depends on
+    the entries before it alone). ``moved``: every entry the cache holds, wherever it now sits, whose neighbour for
+    the key smear is as it was; what its keys and values read at the layers above the first is then the context it
+    was written in. The last entry always runs: its hidden state gives the next token."""
+    m = entries.size(0)
+    source = torch.full((m,), -1, dtype=torch.int64, device=entries.device)
+    if cached.size(0) == 0:
+        return source
+    if reuse == PREFIX:
+        keep = min(shared_prefix(cached, entries), m - 1)
+        source[:keep] = torch.arange(keep, device=entries.device)
+        return source
+    same = (entries[:, None] == cached[None]).all(-1)  # [m, n]: at most one slot each, entries being distinct
+    held = same.any(-1) & (after_its_token(entries) == after_its_token(cached)[same.int().argmax(-1)])
+    source = torch.where(held, same.int().argmax(-1), source)
+    source[-1] = -1
+    return source
+
+
+@typechecked
 def refill(
-    decoder: Decoder, cached: Int[Tensor, "n 2"], wc: WorkingContext, stats: GenerationStats
-) -> tuple[Float[Tensor, "1 r d"], Int[Tensor, "m 2"]]:
+    decoder: Decoder, cached: Int[Tensor, "n 2"], wc: WorkingContext, stats: GenerationStats, reuse: str = MOVED
+) -> tuple[Float[Tensor, "1 1 d"], Int[Tensor, "m 2"]]:
     """Bring the decoder's cache, holding the entries ``cached [n, 2]`` (start, LOD), to the context ``wc [1, m]``:
-    keep the entries up to the first one that differs and run the rest through the model. Returns hidden states
-    whose last is the context's last entry's ``[1, r, D]`` and the context's (start, LOD) ``[m, 2]``."""
+    keep what ``reuse`` keeps (:func:`kept_slots`), moved to its new slots, and run the rest through the model.
+    Returns the context's last entry's hidden state ``[1, 1, D]`` and the context's (start, LOD) ``[m, 2]``."""
     entries = torch.stack([wc.start[0], wc.lod[0]], -1)
-    # Keep at least one entry out of the prefix: its hidden state gives the next token.
-    keep = min(shared_prefix(cached, entries), entries.size(0) - 1)
-    hidden = decoder.refill(wc.emb, wc.position, wc.span.float(), keep)
-    stats.reused_entries += keep
-    stats.recomputed_entries += entries.size(0) - keep
+    source = kept_slots(cached, entries, reuse)
+    slots = torch.arange(source.size(0), device=source.device)
+    if bool((source[source >= 0] != slots[source >= 0]).any()):
+        decoder.move(source)
+    runs = torch.nonzero(source < 0).flatten()
+    hidden = decoder.refill(wc.emb, wc.position, wc.span.float(), runs)
+    stats.reused_entries += entries.size(0) - runs.numel()
+    stats.recomputed_entries += runs.numel()
     return hidden, entries
 
 
@@ -118,11 +153,14 @@ class MCContexts:
     ``policy``'s context and the cache refilled where it changed (``use_cache=False``: the whole context recomputed at
     every token instead, to hold the cache to the same tokens). ``on_refocus(n, layout)`` hears each refocus's LOD
     layout. ``refill_chunk``: the entries a compiled refill runs at once (:class:`~mcfn.inference.decode.Decoder`; at
-    most ``W``)."""
+    most ``W``). ``reuse``: what a refocus keeps of the cache (:func:`kept_slots`)."""
 
     def __init__(self, system: MegaContext, policy: FocusPolicy, refocus: Refocus, device: torch.device,
                  compile_fn=None, use_cache: bool = True, on_refocus=None,
-                 refill_chunk: int = REFILL_CHUNK):  # fmt: skip
+                 refill_chunk: int = REFILL_CHUNK, reuse: str = MOVED):  # fmt: skip
+        if reuse not in REUSE:
+            raise ValueError(f"a refocus keeps the cache's {' or '.join(REUSE)}; {reuse!r} asked")
+        self.reuse = reuse
         self.system, self.policy, self.refocus, self.stats = system, policy, refocus, GenerationStats()
         self.use_cache, self.on_refocus, self.device = use_cache, on_refocus, device
         self.budget = refocus_budget(system.layout, refocus.every)
@@ -166,7 +204,7 @@ class MCContexts:
         if self.on_refocus is not None:
             self.on_refocus(len(self.stream), layout_text)
         if self.use_cache:
-            hidden, self.cached = refill(decoder, self.cached if warm else self.cached[:0], wc, stats)
+            hidden, self.cached = refill(decoder, self.cached if warm else self.cached[:0], wc, stats, self.reuse)
         else:
             self.entries = (wc.emb, wc.position, wc.span.float())
             hidden = base.hidden(*self.entries)

@@ -10,9 +10,10 @@ exist by the next refocus. Per-token cost is bounded by ``W`` however long the t
 
 Every refocus scores the nodes with one LensNet pass. A refocus is cheap when little changed: the first
 starts from the coarsest cut (``refocus_steps`` allocator steps), every later one from the previous context
-(``warm_steps`` steps, one by default), and the cache keeps the entries before the first one the refocus
-changed: a cached entry's keys and values depend only on the entries before it, so only the rest runs
-through the model again.
+(``warm_steps`` steps, one by default), and the cache keeps every entry the new context still holds, moved to
+its new slot with its keys rotated there, so only the new entries run through the model (``reuse="moved"``; the
+kept entries' upper layers read the context they were written in: ``train.reuse`` measures what that does to text,
+and ``reuse="prefix"`` keeps only the entries before the first one that changed, exactly what the evaluation scores).
 
 ``full``: every token at LOD0 with a KV cache over the whole text: per-token cost grows with its length.
 
@@ -43,7 +44,7 @@ from mcfn.core.model import GPT
 from mcfn.core.policy import LENS, FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.errors import UserError
-from mcfn.inference.contexts import FullContexts, GenerationStats, MCContexts, settled
+from mcfn.inference.contexts import MOVED, FullContexts, GenerationStats, MCContexts, settled
 from mcfn.inference.decode import REFILL_CHUNK
 
 __all__ = [
@@ -132,13 +133,15 @@ def generate_mc(
     refill_chunk: int = REFILL_CHUNK,
     on: str = CLOCK,
     threshold: float = COPY_THRESHOLD,
+    reuse: str = MOVED,
 ) -> tuple[Tensor, GenerationStats]:
     """Continue ``prompt [n]`` by ``max_new_tokens`` tokens; returns them ``[max_new_tokens]`` and the stats.
     ``warm_steps = 0`` starts every refocus from the coarsest cut, with a fresh cache. ``compile_fn``
     compiles the per-token step and the refill in chunks of ``refill_chunk`` entries (every refocus's cache has
     capacity ``W``: one shape each). ``policy`` chooses each refocus's context (a scored one, or ``recency``:
     truncation at the same cadence). ``on``: when to refocus, every ``refocus_every`` tokens (``clock``) or also
-    when a copy starts (``copy``, with ``threshold``: :mod:`mcfn.core.cadence`)."""
+    when a copy starts (``copy``, with ``threshold``: :mod:`mcfn.core.cadence`). ``reuse``: what a refocus keeps of
+    the cache (:func:`~mcfn.inference.contexts.kept_slots`)."""
     generator = torch.Generator(device=prompt.device).manual_seed(sampling.seed)
 
     def choose(logits: Tensor, _: int) -> Tensor:
@@ -146,7 +149,7 @@ def generate_mc(
 
     steps = Refocus(refocus_every, refocus_steps, warm_steps, on, threshold)
     return decode_mc(
-        system, prompt, max_new_tokens, steps, policy, choose, use_cache, on_refocus, compile_fn, refill_chunk
+        system, prompt, max_new_tokens, steps, policy, choose, use_cache, on_refocus, compile_fn, refill_chunk, reuse
     )
 
 
@@ -158,6 +161,7 @@ def teacher_forced_mc(
     refocus: Refocus,
     policy: FocusPolicy = LENS,
     use_cache: bool = True,
+    reuse: str = MOVED,
 ) -> tuple[Float[Tensor, "n vocab"], GenerationStats]:
     """What generation computes on a known text: the logits ``[n, vocab]`` of each token of ``continuation [n]``
     (the first from the prompt alone), decoded as :func:`generate_mc` decodes but fed the given tokens."""
@@ -167,7 +171,7 @@ def teacher_forced_mc(
         logits.append(step_logits)
         return continuation[i : i + 1]
 
-    _, stats = decode_mc(system, prompt, continuation.numel(), refocus, policy, choose, use_cache)
+    _, stats = decode_mc(system, prompt, continuation.numel(), refocus, policy, choose, use_cache, reuse=reuse)
     return torch.stack(logits), stats
 
 
@@ -182,11 +186,14 @@ def decode_mc(
     on_refocus: Callable[[int, str], None] | None = None,
     compile_fn: Callable[[Callable], Callable] | None = None,
     refill_chunk: int = REFILL_CHUNK,
+    reuse: str = MOVED,
 ) -> tuple[Tensor, GenerationStats]:
     """MC decoding of ``max_new_tokens`` tokens after ``prompt [n]`` with ``policy``'s contexts (:func:`decode`
     with :class:`~mcfn.inference.contexts.MCContexts`); ``choose(logits [vocab], i)`` gives the ``i``-th new token
     ``[1]``."""
-    contexts = mc_contexts(system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus, refill_chunk)
+    contexts = mc_contexts(
+        system, policy, refocus, prompt.device, compile_fn, use_cache, on_refocus, refill_chunk, reuse
+    )
     return decode(contexts, prompt, max_new_tokens, choose)
 
 
@@ -199,13 +206,14 @@ def mc_contexts(
     use_cache: bool = True,
     on_refocus: Callable[[int, str], None] | None = None,
     refill_chunk: int = REFILL_CHUNK,
+    reuse: str = MOVED,
 ) -> MCContexts:
     """MegaContext's contexts for one decode with ``policy``, refused with a user's error where it cannot refocus."""
     if not policy.refocuses:
         raise UserError(f"MegaContext decoding cannot refocus with the {policy.name} policy")
     if not policy.available(system):
         raise UserError(f"the {policy.name} policy needs the run's LensNet, and this run has none (mc.lens.enabled)")
-    return MCContexts(system, policy, refocus, device, compile_fn, use_cache, on_refocus, refill_chunk)
+    return MCContexts(system, policy, refocus, device, compile_fn, use_cache, on_refocus, refill_chunk, reuse)
 
 
 @torch.no_grad()
