@@ -59,7 +59,8 @@ def test_bench_rejects_a_bad_profile(capsys):
 
 def test_decode_bench_times_every_mode_at_every_length(tmp_path, decoding_run, capsys):
     """``--decode``: one row per prompt length with each mode's tokens/s, the MC/full ratio and the share of
-    cache entries warm refocuses kept (cold ones keep none); bad requests exit 2."""
+    cache entries warm refocuses kept (cold ones keep none, the prefix no more than the moved entries); a refill
+    chunk of the caller's; bad requests exit 2."""
     run, prompt = decoding_run
     out = tmp_path / "decode.json"
     common = [
@@ -80,6 +81,8 @@ def test_decode_bench_times_every_mode_at_every_length(tmp_path, decoding_run, c
         assert min(r["mc_tok_s"], r["mc_cold_tok_s"], r["full_tok_s"]) > 0
         assert r["mc_over_full"] == r["mc_tok_s"] / r["full_tok_s"]
         assert r["mc_cold_cache_kept"] == 0 and 0 <= r["mc_cache_kept"] < 1
+        assert r["mc_cache_kept"] >= r["mc_prefix_cache_kept"]  # the moved entries kept besides the prefix
+        assert r["mc_prefix_refocus_ms_per_refocus"] >= r["mc_prefix_focus_ms_per_refocus"] > 0
     assert "| 120 |" in capsys.readouterr().out
     assert all(r["mc_refocus_ms_per_refocus"] >= r["mc_focus_ms_per_refocus"] > 0 for r in rows)
     assert all(r["mc_refocus_ops"] > 0 for r in rows)
@@ -87,6 +90,9 @@ def test_decode_bench_times_every_mode_at_every_length(tmp_path, decoding_run, c
     (row,) = json.loads(out.read_text())
     assert "mc_cold_tok_s" not in row and "recency_tok_s" not in row and row["mc_over_full"] > 0
     assert "MC / full" in capsys.readouterr().out
+    assert main([*common, "--lengths", "20", "--modes", "mc", "--refill-chunk", "3", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["mc_tok_s"] > 0
+    assert main([*common, "--lengths", "20", "--refill-chunk", "0"]) == 2
     assert main([*common, "--lengths", "20", "--modes", "mc,warm"]) == 2  # no such mode
     assert main([*common, "--lengths", "100000"]) == 2  # longer than the prompt file
     assert main(["--decode", str(run), "--lengths", "20"]) == 2  # no prompt

@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     decode.add_argument(
         "--refill-chunk", type=int, help="entries a compiled refill runs at once (MC modes; default: generation's)"
     )
-    decode.add_argument("--modes", default="mc,mc_cold,recency,full", help="which decoding modes to time")
+    decode.add_argument("--modes", default="mc,mc_prefix,mc_cold,recency,full", help="which decoding modes to time")
     sweep = p.add_argument_group("cost against the history's length (instead of the step)")
     sweep.add_argument("--sweep-T", help="comma-separated history lengths T, at the profile's W")
     sweep.add_argument("--window", type=int, default=128, help="tokens each position of the bounded teacher reads")
@@ -215,8 +215,9 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     modes = tuple(args.modes.split(","))
     if not set(modes) <= set(MODES):
         raise UserError(f"--modes takes {', '.join(MODES)}; got {args.modes}")
-    if text is None or min(lengths) < 1 or args.new_tokens < 1 or args.repeats < 1:
-        raise UserError("--decode needs --prompt-file, and --lengths, --new-tokens, --repeats >= 1")
+    chunk_ok = args.refill_chunk is None or args.refill_chunk >= 1
+    if text is None or min(lengths) < 1 or args.new_tokens < 1 or args.repeats < 1 or not chunk_ok:
+        raise UserError("--decode needs --prompt-file, and --lengths, --new-tokens, --repeats, --refill-chunk >= 1")
     trained = load_trained(args.decode, resolve_device(args.device))
     if not isinstance(trained.model, MegaContext):
         raise UserError(f"{args.decode} holds a plain GPT; --decode compares MegaContext with full context")
