@@ -109,8 +109,9 @@ def test_the_token_step_carries_the_key_smear_and_a_refill_smears_the_kept_entry
 
 @pytest.mark.heavy(42)
 def test_the_compiled_token_step_with_the_key_smear_is_one_graph_and_decodes_what_eager_does(fresh_dynamo):
-    """The token step and the refill read the newest kept entry's raw keys from the cache: one graph each for every
-    token and refocus (and the refocus's choice one cold, one warm), and the same greedy tokens as eager."""
+    """The token step, the refill and the move read the raw keys of the slot before each entry from the cache: one
+    graph each for every token and refocus (and the refocus's choice one cold, one warm), and the same greedy tokens
+    as eager, whose refocuses keep moved entries."""
     system = decisive(make_system(64, 4, 2, 32, 8, N=2, seed=3, key_smear=True))
     prompt = torch.randint(0, VOCAB, (90,), generator=torch.Generator().manual_seed(2))
     eager, _ = generate_mc(system, prompt, 12, 4)

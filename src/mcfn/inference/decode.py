@@ -44,8 +44,8 @@ def decoding_compiler(mode: str) -> Callable[[Callable], Callable]:
 
 class CacheTensors(NamedTuple):
     """Rotated keys and values of every layer ``[n_layer, 1, n_head, capacity, head_dim]``. With the key smear (I13)
-    also each slot's raw keys (before the smear, same shape), position and span ``[1, capacity]``: the newest kept
-    slot is the entry a new chunk's first entry smears (``GPT.hidden``'s ``before``); None without it."""
+    also each slot's raw keys (before the smear, same shape), position and span ``[1, capacity]``: an entry written
+    at a slot smears the one in the slot before it (:func:`preceding_in_cache`); None without it."""
 
     k: Tensor
     v: Tensor
@@ -60,7 +60,7 @@ class KVCache:
     def __init__(self, model: GPT, capacity: int, device: torch.device, dtype: torch.dtype = torch.float32):
         cfg = model.cfg
         shape = (cfg.n_layer, 1, cfg.n_head, capacity, cfg.head_dim)
-        smeared = cfg.key_smear  # what the key smear reads of the newest kept entry; nothing without it
+        smeared = cfg.key_smear  # what the key smear reads of the slot before an entry's; nothing without it
         self.tensors = CacheTensors(
             torch.zeros(shape, device=device, dtype=dtype),
             torch.zeros(shape, device=device, dtype=dtype),
