@@ -6,23 +6,21 @@ holds, moved to its new slot (``--reuse moved``, :func:`~mcfn.inference.contexts
 at the layers above the first then read the context they were written in, not the new one. This measures the
 difference on held-out windows: each window's first ``T - H + 1`` tokens are the prompt and its last ``H`` are fed
 to :func:`~mcfn.inference.generation.teacher_forced_mc` (the decode loop itself, fed the text's tokens) under each
-reuse, with the run's shipped policy and rule; bits per byte of those ``H`` tokens, paired by window, with the error
-by bootstrap over documents (:class:`~mcfn.evaluation.stats.Clusters`).
+reuse, with the run's shipped policy and rule (:mod:`mcfn.evaluation.generated`); bits per byte of those ``H`` tokens,
+paired by window, with the error by document.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
+from functools import partial
 
 from mcfn.core.focus import Refocus
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
+from mcfn.evaluation.generated import generated_text
 from mcfn.evaluation.held_out import HeldOut
-from mcfn.evaluation.stats import Clusters, paired_gain, pooled_bpb
 from mcfn.inference.contexts import MOVED, PREFIX
 from mcfn.inference.generation import teacher_forced_mc
 
@@ -41,7 +39,6 @@ class ReuseCost:
     cost_se: float
 
 
-@torch.no_grad()
 def reuse_cost(
     system: MegaContext,
     policy: FocusPolicy,
@@ -50,33 +47,20 @@ def reuse_cost(
     progress: Callable[[str], None] = lambda line: None,
 ) -> ReuseCost:
     """:class:`ReuseCost` of ``policy`` under ``refocus`` on every window of ``held`` (documents in ``held.docs``)."""
-    if held.docs is None or not held.windows:
-        raise ValueError("the reuse's cost needs held-out windows with their documents")
     first = system.layout.T - system.layout.H + 1  # the prompt: every token before the tail's H
-    windows, docs = torch.cat(held.windows), torch.cat(held.docs)
-    nats: dict[str, list[torch.Tensor]] = {PREFIX: [], MOVED: []}
-    kept, run, refocuses = dict.fromkeys(nats, 0), dict.fromkeys(nats, 0), dict.fromkeys(nats, 0)
-    for i, window in enumerate(windows):
-        prompt, continuation = window[:first], window[first:]
-        for reuse in nats:
-            logits, stats = teacher_forced_mc(system, prompt, continuation, refocus, policy, reuse=reuse)
-            nats[reuse].append(F.cross_entropy(logits.float(), continuation, reduction="sum"))
-            kept[reuse] += stats.reused_entries
-            run[reuse] += stats.recomputed_entries
-            refocuses[reuse] += len(stats.layouts)
-        if (i + 1) % 16 == 0 or i + 1 == windows.size(0):
-            progress(f"{i + 1}/{windows.size(0)} windows")
-    nbytes = held.token_bytes[windows[:, first:]].sum(-1).float()
-    summed = {reuse: torch.stack(values) for reuse, values in nats.items()}
-    clusters = Clusters(docs)
-    gain = paired_gain(summed, nbytes, MOVED, PREFIX, clusters)
-    assert gain is not None, "every window has bytes"
+    decoding = partial(teacher_forced_mc, system, refocus=refocus, policy=policy)
+    decodings = {reuse: partial(decoding, reuse=reuse) for reuse in (PREFIX, MOVED)}
+    text = generated_text(held, first, decodings, progress)
+    gain = text.gain(MOVED, PREFIX)
+    kept = {reuse: sum(s.reused_entries for s in text.stats[reuse]) for reuse in decodings}
+    run = {reuse: sum(s.recomputed_entries for s in text.stats[reuse]) for reuse in decodings}
+    refocuses = {reuse: sum(len(s.layouts) for s in text.stats[reuse]) for reuse in decodings}
     return ReuseCost(
-        windows=windows.size(0),
-        documents=clusters.documents,
-        bpb={reuse: float(pooled_bpb(values, nbytes)) for reuse, values in summed.items()},
-        kept={reuse: kept[reuse] / max(1, kept[reuse] + run[reuse]) for reuse in nats},
-        recomputed_per_refocus={reuse: run[reuse] / max(1, refocuses[reuse]) for reuse in nats},
+        windows=text.windows,
+        documents=text.clusters.documents,
+        bpb={reuse: text.bpb(reuse) for reuse in decodings},
+        kept={reuse: kept[reuse] / max(1, kept[reuse] + run[reuse]) for reuse in decodings},
+        recomputed_per_refocus={reuse: run[reuse] / max(1, refocuses[reuse]) for reuse in decodings},
         cost=gain.bpb,
         cost_se=gain.se,
     )

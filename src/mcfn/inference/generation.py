@@ -21,9 +21,9 @@ The focus policy (:mod:`mcfn.core.policy`) chooses each refocus's context: ``len
 other scored policy (``match``, the training-free n-gram match; ``attn``, the base model's own attention), or
 ``recency``, the newest ``W - refocus_every`` tokens, truncation at the same cadence. Each refocus is the policy's
 :meth:`~mcfn.core.policy.FocusPolicy.refocus`, the very call the evaluation's generation protocol makes
-(:mod:`mcfn.evaluation.refocused`); :func:`teacher_forced_mc` feeds a known continuation instead of sampling, and a test
-holds the evaluation's NLL to its logits (the two read the same contexts, one through the cache, one in one
-forward).
+(:mod:`mcfn.evaluation.refocused`); :func:`teacher_forced` feeds a known continuation to either loop instead of sampling
+(:func:`teacher_forced_mc`, :func:`teacher_forced_full`), and a test holds the evaluation's NLL to its logits (the
+two read the same contexts, one through the cache, one in one forward).
 
 ``use_cache=False`` recomputes the whole working context at every token instead of reading the cache;
 it must pick the same tokens (the tests hold the cache to that).
@@ -49,7 +49,7 @@ from mcfn.inference.decode import REFILL_CHUNK
 
 __all__ = [
     "GenerationStats", "Sampling", "decode", "decode_mc", "generate_full", "generate_mc", "mc_contexts",
-    "teacher_forced_mc",
+    "teacher_forced", "teacher_forced_full", "teacher_forced_mc",
 ]  # fmt: skip
 
 
@@ -154,6 +154,21 @@ def generate_mc(
 
 
 @torch.no_grad()
+def teacher_forced(
+    contexts: MCContexts | FullContexts, prompt: Tensor, continuation: Tensor
+) -> tuple[Float[Tensor, "n vocab"], GenerationStats]:
+    """What the decode loop computes on a known text: the logits ``[n, vocab]`` of each token of ``continuation [n]``
+    (the first from the prompt alone), decoded from ``contexts`` as generation decodes but fed the given tokens."""
+    logits: list[Tensor] = []
+
+    def choose(step_logits: Tensor, i: int) -> Tensor:
+        logits.append(step_logits)
+        return continuation[i : i + 1]
+
+    _, stats = decode(contexts, prompt, continuation.numel(), choose)
+    return torch.stack(logits), stats
+
+
 def teacher_forced_mc(
     system: MegaContext,
     prompt: Tensor,
@@ -163,16 +178,17 @@ def teacher_forced_mc(
     use_cache: bool = True,
     reuse: str = MOVED,
 ) -> tuple[Float[Tensor, "n vocab"], GenerationStats]:
-    """What generation computes on a known text: the logits ``[n, vocab]`` of each token of ``continuation [n]``
-    (the first from the prompt alone), decoded as :func:`generate_mc` decodes but fed the given tokens."""
-    logits: list[Tensor] = []
+    """:func:`teacher_forced` through MegaContext's contexts, as :func:`generate_mc` decodes."""
+    contexts = mc_contexts(system, policy, refocus, prompt.device, use_cache=use_cache, reuse=reuse)
+    return teacher_forced(contexts, prompt, continuation)
 
-    def choose(step_logits: Tensor, i: int) -> Tensor:
-        logits.append(step_logits)
-        return continuation[i : i + 1]
 
-    _, stats = decode_mc(system, prompt, continuation.numel(), refocus, policy, choose, use_cache, reuse=reuse)
-    return torch.stack(logits), stats
+def teacher_forced_full(
+    base: GPT, prompt: Tensor, continuation: Tensor
+) -> tuple[Float[Tensor, "n vocab"], GenerationStats]:
+    """:func:`teacher_forced` through full context at absolute positions, as :func:`generate_full` decodes."""
+    contexts = FullContexts(base, prompt.numel() + continuation.numel(), prompt.device)
+    return teacher_forced(contexts, prompt, continuation)
 
 
 def decode_mc(
