@@ -12,7 +12,8 @@ from builders import VOCAB, decisive, make_system, spread_lens
 from mcfn.core.focus import Refocus
 from mcfn.core.policy import FULL, LENS, SHIPPED
 from mcfn.evaluation.held_out import HeldOut
-from mcfn.evaluation.history import TRUNCATION, history_table, history_text
+from mcfn.evaluation.history import TRUNCATION, history_table, history_text, local_window
+from mcfn.inference.contexts import GenerationStats
 from mcfn.inference.generation import teacher_forced_full
 
 
@@ -47,8 +48,19 @@ def test_a_history_within_the_budget_scores_alike_under_every_condition():
     assert result.refocuses_per_token[SHIPPED] > 0 and result.refocuses_per_token[FULL.name] == 0
     longer = history_text(system, LENS, Refocus(4, steps=4, warm_steps=1), 4, system_and_windows(112)[1], scored=16)
     assert abs(longer.gain[FULL.name].bpb) > 1e-3, longer.gain
+    # truncation keeps the newest W − R = 28 tokens at every refocus: 7 or 8 blocks of K = 4 as the blocks fall
+    assert 28 <= longer.local_window[TRUNCATION] <= 32 and longer.local_window[FULL.name] is None
     table = history_table(longer, "lens")
     assert "| shipped (lens) |" in table and "| truncation (recency) |" in table and "3 windows of 112 tokens" in table
+    assert "local window (tokens)" in table
+
+
+def test_the_local_window_is_the_newest_blocks_at_LOD0_averaged_over_refocuses():
+    """A layout's trailing run of ``0`` blocks, in tokens, averaged over the refocuses; a near past left out before
+    the newest tokens ends the run there; none without a refocus. Fails counting every ``0`` (the far LOD0 picks)."""
+    stats = GenerationStats(layouts=["0011·00", "2222100000", "00·0"])
+    assert local_window(stats, 8) == pytest.approx(8 * (2 + 5 + 1) / 3)
+    assert local_window(GenerationStats(), 8) is None
 
 
 def test_the_history_cli_scores_three_conditions_on_a_trained_run(decoding_run, capsys, tmp_path):
