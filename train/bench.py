@@ -202,10 +202,9 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     from mcfn.bench.decode_speed import MODES, format_decode_table, run_decode_benchmark
     from mcfn.bench.operators import counted_kernels
     from mcfn.core.cadence import resolved_rule, rule_name
-    from mcfn.core.system import MegaContext
     from mcfn.inference.decode import REFILL_CHUNK, decoding_compiler
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.restore import load_trained
+    from mcfn.shell.restore import load_shipped
 
     try:
         lengths = [int(n) for n in args.lengths.split(",")]
@@ -218,16 +217,14 @@ def decode_benchmark(args: argparse.Namespace) -> None:
     chunk_ok = args.refill_chunk is None or args.refill_chunk >= 1
     if text is None or min(lengths) < 1 or args.new_tokens < 1 or args.repeats < 1 or not chunk_ok:
         raise UserError("--decode needs --prompt-file, and --lengths, --new-tokens, --repeats, --refill-chunk >= 1")
-    trained = load_trained(args.decode, resolve_device(args.device))
-    if not isinstance(trained.model, MegaContext):
-        raise UserError(f"{args.decode} holds a plain GPT; --decode compares MegaContext with full context")
+    lacks = "no working context to decode beside full context"
+    trained, shipped, policy = load_shipped(args.decode, resolve_device(args.device), lacks)
     tok = trained.corpus.tokenizer
     ids = torch.tensor([tok.bos_id, *tok.encode(text)], device=trained.token_bytes.device)
     if ids.numel() < max(lengths):
         raise UserError(f"{args.prompt_file} gives {ids.numel()} tokens; --lengths asks for {max(lengths)}")
     compile_fn = None if args.eager else decoding_compiler(trained.cfg.train.compile_mode)
-    assert trained.shipped is not None, "a MegaContext run ships a policy"
-    shipped, policy = trained.shipped  # MC decodes with the shipped policy, under its rule unless the flags say
+    # MC decodes with the shipped policy, under its rule unless the flags say
     on, refocus_every = resolved_rule(policy.rule, trained.cfg.mc.refocus_every, args.refocus_on, args.refocus_every)
     with counted_kernels():  # the graphs compiled record their kernels, which the operator count reads
         say = lambda line: print(f"[decode] {line}", file=sys.stderr)  # noqa: E731

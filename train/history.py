@@ -40,28 +40,23 @@ def run(args: argparse.Namespace) -> None:
     from mcfn.core.cadence import resolved_rule, rule_name
     from mcfn.core.focus import Refocus
     from mcfn.core.policy import POLICIES
-    from mcfn.core.system import MegaContext
     from mcfn.data.corpus import held_out
     from mcfn.evaluation.held_out import HeldOut
     from mcfn.evaluation.history import history_table, history_text
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.restore import load_trained
+    from mcfn.shell.restore import load_shipped
 
     if args.windows < 1 or not 0 < args.scored < args.length:
         raise UserError("--windows must be >= 1 and --scored within [1, --length)")
     scored = sorted(name for name, policy in POLICIES.items() if policy.scored)
     if unknown := [name for name in args.contexts if name not in scored]:
         raise UserError(f"--context {unknown[0]}: not a scored policy (one of {', '.join(scored)})")
-    trained = load_trained(args.ckpt, resolve_device(args.device))
-    if not isinstance(trained.model, MegaContext):
-        raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run): it has no working context to compare")
+    trained, shipped, policy = load_shipped(args.ckpt, resolve_device(args.device), "no working context to compare")
     cfg, tok = trained.cfg, trained.corpus.tokenizer
     name, split = held_out(trained.corpus, args.split)
     if len(split.tokens) < args.length:
         raise UserError(f"the {name} split holds {len(split.tokens):,} tokens, fewer than a window of {args.length:,}")
     held = HeldOut.drawn(split, name, args.length, args.windows, cfg.train.batch_size, trained.token_bytes, tok)
-    assert trained.shipped is not None, "a MegaContext run ships a policy"
-    shipped, policy = trained.shipped
     on, every = resolved_rule(policy.rule, cfg.mc.refocus_every)
     t0 = time.perf_counter()
 

@@ -62,26 +62,21 @@ def run(args: argparse.Namespace) -> None:
 
     from mcfn.core.cadence import decode_label, resolved_rule
     from mcfn.core.policy import FULL, POLICIES
-    from mcfn.core.system import MegaContext
     from mcfn.data.corpus import held_out
     from mcfn.evaluation.needle import cells_json, needle_grid, needle_table
     from mcfn.evaluation.plots import plot_accuracy_grid
     from mcfn.inference.decode import decoding_compiler
     from mcfn.inference.generation import generate_full, generate_mc
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.restore import load_trained
+    from mcfn.shell.restore import load_shipped
     from mcfn.shell.run_report import with_needle_section
 
     if args.prompts < 1 or min(args.lengths) < 1 or not all(0.0 <= d <= 1.0 for d in args.depths):
         raise UserError("--prompts and --lengths must be >= 1 and --depths within [0, 1]")
     device = resolve_device(args.device)
-    trained = load_trained(args.ckpt, device)
-    if not isinstance(trained.model, MegaContext):
-        raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run): it ships no working-context policy to grid")
+    trained, shipped, shipped_policy = load_shipped(args.ckpt, device, "no working-context policy to grid")
     system, cfg = trained.model, trained.cfg
     compile_fn = decoding_compiler(cfg.train.compile_mode) if args.compile else None
-    assert trained.shipped is not None, "a MegaContext run ships a policy"
-    shipped, shipped_policy = trained.shipped
     named = {SHIPPED: (f"shipped ({shipped})", shipped_policy)}
     wanted = [named.get(name) or (name, POLICIES[name]) for name in args.contexts or (SHIPPED, FULL.name)]
 

@@ -31,26 +31,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     from mcfn.core.cadence import resolved_rule, rule_name
     from mcfn.core.focus import Refocus
-    from mcfn.core.system import MegaContext
     from mcfn.data.corpus import held_out
     from mcfn.evaluation.held_out import HeldOut
     from mcfn.evaluation.reuse import reuse_cost, reuse_table
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.restore import load_trained
+    from mcfn.shell.restore import load_shipped
 
     if args.windows < 1:
         raise UserError("--windows must be >= 1")
-    trained = load_trained(args.ckpt, resolve_device(args.device))
-    if not isinstance(trained.model, MegaContext):
-        raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run): it keeps no working context's cache")
+    trained, shipped, policy = load_shipped(args.ckpt, resolve_device(args.device), "no working context's cache")
     cfg, tok = trained.cfg, trained.corpus.tokenizer
     name, split = held_out(trained.corpus, args.split)
     held = HeldOut.drawn(split, name, cfg.data.seq_len + 1, args.windows, cfg.train.batch_size, trained.token_bytes,
                          tok)  # fmt: skip
     if not held.windows:
         raise UserError(f"the {name} split has no window of T + 1 = {cfg.data.seq_len + 1} tokens")
-    assert trained.shipped is not None, "a MegaContext run ships a policy"
-    shipped, policy = trained.shipped
     on, every = resolved_rule(policy.rule, cfg.mc.refocus_every)
     t0 = time.perf_counter()
 

@@ -14,6 +14,7 @@ from mcfn.config import RunConfig
 from mcfn.core.policy import FocusPolicy
 from mcfn.core.system import MegaContext
 from mcfn.data.corpus import Corpus
+from mcfn.errors import UserError
 from mcfn.stage.candidates import read_run, run_system
 from mcfn.stage.ship import shipped_policy
 
@@ -45,3 +46,13 @@ def load_trained(path: Path, device: torch.device) -> Trained:
     shipped = shipped_policy(ckpt.state, model, cfg) if isinstance(model, MegaContext) else None
     # Keep the file's identity (path, config, step, corpus) for later checks, not its optimizer states.
     return Trained(model, corpus, token_bytes, dataclasses.replace(ckpt, state={}), shipped)
+
+
+def load_shipped(path: Path, device: torch.device, lacks: str) -> tuple[Trained, str, FocusPolicy]:
+    """:func:`load_trained` for a reader of a MegaContext run's working context (the evaluations over long
+    histories, the needle grid, the decode benchmark): the run, the name of the policy it ships and that policy. A
+    plain GPT's run (``--no-mc``) is refused with a :class:`~mcfn.errors.UserError` saying what it ``lacks``."""
+    trained = load_trained(path, device)
+    if not isinstance(trained.model, MegaContext) or trained.shipped is None:
+        raise UserError(f"{path} holds a plain GPT (--no-mc run): {lacks}")
+    return trained, *trained.shipped
