@@ -28,16 +28,16 @@ def test_a_unique_trigram_votes_where_its_copy_reads_next():
     torch.testing.assert_close(votes, torch.tensor([[0.0, 4.0, 0, 0, 0, 0, 0, 0]]))
 
 
-def test_votes_share_a_query_between_its_matches_and_follow_the_query_back():
-    """Two earlier occurrences share the query's vote (1/2 each); a query ``d`` tokens before the horizon votes ``d``
-    positions further on (its copy has already read ``d`` tokens by the horizon)."""
+def test_a_query_votes_after_its_newest_match_and_follows_the_query_back():
+    """Of two earlier occurrences, the newest takes the query's whole vote (shared, a common n-gram would spread a
+    little over every far block it recurs in); a query ``d`` tokens before the horizon votes ``d`` positions further
+    on (its copy has already read ``d`` tokens by the horizon)."""
     tokens = text_with(48, {0: [7, 8, 9], 16: [7, 8, 9], 41: [7, 8, 9]})
     horizon = torch.tensor([45])  # the trigram ends at 43, two tokens before the horizon
     votes = match_votes(tokens, horizon, block=4, reach=4, n=3, queries=3)
     want = torch.zeros(1, 12)
-    # matches end at 2 and 18; the copy's next reads from the horizon on start at 2 + 2 = 4 and 18 + 2 = 20
-    want[0, 1] = 4 * 0.5  # tokens 4..7
-    want[0, 5] = 4 * 0.5  # tokens 20..23
+    # matches end at 2 and 18; the newest one's copy reads from the horizon on from 18 + 2 = 20
+    want[0, 5] = 4.0  # tokens 20..23
     torch.testing.assert_close(votes, want)
     more = match_votes(tokens, horizon, block=4, reach=4, n=3, queries=2)  # the query at 43 is not among the newest 2
     assert float(more.sum()) == 0.0
@@ -65,15 +65,16 @@ def test_property_match_votes_read_nothing_after_the_horizon(seed: int, horizon:
 
 
 def votes_by_scatter(tokens, horizon, block, reach, n, queries, lookahead):
-    """The votes as the module docstring tells them, pair by pair: every (query, earlier match) pair's share
-    scattered on the first position its copy reads, then summed over the next ``reach``: the reference
-    :func:`match_votes`, which reads every pair at a fixed offset instead, must equal."""
+    """The votes as the module docstring tells them, pair by pair: each query's vote scattered on the first position
+    its newest earlier match's copy reads, then summed over the next ``reach``: the reference :func:`match_votes`,
+    which reads every pair at a fixed offset instead, must equal."""
     B, T = tokens.shape
     keys, position = ngram_keys(tokens, n), torch.arange(T)
     query = horizon[:, None] + lookahead - torch.arange(queries)  # [B, Q]
     match = (keys[:, None, :] == keys.gather(1, query.clamp(min=0))[:, :, None]) & (position < query[:, :, None])
     match &= (query >= n - 1)[:, :, None] & (position <= horizon[:, None, None])
-    share = match.float() / match.sum(-1, keepdim=True).clamp(min=1)
+    newest = torch.where(match, position, -1).argmax(-1, keepdim=True)  # each query's newest match (any, if none)
+    share = torch.zeros_like(match, dtype=torch.float).scatter(-1, newest, 1.0) * match
     first = position + (horizon[:, None] - query)[:, :, None]  # [B, Q, T]
     inside = (first <= horizon[:, None, None]) & (first >= 0)
     starts = torch.zeros(B, T + 1).scatter_add_(1, torch.where(inside, first, T).flatten(1), share.flatten(1))

@@ -7,7 +7,7 @@ every ``R`` tokens (``R`` stays the budget's reserve: a cut is chosen within ``W
 
 * after each new token ``t``, its n-gram (the :data:`~mcfn.core.match.NGRAM` tokens ending at ``t``) is looked up
   among the earlier ones. Each earlier occurrence ``p`` is a copy that would read ``p + 1`` next, and weighs
-  ``1 / (the occurrences)``, as ``match`` weighs its votes;
+  ``1 / (the occurrences)`` (``match`` votes at the newest alone; this rule was measured with the shared weight);
 * the **evidence** is the weight of the occurrences whose continuation ``p + 1`` the context does not show raw (not a
   LOD0 entry of the last refocus's cut, nor a token read after it) and that the last refocus did not already see
   (its newest token's n-gram did not match at the same distance ``t - p``: that copy was in ``match``'s view then,
