@@ -278,14 +278,10 @@ def test_attention_mass_is_the_models_attention_from_the_queries():
 
 @pytest.mark.heavy(38)
 def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
-    """``--task`` and ``--reference`` end to end; a reference with another T or corpus is refused (exit 2), and so
-    is a plain GPT's run by every reader of a working context."""
+    """``--task`` and ``--reference`` end to end; a reference with another T or corpus is refused (exit 2)."""
     from builders import tiny_sections, write_profile
 
     from train.eval import main as eval_main
-    from train.history import main as history_main
-    from train.needle import main as needle_main
-    from train.reuse import main as reuse_main
     from train.run import main as run_main
 
     bigger = {
@@ -354,8 +350,6 @@ def test_eval_with_probes_and_a_reference(tmp_path, text_dir, jsonl_file):
     assert run_main(["--profile", str(other), "--out", str(elsewhere), "--no-mc"]) == 0
     assert eval_main([*args, "--reference", str(elsewhere)]) == 2
     assert eval_main([*args, "--task", "needle"]) == 2
-    assert history_main(["--ckpt", str(plain), "--split", "val"]) == reuse_main(["--ckpt", str(plain)]) == 2
-    assert needle_main(["--ckpt", str(plain), "--lengths", "64"]) == 2
 
 
 def test_I11_lensnets_rank_pairs_read_nothing_after_the_horizon():

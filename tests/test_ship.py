@@ -15,6 +15,7 @@ import torch
 from mcfn.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from mcfn.core.policy import LENS, MATCH, RECENCY, SHIPPED, Choice
 from mcfn.data.corpus import prepare_corpus
+from mcfn.errors import UserError
 from mcfn.evaluation.batch import EvalSettings
 from mcfn.evaluation.result import Gain, Paired, Row
 from mcfn.evaluation.stats import Clusters, paired_differences
@@ -284,3 +285,30 @@ def test_the_gated_candidate_adds_its_scaled_scores_to_matchs_where_they_stand_o
     out = learned - mean > 2 * std
     assert out.any() and not out.all(), "some rows stand out, not every unit"
     torch.testing.assert_close(added, torch.where(out, GATED_SCALE * learned, 0.0), rtol=1e-4, atol=1e-4)
+
+
+def test_every_reader_of_a_working_context_refuses_a_plain_gpts_run(tmp_path, profile, capsys):
+    """``train.eval``, ``train.history``, ``train.reuse``, ``train.needle``, ``train.bench --decode`` and
+    ``train.serve`` load a run through :func:`~mcfn.shell.restore.load_shipped`: a plain GPT's run (``--no-mc``) is
+    a user error (exit 2), raised before any text is read."""
+    from train.bench import main as bench_main
+    from train.eval import main as eval_main
+    from train.history import main as history_main
+    from train.needle import main as needle_main
+    from train.reuse import main as reuse_main
+    from train.run import main as run_main
+    from train.serve import parse_args as serve_args
+    from train.serve import served_run
+
+    plain = tmp_path / "plain"
+    assert run_main(["--profile", str(profile), "--out", str(plain), "--steps", "2", "--no-mc"]) == 0
+    capsys.readouterr()
+    given = ["--ckpt", str(plain)]
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a prompt " * 40)
+    assert eval_main(given) == history_main([*given, "--split", "val"]) == reuse_main(given) == 2
+    assert needle_main([*given, "--lengths", "64"]) == 2
+    assert bench_main(["--decode", str(plain), "--prompt-file", str(prompt), "--lengths", "16"]) == 2
+    assert capsys.readouterr().err.count("holds a plain GPT (--no-mc run)") == 5, "each refused for that reason"
+    with pytest.raises(UserError, match="holds a plain GPT"):
+        served_run(serve_args(given))

@@ -35,23 +35,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def served_run(args: argparse.Namespace):
     """The run loaded once, behind its decode worker: what the app serves."""
-    from mcfn.core.system import MegaContext
     from mcfn.inference.decode import decoding_compiler
     from mcfn.serve.app import Served
     from mcfn.serve.worker import DecodeWorker
     from mcfn.shell.devices import resolve_device
-    from mcfn.shell.restore import load_trained
+    from mcfn.shell.restore import load_shipped
 
     if args.max_tokens < 1 or args.max_prompt_tokens < 2:
         raise UserError("--max-tokens must be >= 1 and --max-prompt-tokens >= 2")
     device = resolve_device(args.device)
-    trained = load_trained(args.ckpt, device)
-    if not isinstance(trained.model, MegaContext) or trained.shipped is None:
-        raise UserError(f"{args.ckpt} holds a plain GPT (--no-mc run); train.serve serves MegaContext runs")
+    trained, shipped, policy = load_shipped(args.ckpt, device, "train.serve serves MegaContext runs")
     compile_fn = decoding_compiler(trained.cfg.train.compile_mode) if args.compile else None
     worker = DecodeWorker(trained.model, trained.corpus.tokenizer, device, trained.cfg.mc.refocus_every, compile_fn)
     run_dir = args.ckpt if args.ckpt.is_dir() else args.ckpt.parent
-    return Served(worker, run_dir.resolve().name, trained.shipped, args.max_tokens, args.max_prompt_tokens)
+    return Served(worker, run_dir.resolve().name, (shipped, policy), args.max_tokens, args.max_prompt_tokens)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -21,7 +21,7 @@ from mcfn.evaluation.held_out import HeldOut
 from mcfn.evaluation.report import write_eval_outputs
 from mcfn.evaluation.result import EvalReport, Provenance
 from mcfn.shell.devices import resolve_device
-from mcfn.shell.restore import Trained, load_trained
+from mcfn.shell.restore import Trained, load_shipped, load_trained
 
 
 def parse_tasks(names: list[str] | None) -> tuple[str, ...]:
@@ -89,9 +89,7 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
         raise UserError("--batches must be >= 1")
     chosen, budgets = parse_tasks(tasks), parse_budgets(request.budgets)
     device = resolve_device(request.device)
-    trained = load_trained(ckpt, device)
-    if not isinstance(trained.model, MegaContext):
-        raise UserError(f"{ckpt} holds a plain GPT (--no-mc run); train.eval compares MegaContext working contexts")
+    trained, shipped, policy = load_shipped(ckpt, device, "train.eval compares MegaContext working contexts")
     cfg, layout, tok = trained.cfg, trained.model.layout, trained.corpus.tokenizer
     for name in tasks or ():  # a task asked for by name must fit; the default set skips what does not
         if (reason := misfit(name, tok, layout.T, layout.H)) is not None:
@@ -106,8 +104,6 @@ def evaluate_checkpoint(request: EvalRequest) -> tuple[EvalReport, str]:
     refocus_every = cfg.mc.refocus_every if refocus_every is None else refocus_every
     budgets = evaluation_budgets(layout, budgets, refocus_every)  # every request is checked before the work starts
     plain = load_reference(reference, trained, trained.token_bytes.device) if reference is not None else None
-    assert trained.shipped is not None, "a MegaContext run ships a policy"
-    shipped, policy = trained.shipped  # scored as "shipped" beside the others
     settings = EvalSettings(
         budgets,
         random_contexts,
